@@ -1,0 +1,23 @@
+"""zero_dtensor: whole-model access to DeepSpeed ZeRO gradients as DTensors, between backward() and step()."""
+
+from .api import get_full_model_grads, set_full_model_grads, sharded_grads
+from .errors import GradientsNotReadyError, StaleGradientsError, UnsupportedDeepSpeedError
+from .layout import GradLayout, GroupLayout, Packing, ParamLayout
+from .sharded import ParamGrad, ShardedGrads
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GradLayout",
+    "GradientsNotReadyError",
+    "GroupLayout",
+    "Packing",
+    "ParamGrad",
+    "ParamLayout",
+    "ShardedGrads",
+    "StaleGradientsError",
+    "UnsupportedDeepSpeedError",
+    "get_full_model_grads",
+    "set_full_model_grads",
+    "sharded_grads",
+]

@@ -1,0 +1,75 @@
+"""The only place that reads DeepSpeed's private optimizer state.
+
+One module per optimizer kind turns a live engine into a neutral :class:`~zero_dtensor.storage.GradStorage`:
+
+========================================  ==========================  =====================================
+optimizer class                           module                      DeepSpeed versions known
+========================================  ==========================  =====================================
+``DeepSpeedZeroOptimizer`` (ZeRO-1/2)     :mod:`.zero12`              0.18.9, 0.19.x (tested: 0.19.8)
+``DeepSpeedZeroOptimizer_Stage3``         :mod:`.zero3`               0.18.9, 0.19.x (tested: 0.19.8)
+``BF16_Optimizer`` (ZeRO-1, bf16 + fp32)  :mod:`.bf16`                0.18.9, 0.19.x (tested: 0.19.8)
+========================================  ==========================  =====================================
+
+Versions outside ``[0.18.9, 0.20)`` and any other optimizer class (subclasses such as ZenFlow or SuperOffload
+included) are refused with :class:`~zero_dtensor.errors.UnsupportedDeepSpeedError`. Within the range, features are
+detected (e.g. ``round_robin_bit16_offsets``, the compact fp32 partition buffer) rather than inferred from the version.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from packaging.version import Version
+
+from ..errors import UnsupportedDeepSpeedError
+from ..storage import GradStorage
+
+__all__ = ["MIN_DEEPSPEED", "MAX_DEEPSPEED_EXCLUSIVE", "check_deepspeed_version", "grad_storage"]
+
+MIN_DEEPSPEED = Version("0.18.9")
+MAX_DEEPSPEED_EXCLUSIVE = Version("0.20.0")
+SUPPORTED_OPTIMIZERS = ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3", "BF16_Optimizer")
+
+
+def check_deepspeed_version(version: str | None = None) -> Version:
+    """Raise :class:`UnsupportedDeepSpeedError` unless ``version`` (default: the installed one) is known."""
+    if version is None:
+        import deepspeed
+
+        version = deepspeed.__version__
+    parsed = Version(version.split("+")[0])
+    if not MIN_DEEPSPEED <= parsed < MAX_DEEPSPEED_EXCLUSIVE:
+        raise UnsupportedDeepSpeedError(
+            f"zero_dtensor reads DeepSpeed's private ZeRO state and knows DeepSpeed >= {MIN_DEEPSPEED}, "
+            f"< {MAX_DEEPSPEED_EXCLUSIVE} (0.18.9 and 0.19.x); found {version}. "
+            f"Install a known version, e.g. `pip install 'deepspeed>={MIN_DEEPSPEED},<{MAX_DEEPSPEED_EXCLUSIVE}'`."
+        )
+    return parsed
+
+
+def grad_storage(engine: Any) -> GradStorage:
+    """Describe ``engine``'s reduced gradient memory. No communication."""
+    check_deepspeed_version()
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    optimizer = getattr(engine, "optimizer", None)
+    kind = type(optimizer)
+    if kind is DeepSpeedZeroOptimizer:
+        from . import zero12
+
+        return zero12.grad_storage(engine, optimizer)
+    if kind is DeepSpeedZeroOptimizer_Stage3:
+        from . import zero3
+
+        return zero3.grad_storage(engine, optimizer)
+    if kind is BF16_Optimizer:
+        from . import bf16
+
+        return bf16.grad_storage(engine, optimizer)
+    raise UnsupportedDeepSpeedError(
+        f"engine.optimizer is {kind.__module__}.{kind.__qualname__}; zero_dtensor supports exactly "
+        f"{', '.join(SUPPORTED_OPTIMIZERS)} (ZeRO stages 1-3 without ZenFlow/SuperOffload). "
+        "Pass a DeepSpeed engine initialized with a zero_optimization stage of 1, 2 or 3."
+    )

@@ -1,0 +1,47 @@
+"""``BF16_Optimizer`` (ZeRO-1 with bf16 and ``grad_accum_dtype: fp32``): every rank holds the full gradient.
+
+Facts used (``deepspeed/runtime/bf16_optimizer.py``, DeepSpeed 0.19.8): ``opt.fp32_groups_gradients_flat[i]`` is the
+full averaged fp32 gradient of param group ``i`` after the boundary all-reduce, identical on every rank; parameters
+of ``opt.bf16_groups[i]`` lie back to back (no padding between them), the tail padded to ``2 * ws``. ``step()``
+reads exactly this buffer (DeepSpeed's own ``safe_set_full_grad`` writes ``p.grad`` instead, which it never reads)
+and zeroes it afterwards (``clear_hp_grads``). The norm is taken over the full buffer, so every rank must write the
+same values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..layout import GradLayout, GroupLayout, Packing, ParamLayout
+from ..storage import GradStorage
+from ._common import micro_steps, model_order, name_of, param_names
+
+
+def grad_storage(engine: Any, opt: Any) -> GradStorage:
+    names, order = param_names(engine), model_order(engine)
+    partitions = tuple(flat.view(-1) for flat in opt.fp32_groups_gradients_flat)
+    groups, params = [], []
+    for i, (group_params, flat) in enumerate(zip(opt.bf16_groups, partitions)):
+        pg = opt.real_dp_process_group[i]
+        groups.append(
+            GroupLayout(i, dist.get_world_size(pg), dist.get_rank(pg), flat.numel(), flat.dtype,
+                        Packing.CONTIGUOUS, replicated=True)
+        )
+        offset = 0
+        for param in group_params:
+            params.append(ParamLayout(name_of(names, param), torch.Size(param.shape), i, offset))
+            offset += param.numel()
+    params.sort(key=lambda p: order[p.name])
+    start_micro_step = micro_steps(engine)
+    return GradStorage(
+        layout=GradLayout(groups=tuple(groups), params=tuple(params)),
+        partitions=partitions,
+        process_groups=tuple(opt.real_dp_process_group[i] for i in range(len(partitions))),
+        loss_scale=1.0,
+        device=engine.device,
+        is_current=lambda: micro_steps(engine) == start_micro_step,
+        describe="BF16_Optimizer (ZeRO-1)",
+    )

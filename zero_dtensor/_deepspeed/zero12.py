@@ -1,0 +1,137 @@
+"""``DeepSpeedZeroOptimizer`` (ZeRO stages 1 and 2): default list-of-views, compact fp32 buffer, CPU offload.
+
+Facts used (``deepspeed/runtime/zero/stage_1_and_2.py``, DeepSpeed 0.19.8; 0.18.9 differs where noted):
+
+- Flat order of param group ``i`` is ``opt.round_robin_bit16_groups[i]``; the k-th parameter starts at
+  ``opt.round_robin_bit16_offsets[i][k]`` (0.18.9 lacks that list: cumulative numels plus
+  ``round_robin_bit16_padding``). ``_hp_mapping`` is wrong under ``round_robin_gradients`` and is never used.
+- ``opt.partition_size[i]`` is equal on every rank of ``opt.real_dp_process_group[i]``; rank r owns
+  ``[r*P, (r+1)*P)`` of the zero-padded flat buffer.
+- At a boundary, after backward: ``opt.averaged_gradients[i]`` is either a ``GradPartitionBufferGroup`` with one
+  contiguous ``flat_partition`` (fp32 accumulation of a 16-bit model), or a plain list of views (+ zero padding)
+  whose concatenation is the partition. With CPU offload it is ``opt.single_partition_of_fp32_groups[i].grad``.
+- ``engine.step()`` sets ``averaged_gradients[i] = None``. Stored values are multiplied by ``opt.loss_scale``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import GradientsNotReadyError
+from ..layout import GradLayout, GroupLayout, Packing, ParamLayout
+from ..storage import GradStorage
+from ._common import WINDOW, micro_steps, model_order, name_of, param_names, wait_for_stream
+
+
+def _param_offsets(opt: Any, group: int) -> list[int]:
+    offsets = getattr(opt, "round_robin_bit16_offsets", None)
+    if offsets is not None:
+        return [int(o) for o in offsets[group]]
+    params = opt.round_robin_bit16_groups[group]
+    paddings = getattr(opt, "round_robin_bit16_padding", None)
+    pads = paddings[group] if paddings is not None else [0] * len(params)
+    sizes = [p.numel() + int(pad) for p, pad in zip(params, pads)]
+    return [0, *itertools.accumulate(sizes)][: len(params)]
+
+
+def _contiguous_partition(opt: Any, group: int) -> torch.Tensor:
+    """This rank's partition of group ``group`` as one tensor that the optimizer step reads.
+
+    The compact buffer and the offload buffer already are one tensor. The default list of views is copied once into
+    a new flat tensor, and ``averaged_gradients[group]`` is rebound to views of it (a ``GradPartitionBufferGroup``
+    where DeepSpeed has that class, so its step reads the flat tensor without flattening again).
+    """
+    if opt.cpu_offload:
+        grad = opt.single_partition_of_fp32_groups[group].grad
+        if grad is None:
+            raise GradientsNotReadyError(f"ZeRO-1/2 offload has no gradient for param group {group} now: {WINDOW}")
+        return grad.view(-1)
+    pieces = opt.averaged_gradients.get(group)
+    if pieces is None:
+        raise GradientsNotReadyError(f"ZeRO-1/2 has no reduced gradient for param group {group} now: {WINDOW}")
+    flat = getattr(pieces, "flat_partition", None)
+    if flat is not None:
+        return flat.view(-1)
+    first = pieces[0]
+    flat = torch.empty(int(opt.partition_size[group]), dtype=first.dtype, device=first.device)
+    torch.cat([p.reshape(-1) for p in pieces], out=flat)
+    views, start = [], 0
+    for piece in pieces:
+        view = flat.narrow(0, start, piece.numel()).view(piece.shape)
+        if getattr(piece, "_zero_padding", False):
+            view._zero_padding = True
+        views.append(view)
+        start += piece.numel()
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    buffer_group = getattr(stage_1_and_2, "GradPartitionBufferGroup", None)
+    opt.averaged_gradients[group] = buffer_group(views, flat) if buffer_group is not None else views
+    return flat
+
+
+def _group_layout(opt: Any, group: int, partition: torch.Tensor) -> GroupLayout:
+    pg = opt.real_dp_process_group[group]
+    return GroupLayout(
+        index=group,
+        world_size=dist.get_world_size(pg),
+        rank=dist.get_rank(pg),
+        partition_numel=int(opt.partition_size[group]),
+        dtype=partition.dtype,
+        packing=Packing.CONTIGUOUS,
+    )
+
+
+def grad_storage(engine: Any, opt: Any) -> GradStorage:
+    wait_for_stream(getattr(opt, "reduction_stream", None))
+    if opt.cpu_offload and not engine.is_gradient_accumulation_boundary():
+        raise GradientsNotReadyError(f"ZeRO-1/2 with offload_optimizer holds stale gradients mid-accumulation: {WINDOW}")
+    names, order = param_names(engine), model_order(engine)
+    partitions = tuple(_contiguous_partition(opt, i) for i in range(len(opt.round_robin_bit16_groups)))
+    groups, params, by_name = [], [], {}
+    for i, partition in enumerate(partitions):
+        groups.append(_group_layout(opt, i, partition))
+        for param, offset in zip(opt.round_robin_bit16_groups[i], _param_offsets(opt, i)):
+            name = name_of(names, param)
+            params.append(ParamLayout(name=name, shape=torch.Size(param.shape), group=i, offset=offset))
+            by_name[name] = param
+    params.sort(key=lambda p: order[p.name])
+    layout = GradLayout(groups=tuple(groups), params=tuple(params))
+
+    start_micro_step = micro_steps(engine)
+    live = [opt.averaged_gradients.get(i) for i in range(len(partitions))] if not opt.cpu_offload else []
+
+    def is_current() -> bool:
+        if micro_steps(engine) != start_micro_step:
+            return False
+        if opt.cpu_offload:
+            return all(opt.single_partition_of_fp32_groups[i].grad is not None for i in range(len(partitions)))
+        return all(opt.averaged_gradients.get(i) is live[i] for i in range(len(partitions)))
+
+    def after_write(written: Sequence[str]) -> None:
+        if not opt.cpu_offload:
+            return
+        from deepspeed.runtime.zero.utils import get_norm_dtype
+
+        for name in written:
+            p = layout.by_name[name]
+            group = layout.groups[p.group]
+            start, stop = p.rank_range(group, group.rank)
+            if stop > start:  # DeepSpeed records a norm only for parameters with a local fragment
+                fragment = partitions[p.group].narrow(0, p.local_offset(group, group.rank), stop - start)
+                opt.norm_for_param_grads[opt.get_param_id(by_name[name])] = fragment.to(get_norm_dtype()).norm(2)
+
+    return GradStorage(
+        layout=layout,
+        partitions=partitions,
+        process_groups=tuple(opt.real_dp_process_group[i] for i in range(len(partitions))),
+        loss_scale=float(opt.loss_scale),
+        device=engine.device,
+        is_current=is_current,
+        after_write=after_write,
+        describe=f"ZeRO-{2 if opt.partition_gradients else 1}",
+    )

@@ -1,0 +1,310 @@
+"""``ShardedGrads``: a live, sharded view of every reduced gradient of a DeepSpeed ZeRO engine.
+
+Nothing here communicates unless its docstring says so. Each collective call must run on every rank of the
+data-parallel group, in the same order, or the job hangs (as with any ``torch.distributed`` collective).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from functools import cached_property
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .collectives import _all_gather_single, all_gather_partitions, all_reduce_sum, mesh_for
+from .errors import StaleGradientsError
+from .layout import GradLayout, GroupLayout, Packing, ParamLayout
+from .storage import GradStorage
+
+__all__ = ["ParamGrad", "ShardedGrads"]
+
+_STALE = (
+    "these gradients were consumed by engine.step() (or a later micro-step began); call "
+    "zero_dtensor.sharded_grads(engine) again after the next engine.backward() at an accumulation boundary"
+)
+
+
+class ParamGrad:
+    """The gradient of one parameter: its local fragment on this rank and, on request, the full tensor.
+
+    For ZeRO-1/2 the fragments are ragged (a parameter straddles ranks at arbitrary offsets), so a parameter is *not*
+    a DTensor; for ZeRO-3 (``torch.chunk`` pieces) and replicated groups :meth:`as_dtensor` gives an exact one.
+    """
+
+    def __init__(self, grads: ShardedGrads, param: ParamLayout) -> None:
+        self._grads = grads
+        self._param = param
+        self._group = grads.layout.groups[param.group]
+
+    def __repr__(self) -> str:
+        return (
+            f"ParamGrad({self.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"local_range={self.local_range}, group={self._param.group})"
+        )
+
+    @property
+    def name(self) -> str:
+        return self._param.name
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._param.shape
+
+    @property
+    def numel(self) -> int:
+        return self._param.numel
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype DeepSpeed stores this gradient in (its gradient-accumulation dtype)."""
+        return self._group.dtype
+
+    @property
+    def group(self) -> int:
+        """Index of the flat group (``ShardedGrads.groups``) holding this parameter."""
+        return self._param.group
+
+    @property
+    def local_range(self) -> tuple[int, int]:
+        """``(start, stop)`` of this rank's fragment within the flattened parameter (``start == stop``: none)."""
+        return self._param.rank_range(self._group, self._group.rank)
+
+    def to_local(self) -> torch.Tensor:
+        """This rank's fragment, 1-D, ``local_range`` long: a writable view into DeepSpeed's storage.
+
+        No communication. Under fp16 loss scaling the stored values are ``true gradient × grads.loss_scale``.
+        """
+        self._grads._check_current()
+        start, stop = self.local_range
+        partition = self._grads._storage.partitions[self._param.group]
+        return partition.narrow(0, self._param.local_offset(self._group, self._group.rank), stop - start)
+
+    def full_tensor(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The full (true, unscaled) gradient, shape ``self.shape``. **Collective**: call on every rank of the group.
+
+        Communication: none for a replicated group; ZeRO-3: one ``all_gather`` of the ``ceil(numel/N)`` chunks
+        (``(N-1)/N·numel`` elements received per rank); ZeRO-1/2: one sum ``all_reduce`` of a zero-padded
+        ``numel``-element buffer in the stored dtype (exact: every element has one non-zero contributor).
+        To gather many parameters use :meth:`ShardedGrads.full_tensors` (one collective per group).
+        """
+        self._grads._check_current()
+        group, param = self._group, self._param
+        pg = self._grads._storage.process_groups[param.group]
+        local = self.to_local()
+        if group.replicated:
+            full = local
+        elif group.packing is Packing.CHUNKED:
+            chunk = torch.zeros(param.chunk_numel, dtype=local.dtype, device=local.device)
+            chunk.narrow(0, 0, local.numel()).copy_(local)
+            gathered = torch.empty(group.world_size * param.chunk_numel, dtype=local.dtype, device=local.device)
+            _all_gather_single(gathered, chunk, group=pg)
+            full = gathered.narrow(0, 0, param.numel)
+        else:
+            full = torch.zeros(param.numel, dtype=local.dtype, device=local.device)
+            start, stop = self.local_range
+            full.narrow(0, start, stop - start).copy_(local)
+            all_reduce_sum(full, pg)
+        return self._grads._finish(full.view(param.shape), dtype)
+
+    def as_dtensor(self) -> DTensor:
+        """This gradient as an exact DTensor of shape ``(numel,)`` aliasing DeepSpeed's storage. No communication.
+
+        ``Shard(0)`` for ZeRO-3 (``torch.chunk`` pieces), ``Replicate()`` for replicated groups. ZeRO-1/2 pieces are
+        ragged, which DTensor cannot describe: use :meth:`to_local`, :meth:`full_tensor` or ``grads.groups``.
+        """
+        group = self._group
+        if group.packing is Packing.CONTIGUOUS and not group.replicated:
+            raise TypeError(
+                f"{self.name!r}: ZeRO-1/2 stores a parameter in ragged pieces that a Shard(0) DTensor would describe "
+                "wrongly; use grads.groups[...] (an exact Shard(0) DTensor per flat group), to_local() or full_tensor()"
+            )
+        placement = Replicate() if group.replicated else Shard(0)
+        return self._grads._dtensor(self.to_local(), self._param.group, placement, (self.numel,))
+
+
+class ShardedGrads(Mapping[str, ParamGrad]):
+    """Every trainable parameter's reduced gradient, sharded as DeepSpeed stores it. A mapping ``name -> ParamGrad``.
+
+    Valid from ``engine.backward()`` at an accumulation boundary until ``engine.step()``; afterwards every call raises
+    :class:`~zero_dtensor.errors.StaleGradientsError`. Views and group DTensors alias DeepSpeed's storage: in-place
+    changes are what ``engine.step()`` uses. Frozen parameters (``requires_grad=False``) are absent; a tied
+    parameter appears once, under its first name in ``named_parameters()``.
+    """
+
+    def __init__(self, storage: GradStorage) -> None:
+        self._storage = storage
+        self._views = {p.name: ParamGrad(self, p) for p in storage.layout.params}
+
+    def __repr__(self) -> str:
+        return f"ShardedGrads({self._storage.describe}, {len(self)} params, {len(self.layout.groups)} groups)"
+
+    # --- mapping -----------------------------------------------------------------------------------------------
+    def __getitem__(self, name: str) -> ParamGrad:
+        self._check_current()
+        try:
+            return self._views[name]
+        except KeyError:
+            raise KeyError(f"{name!r} is not a trainable parameter of this engine; known: {_short(self.names)}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._views)
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    # --- description -------------------------------------------------------------------------------------------
+    @property
+    def layout(self) -> GradLayout:
+        return self._storage.layout
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Trainable parameter names in model (``named_parameters()``) order."""
+        return self.layout.names
+
+    @property
+    def loss_scale(self) -> float:
+        """Stored values are ``true gradient × loss_scale`` (fp16 dynamic loss scaling; 1.0 otherwise)."""
+        return self._storage.loss_scale
+
+    @property
+    def local_partitions(self) -> tuple[torch.Tensor, ...]:
+        """Per group, this rank's whole partition (1-D, padding included): the memory ``engine.step()`` reads."""
+        self._check_current()
+        return self._storage.partitions
+
+    def is_current(self) -> bool:
+        """False once ``engine.step()`` (or a new micro-step) has consumed these gradients."""
+        return self._storage.is_current()
+
+    @cached_property
+    def _group_dtensors(self) -> tuple[DTensor, ...]:
+        return tuple(
+            self._dtensor(part, g.index, Replicate() if g.replicated else Shard(0), (g.flat_numel,))
+            for g, part in zip(self.layout.groups, self._storage.partitions)
+        )
+
+    @property
+    def groups(self) -> tuple[DTensor, ...]:
+        """One DTensor per flat group over the padded flat buffer: ``Shard(0)`` (``Replicate()`` where every rank
+        holds the full gradient), aliasing DeepSpeed's storage. No communication to build. ZeRO-3 groups are in
+        chunk order (each rank's partition holds every parameter's chunk back to back), not parameter order.
+        """
+        self._check_current()
+        return self._group_dtensors
+
+    # --- materialization ---------------------------------------------------------------------------------------
+    def full_tensors(self, names: list[str] | None = None, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """``{name: full gradient}`` (true, unscaled values). **Collective**: call on every rank, same ``names``.
+
+        Communication: one ``all_gather`` per process group and dtype, coalesced over the flat groups that share
+        them (``(N-1)/N·S`` bytes received per rank, ``S`` the padded flat size in the stored dtype); none for
+        replicated groups. Only groups holding a requested name are gathered. ZeRO-1/2 results are views into the
+        gathered buffer; ZeRO-3 results are copies (a strided unpack); replicated results alias the storage.
+        """
+        self._check_current()
+        params = self._select(names)
+        wanted = sorted({p.group for p in params})
+        flats = self._gather_groups(wanted)
+        return {p.name: self._finish(self._unpack(flats[p.group], p), dtype) for p in params}
+
+    def set_full_(self, mapping: Mapping[str, torch.Tensor]) -> None:
+        """Overwrite the gradients of the named parameters with full tensors. **No communication**.
+
+        Each rank copies its own fragment of each value (rescaled by ``loss_scale`` under fp16) into DeepSpeed's
+        storage; values must be equal on every rank (for replicated groups each rank writes the whole value).
+        Everything is validated before the first write: a bad entry raises and nothing is changed. Values may be
+        any floating dtype (cast on write), on the engine's device or where the gradient is stored.
+        """
+        self._check_current()
+        checked = self._validate(mapping)
+        scale = self.loss_scale
+        for param, value in checked:
+            group = self.layout.groups[param.group]
+            start, stop = param.rank_range(group, group.rank)
+            source = value.reshape(-1).narrow(0, start, stop - start)
+            target = self._views[param.name].to_local()
+            if scale != 1.0:
+                source = source.to(torch.float32) * scale
+            target.copy_(source)
+        self._storage.after_write([p.name for p, _ in checked])
+
+    # --- internals -----------------------------------------------------------------------------------------------
+    def _check_current(self) -> None:
+        if not self._storage.is_current():
+            raise StaleGradientsError(_STALE)
+
+    def _select(self, names: list[str] | None) -> list[ParamLayout]:
+        if names is None:
+            return list(self.layout.params)
+        if isinstance(names, str):
+            raise TypeError("names must be a list of parameter names, not a single string")
+        unknown = [n for n in names if n not in self.layout.by_name]
+        if unknown:
+            raise KeyError(f"not trainable parameters of this engine: {unknown}; known: {_short(self.names)}")
+        return [self.layout.by_name[n] for n in names]
+
+    def _gather_groups(self, wanted: list[int]) -> dict[int, torch.Tensor]:
+        flats: dict[int, torch.Tensor] = {}
+        buckets: dict[tuple[dist.ProcessGroup, torch.dtype, torch.device], list[int]] = {}
+        for i in wanted:
+            part = self._storage.partitions[i]
+            if self.layout.groups[i].replicated:
+                flats[i] = part
+            else:
+                buckets.setdefault((self._storage.process_groups[i], part.dtype, part.device), []).append(i)
+        for (pg, _, _), indices in buckets.items():
+            gathered = all_gather_partitions([self._storage.partitions[i] for i in indices], pg)
+            flats.update(zip(indices, gathered))
+        return flats
+
+    def _unpack(self, flat: torch.Tensor, param: ParamLayout) -> torch.Tensor:
+        group = self.layout.groups[param.group]
+        if group.packing is Packing.CHUNKED and not group.replicated:
+            rows = flat.view(group.world_size, group.partition_numel).narrow(1, param.offset, param.chunk_numel)
+            return rows.reshape(-1).narrow(0, 0, param.numel).view(param.shape)
+        return flat.narrow(0, param.offset, param.numel).view(param.shape)
+
+    def _finish(self, full: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        if self.loss_scale != 1.0:
+            full = full.to(torch.float32) / self.loss_scale
+        return full if dtype is None or full.dtype == dtype else full.to(dtype)
+
+    def _dtensor(self, local: torch.Tensor, group: int, placement, shape: tuple[int, ...]) -> DTensor:
+        mesh = mesh_for(self._storage.process_groups[group], local.device.type)
+        return DTensor.from_local(local, mesh, [placement], run_check=False, shape=torch.Size(shape), stride=(1,))
+
+    def _validate(self, mapping: Mapping[str, torch.Tensor]) -> list[tuple[ParamLayout, torch.Tensor]]:
+        if not isinstance(mapping, Mapping):
+            raise TypeError(f"set_full_ takes a mapping name -> full gradient tensor, got {type(mapping).__name__}")
+        devices = {self._storage.device, *(p.device for p in self._storage.partitions)}
+        checked = []
+        for name, value in mapping.items():
+            param = self.layout.by_name.get(name)
+            if param is None:
+                raise KeyError(f"set_full_: {name!r} is not a trainable parameter of this engine; known: {_short(self.names)}")
+            if isinstance(value, DTensor) or not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"set_full_: value for {name!r} must be a full torch.Tensor of shape {tuple(param.shape)}, "
+                    f"got {type(value).__name__} (for a DTensor pass value.full_tensor())"
+                )
+            if value.shape != param.shape:
+                raise ValueError(
+                    f"set_full_: value for {name!r} has shape {tuple(value.shape)}, expected {tuple(param.shape)}"
+                )
+            if not value.is_floating_point():
+                raise TypeError(f"set_full_: value for {name!r} has dtype {value.dtype}, expected a floating dtype")
+            if value.device not in devices:
+                raise ValueError(
+                    f"set_full_: value for {name!r} is on {value.device}, expected one of "
+                    f"{sorted(str(d) for d in devices)} (the engine's device or where the gradient is stored)"
+                )
+            checked.append((param, value))
+        return checked
+
+
+def _short(names: tuple[str, ...] | list[str], limit: int = 8) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return f"[{shown}{', …' if len(names) > limit else ''}] ({len(names)} in all)"

@@ -1,0 +1,43 @@
+"""What an adapter hands to the rest of the library: a layout plus live handles on DeepSpeed's gradient memory."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .layout import GradLayout
+
+__all__ = ["GradStorage"]
+
+
+def _no_write_hook(names: Sequence[str]) -> None:
+    del names
+
+
+@dataclass(frozen=True)
+class GradStorage:
+    """Gradient memory of one engine between ``backward()`` at a boundary and ``step()``.
+
+    Attributes:
+        layout: the neutral layout.
+        partitions: per group, this rank's partition as one 1-D contiguous tensor that *is* the memory the optimizer
+            step reads (writes to it change what ``engine.step()`` uses).
+        process_groups: per group, the data-parallel process group it is partitioned over.
+        loss_scale: stored values equal the true gradient times this (fp16 dynamic loss scaling; 1.0 otherwise).
+        device: the engine's compute device (where users' tensors normally live).
+        is_current: answers whether the memory still holds this step's gradient (False after ``engine.step()``).
+        after_write: refreshes the optimizer's own bookkeeping (e.g. precomputed offload norms) for written params.
+        describe: a short name of the optimizer kind, for messages.
+    """
+
+    layout: GradLayout
+    partitions: tuple[torch.Tensor, ...]
+    process_groups: tuple[dist.ProcessGroup, ...]
+    loss_scale: float
+    device: torch.device
+    is_current: Callable[[], bool]
+    after_write: Callable[[Sequence[str]], None] = _no_write_hook
+    describe: str = ""

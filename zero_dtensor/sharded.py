@@ -15,7 +15,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .collectives import _all_gather_single, all_gather_partitions, all_reduce_sum, mesh_for
 from .errors import StaleGradientsError
-from .layout import GradLayout, GroupLayout, Packing, ParamLayout
+from .layout import GradLayout, Packing, ParamLayout
+from .ops import GradOpsMixin
 from .storage import GradStorage
 
 __all__ = ["ParamGrad", "ShardedGrads"]
@@ -124,7 +125,7 @@ class ParamGrad:
         return self._grads._dtensor(self.to_local(), self._param.group, placement, (self.numel,))
 
 
-class ShardedGrads(Mapping[str, ParamGrad]):
+class ShardedGrads(GradOpsMixin, Mapping[str, ParamGrad]):
     """Every trainable parameter's reduced gradient, sharded as DeepSpeed stores it. A mapping ``name -> ParamGrad``.
 
     Valid from ``engine.backward()`` at an accumulation boundary until ``engine.step()``; afterwards every call raises

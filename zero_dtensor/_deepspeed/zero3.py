@@ -61,6 +61,8 @@ def grad_storage(engine: Any, opt: Any) -> GradStorage:
     wait_for_stream(getattr(opt, "reduce_and_partition_stream", None))
     if opt.offload_optimizer and not engine.is_gradient_accumulation_boundary():
         raise GradientsNotReadyError(f"ZeRO-3 with offload_optimizer holds stale gradients mid-accumulation: {WINDOW}")
+    if not getattr(opt, "_epilogue_ran_this_backward", True):  # reset by forward() and by step()
+        raise GradientsNotReadyError(f"ZeRO-3 has not reduced gradients since the last forward()/step(): {WINDOW}")
     names, order = param_names(engine), model_order(engine)
     pg = _process_group(opt)
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)

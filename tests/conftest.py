@@ -1,0 +1,40 @@
+"""Multi-rank test harness: one reusable pool of gloo ranks per world size (1-4), started on first use.
+
+A test calls ``ranks(world_size).run(fn, *args)``; ``fn`` must be a module-level function in ``tests/workers/``
+(importable in the spawned workers as ``workers.<module>``). Any rank's exception fails the test with every rank's
+traceback; a hang becomes a failure after ``timeout`` and the pool is restarted for the next test.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+import pytest
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+if TESTS_DIR not in sys.path:
+    sys.path.insert(0, TESTS_DIR)
+# spawned workers import test code as ``workers.*``
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, os.environ.get("PYTHONPATH", "")) if p)
+
+from zero_dtensor.launch import RankPool  # noqa: E402
+
+_POOLS: dict[int, RankPool] = {}
+
+
+def get_pool(world_size: int) -> RankPool:
+    pool = _POOLS.get(world_size)
+    if pool is None:
+        pool = _POOLS[world_size] = RankPool(world_size)
+    return pool
+
+
+@pytest.fixture(scope="session")
+def ranks() -> Callable[[int], RankPool]:
+    """``ranks(n)`` is a started, reused pool of ``n`` gloo ranks."""
+    yield get_pool
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()

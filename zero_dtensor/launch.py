@@ -1,0 +1,191 @@
+"""Run a function on N local CPU ranks (gloo), from a script, a test suite or a notebook.
+
+:class:`RankPool` starts the processes once and reuses them (DeepSpeed start-up costs seconds per engine);
+:func:`launch` is the one-shot form. A failure on any rank raises :class:`RankFailure` carrying every rank's
+traceback; a rank that does not answer in time (e.g. stuck in a collective) is killed, never waited on forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["RankFailure", "RankPool", "launch"]
+
+_GRACE_S = 15.0  # after one rank fails, how long the others get to finish or fail on their own
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks raised or stopped answering. ``str()`` holds each rank's traceback."""
+
+    def __init__(self, message: str, tracebacks: dict[int, str]) -> None:
+        super().__init__(message + "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(tracebacks.items())))
+        self.tracebacks = tracebacks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, tasks: Any, results: Any) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        import deepspeed
+
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+        results.put((rank, "ready", None))
+    except BaseException:  # noqa: BLE001 - report start-up failures to the parent
+        results.put((rank, "error", traceback.format_exc()))
+        return
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        call_id, fn, args, kwargs = task
+        try:
+            results.put((rank, "ok", (call_id, fn(*args, **kwargs))))
+        except BaseException:  # noqa: BLE001
+            results.put((rank, "error", (call_id, traceback.format_exc())))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class RankPool:
+    """``nprocs`` processes joined in one process group, reused by :meth:`run`.
+
+    ``start_method="spawn"`` (default) works everywhere; functions passed to :meth:`run` must then be importable
+    (picklable by reference). A ``"fork"`` pool also knows functions of ``__main__`` or a notebook, but only those
+    that existed when it started; :func:`launch` therefore forks a fresh pool per call.
+    """
+
+    def __init__(self, nprocs: int, *, start_method: str = "spawn", backend: str = "gloo",
+                 start_timeout: float = 180.0) -> None:
+        if nprocs < 1:
+            raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+        self.nprocs = nprocs
+        self._ctx = mp.get_context(start_method)
+        self._backend = backend
+        self._start_timeout = start_timeout
+        self._procs: list[Any] = []
+        self._calls = 0
+        self._start()
+
+    def _start(self) -> None:
+        port = _free_port()
+        self._tasks = [self._ctx.Queue() for _ in range(self.nprocs)]
+        self._results = self._ctx.Queue()
+        self._procs = [
+            self._ctx.Process(target=_worker, args=(r, self.nprocs, port, self._backend, self._tasks[r], self._results),
+                              daemon=True)
+            for r in range(self.nprocs)
+        ]
+        for p in self._procs:
+            p.start()
+        answers = self._collect(None, self._start_timeout, expect="ready")
+        errors = {r: v for r, (kind, v) in answers.items() if kind != "ready"}
+        if errors:
+            self.close()
+            raise RankFailure(f"{len(errors)} of {self.nprocs} ranks failed to start", errors)
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 600.0, **kwargs: Any) -> list[Any]:
+        """Call ``fn(*args, **kwargs)`` on every rank; return the results in rank order.
+
+        Raises :class:`RankFailure` if any rank raises (after giving the others a short grace period) or if not all
+        ranks answer within ``timeout`` seconds; the pool is then restarted before the next call.
+        """
+        if not self.alive:
+            self.close()
+            self._start()
+        self._calls += 1
+        call_id = self._calls
+        for q in self._tasks:
+            q.put((call_id, fn, args, kwargs))
+        answers = self._collect(call_id, timeout, expect="ok")
+        failed = {r: payload for r, (kind, payload) in answers.items() if kind != "ok"}
+        for r in range(self.nprocs):
+            if r not in answers:
+                failed[r] = "no answer in time (probably waiting in a collective another rank never joined); killed"
+        if failed:
+            self.close()
+            raise RankFailure(f"{getattr(fn, '__qualname__', fn)} failed on ranks {sorted(failed)}", failed)
+        return [answers[r][1] for r in range(self.nprocs)]
+
+    def _collect(self, call_id: int | None, timeout: float, expect: str) -> dict[int, tuple[str, Any]]:
+        answers: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while len(answers) < self.nprocs:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                rank, kind, payload = self._results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in answers]
+                for r in dead:
+                    answers[r] = ("error", f"process exited with code {self._procs[r].exitcode}")
+                if dead:
+                    deadline = min(deadline, time.monotonic() + _GRACE_S)
+                continue
+            if call_id is not None:
+                got_id, payload = payload
+                if got_id != call_id:
+                    continue  # a late answer from an earlier, failed call
+            answers[rank] = (kind, payload)
+            if kind != expect:
+                deadline = min(deadline, time.monotonic() + _GRACE_S)
+        return answers
+
+    def close(self) -> None:
+        """Stop the workers (politely, then by force)."""
+        for q, p in zip(getattr(self, "_tasks", []), self._procs):
+            if p.is_alive():
+                try:
+                    q.put(None)
+                except (ValueError, OSError):
+                    pass
+        deadline = time.monotonic() + 5.0
+        for p in self._procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(5.0)
+        self._procs = []
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def launch(fn: Callable[..., Any], *args: Any, nprocs: int = 2, timeout: float = 600.0,
+           start_method: str = "fork", **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)`` on ``nprocs`` fresh CPU ranks (gloo) and return rank 0's result.
+
+    Works from a notebook: with the default ``"fork"`` start method, functions defined in notebook cells run as they
+    are. Use ``start_method="spawn"`` from code that already started threads which must not be forked (CUDA).
+    """
+    with RankPool(nprocs, start_method=start_method) as pool:
+        return pool.run(fn, *args, timeout=timeout, **kwargs)[0]

@@ -2,6 +2,7 @@
 
 from .api import get_full_model_grads, set_full_model_grads, sharded_grads
 from .errors import GradientsNotReadyError, StaleGradientsError, UnsupportedDeepSpeedError
+from .launch import RankPool, launch
 from .layout import GradLayout, GroupLayout, Packing, ParamLayout
 from .sharded import ParamGrad, ShardedGrads
 
@@ -17,7 +18,9 @@ __all__ = [
     "ShardedGrads",
     "StaleGradientsError",
     "UnsupportedDeepSpeedError",
+    "RankPool",
     "get_full_model_grads",
+    "launch",
     "set_full_model_grads",
     "sharded_grads",
 ]

@@ -19,7 +19,6 @@ from typing import Any
 
 __all__ = ["RankFailure", "RankPool", "launch"]
 
-_GRACE_S = 15.0  # after one rank fails, how long the others get to finish or fail on their own
 
 
 class RankFailure(RuntimeError):
@@ -77,13 +76,14 @@ class RankPool:
     """
 
     def __init__(self, nprocs: int, *, start_method: str = "spawn", backend: str = "gloo",
-                 start_timeout: float = 180.0) -> None:
+                 start_timeout: float = 180.0, grace_s: float = 15.0) -> None:
         if nprocs < 1:
             raise ValueError(f"nprocs must be >= 1, got {nprocs}")
         self.nprocs = nprocs
         self._ctx = mp.get_context(start_method)
         self._backend = backend
         self._start_timeout = start_timeout
+        self._grace_s = grace_s  # after one rank fails, how long the others get to finish or fail on their own
         self._procs: list[Any] = []
         self._calls = 0
         self._start()
@@ -146,7 +146,7 @@ class RankPool:
                 for r in dead:
                     answers[r] = ("error", f"process exited with code {self._procs[r].exitcode}")
                 if dead:
-                    deadline = min(deadline, time.monotonic() + _GRACE_S)
+                    deadline = min(deadline, time.monotonic() + self._grace_s)
                 continue
             if call_id is not None:
                 got_id, payload = payload
@@ -154,7 +154,7 @@ class RankPool:
                     continue  # a late answer from an earlier, failed call
             answers[rank] = (kind, payload)
             if kind != expect:
-                deadline = min(deadline, time.monotonic() + _GRACE_S)
+                deadline = min(deadline, time.monotonic() + self._grace_s)
         return answers
 
     def close(self) -> None:

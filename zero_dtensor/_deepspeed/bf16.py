@@ -4,8 +4,16 @@ Facts used (``deepspeed/runtime/bf16_optimizer.py``, DeepSpeed 0.19.8): ``opt.fp
 full averaged fp32 gradient of param group ``i`` after the boundary all-reduce, identical on every rank; parameters
 of ``opt.bf16_groups[i]`` lie back to back (no padding between them), the tail padded to ``2 * ws``. ``step()``
 reads exactly this buffer (DeepSpeed's own ``safe_set_full_grad`` writes ``p.grad`` instead, which it never reads)
-and zeroes it afterwards (``clear_hp_grads``). The norm is taken over the full buffer, so every rank must write the
-same values.
+and zeroes it afterwards (``clear_hp_grads``, which also resets ``opt.fp32_groups_has_gradients``). The norm is
+taken over the full buffer, so every rank must write the same values.
+
+When the buffer is *not* the averaged gradient, and how that is detected (no communication, identical on every
+rank because both signals are):
+
+- mid-accumulation it holds this rank's **local, unreduced** running sum (the engine all-reduces it only in the
+  boundary ``backward()``): ``engine.is_gradient_accumulation_boundary()`` is False;
+- after ``step()`` (or ``zero_grad()``) and before the next ``backward()`` it is zeroed: every
+  ``fp32_groups_has_gradients`` flag is False (``backward()`` sets the flag of each parameter that got a gradient).
 """
 
 from __future__ import annotations
@@ -15,12 +23,34 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..errors import GradientsNotReadyError
 from ..layout import GradLayout, GroupLayout, Packing, ParamLayout
 from ..storage import GradStorage
-from ._common import micro_steps, model_order, name_of, param_names
+from ._common import WINDOW, micro_steps, model_order, name_of, param_names
+
+
+def _has_gradients(opt: Any) -> bool:
+    flags = getattr(opt, "fp32_groups_has_gradients", None)
+    if flags is None:  # an older/newer DeepSpeed without the flags: we cannot tell a zeroed buffer apart
+        from ..errors import UnsupportedDeepSpeedError
+
+        raise UnsupportedDeepSpeedError(
+            "BF16_Optimizer without fp32_groups_has_gradients: zero_dtensor cannot tell whether its buffer holds "
+            "this step's gradient; supported DeepSpeed versions are 0.18.9 and 0.19.x"
+        )
+    return any(any(group) for group in flags)
 
 
 def grad_storage(engine: Any, opt: Any) -> GradStorage:
+    if not engine.is_gradient_accumulation_boundary():
+        raise GradientsNotReadyError(
+            "BF16_Optimizer holds this rank's local, unreduced gradient sums mid-accumulation; " + WINDOW
+        )
+    if not _has_gradients(opt):
+        raise GradientsNotReadyError(
+            "BF16_Optimizer's gradient buffer was zeroed by engine.step()/zero_grad() and no backward() has run "
+            "since; " + WINDOW
+        )
     names, order = param_names(engine), model_order(engine)
     partitions = tuple(flat.view(-1) for flat in opt.fp32_groups_gradients_flat)
     groups, params = [], []
@@ -36,12 +66,16 @@ def grad_storage(engine: Any, opt: Any) -> GradStorage:
             offset += param.numel()
     params.sort(key=lambda p: order[p.name])
     start_micro_step = micro_steps(engine)
+
+    def is_current() -> bool:
+        return micro_steps(engine) == start_micro_step and _has_gradients(opt)
+
     return GradStorage(
         layout=GradLayout(groups=tuple(groups), params=tuple(params)),
         partitions=partitions,
         process_groups=tuple(opt.real_dp_process_group[i] for i in range(len(partitions))),
         loss_scale=1.0,
         device=engine.device,
-        is_current=lambda: micro_steps(engine) == start_micro_step,
+        is_current=is_current,
         describe="BF16_Optimizer (ZeRO-1)",
     )

@@ -74,6 +74,21 @@ def _contiguous_partition(opt: Any, group: int) -> torch.Tensor:
     return flat
 
 
+def _offload_consumed(opt: Any, partitions: tuple[torch.Tensor, ...]) -> bool:
+    """Offload keeps ``.grad`` after ``step()``; the per-parameter norms that backward records are then reset.
+
+    ``norm_for_param_grads`` is filled by the boundary backward for every parameter with a fragment on this rank and
+    emptied by ``step()`` (``reset_cpu_buffers``). A rank whose partitions hold only padding cannot tell (its values
+    are zeros either way) and answers False.
+    """
+    norms = getattr(opt, "norm_for_param_grads", None)
+    if norms is None:
+        return False
+    return len(norms) == 0 and any(
+        len(opt.params_in_partition[i]) > 0 for i in range(len(partitions))
+    )
+
+
 def _group_layout(opt: Any, group: int, partition: torch.Tensor) -> GroupLayout:
     pg = opt.real_dp_process_group[group]
     return GroupLayout(
@@ -88,10 +103,19 @@ def _group_layout(opt: Any, group: int, partition: torch.Tensor) -> GroupLayout:
 
 def grad_storage(engine: Any, opt: Any) -> GradStorage:
     wait_for_stream(getattr(opt, "reduction_stream", None))
-    if opt.cpu_offload and not engine.is_gradient_accumulation_boundary():
-        raise GradientsNotReadyError(f"ZeRO-1/2 with offload_optimizer holds stale gradients mid-accumulation: {WINDOW}")
-    names, order = param_names(engine), model_order(engine)
+    stage = 2 if opt.partition_gradients else 1
+    if not engine.is_gradient_accumulation_boundary():
+        what = "local, unreduced gradients" if stage == 1 else "partial sums only in per-parameter buffers"
+        if opt.cpu_offload:
+            what = "a stale offload buffer"
+        raise GradientsNotReadyError(f"ZeRO-{stage} holds {what} mid-accumulation; {WINDOW}")
     partitions = tuple(_contiguous_partition(opt, i) for i in range(len(opt.round_robin_bit16_groups)))
+    if opt.cpu_offload and _offload_consumed(opt, partitions):
+        raise GradientsNotReadyError(
+            f"ZeRO-{stage} offload: engine.step() already consumed these gradients (its fp32 buffer still holds the "
+            f"clipped, unscaled values of the last step); {WINDOW}"
+        )
+    names, order = param_names(engine), model_order(engine)
     groups, params, by_name = [], [], {}
     for i, partition in enumerate(partitions):
         groups.append(_group_layout(opt, i, partition))

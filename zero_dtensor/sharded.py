@@ -96,9 +96,8 @@ class ParamGrad:
         local = self.to_local()
         if group.replicated:
             full = local
-        elif group.packing is Packing.CHUNKED:
-            chunk = torch.zeros(param.chunk_numel, dtype=local.dtype, device=local.device)
-            chunk.narrow(0, 0, local.numel()).copy_(local)
+        elif group.packing is Packing.CHUNKED:  # every rank stores a padded chunk_numel-long chunk at param.offset
+            chunk = self._grads._storage.partitions[param.group].narrow(0, param.offset, param.chunk_numel)
             gathered = torch.empty(group.world_size * param.chunk_numel, dtype=local.dtype, device=local.device)
             _all_gather_single(gathered, chunk, group=pg)
             full = gathered.narrow(0, 0, param.numel)

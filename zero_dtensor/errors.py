@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "GradientsNotReadyError",
+    "RankDisagreementError",
     "StaleGradientsError",
     "UnsupportedDeepSpeedError",
 ]
@@ -19,3 +20,7 @@ class GradientsNotReadyError(RuntimeError):
 
 class StaleGradientsError(GradientsNotReadyError):
     """A ``ShardedGrads`` (or a view of it) was used after ``engine.step()`` consumed its gradients."""
+
+
+class RankDisagreementError(RuntimeError):
+    """Ranks called the same collective with different arguments (raised on every rank in debug mode)."""

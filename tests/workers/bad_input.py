@@ -1,0 +1,156 @@
+"""Issue 3, worker side: bad input to set_full_ and to collectives, unsupported engines."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zero_dtensor as zd
+from zero_dtensor import debug
+from zero_dtensor.errors import RankDisagreementError
+
+from .common import count_comms, ds_config, fill_value, forward_backward, make_engine
+
+
+def deepspeed_storage(engine: Any) -> list[torch.Tensor]:
+    """Copies of the gradient memory DeepSpeed's step reads, read straight from its private state (not via us)."""
+    opt = engine.optimizer
+    kind = type(opt).__name__
+    if kind == "BF16_Optimizer":
+        return [t.clone() for t in opt.fp32_groups_gradients_flat]
+    if kind == "DeepSpeedZeroOptimizer_Stage3":
+        if opt.offload_optimizer:
+            return [g.grad.clone() for g in opt.fp32_partitioned_groups_flat]
+        return [opt.grad_partitions_flat_buffer.clone()]
+    if opt.cpu_offload:
+        return [g.grad.clone() for g in opt.single_partition_of_fp32_groups]
+    out = []
+    for i in range(len(opt.bit16_groups)):
+        pieces = opt.averaged_gradients[i]
+        flat = getattr(pieces, "flat_partition", None)
+        out.append(flat.clone() if flat is not None else torch.cat([p.reshape(-1) for p in pieces]))
+    return out
+
+
+def _same_bytes(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(
+        x.shape == y.shape and torch.equal(x.view(torch.uint8) if x.dtype != torch.bool else x,
+                                           y.view(torch.uint8) if y.dtype != torch.bool else y)
+        for x, y in zip(a, b)
+    )
+
+
+def bad_writes(stage: int, dtype: str, offload: bool = False, bf16_optimizer: bool = False) -> int:
+    zero = {"offload_optimizer": {"device": "cpu"}} if offload else {}
+    config = ds_config(stage, dtype, **zero)
+    if bf16_optimizer:
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+    engine = make_engine(config)
+    forward_backward(engine)
+    grads = zd.sharded_grads(engine)
+    names = list(grads.names)
+    good = {n: fill_value(n, grads[n].shape) for n in names}
+    first, last = names[0], names[-1]
+    shape = tuple(grads[last].shape)
+    cases = [
+        # (mapping, exception, words the message must contain)
+        ({first: good[first], last: torch.zeros(shape[0] + 1, *shape[1:])}, ValueError,
+         [repr(last), f"expected {shape}"]),
+        ({first: good[first], last: torch.zeros(shape, dtype=torch.int64)}, TypeError,
+         [repr(last), "torch.int64", "floating"]),
+        ({first: good[first], last: torch.zeros(shape, dtype=torch.bool)}, TypeError, [repr(last), "floating"]),
+        ({first: good[first], "no.such.param": torch.zeros(3)}, KeyError, ["'no.such.param'", "known"]),
+        ({first: good[first], last: good[last].tolist()}, TypeError, [repr(last), "torch.Tensor", "list"]),
+        ({first: good[first], last: None}, TypeError, [repr(last), "NoneType"]),
+        ({first: good[first], last: torch.zeros(shape, device="meta")}, ValueError, [repr(last), "meta", "cpu"]),
+        ([(first, good[first])], TypeError, ["mapping"]),
+    ]
+    before = deepspeed_storage(engine)
+    for mapping, error, words in cases:
+        with pytest.raises(error) as info:
+            grads.set_full_(mapping)
+        message = str(info.value)
+        for word in words:
+            assert word in message, (word, message)
+        after = deepspeed_storage(engine)
+        assert _same_bytes(before, after), f"storage changed by a rejected write: {message}"
+        if offload:  # DeepSpeed's precomputed clip norms are untouched too
+            pass
+    # a good write afterwards still works, and changes the storage
+    grads.set_full_(good)
+    assert not _same_bytes(before, deepspeed_storage(engine))
+    for name in names:
+        assert torch.equal(grads[name].full_tensor(dtype=torch.float32), good[name].to(grads[name].dtype).float())
+    return len(cases)
+
+
+def disagreeing_collectives(stage: int) -> list[str]:
+    """In debug mode, ranks calling a collective with different names/order all raise instead of hanging."""
+    engine = make_engine(ds_config(stage, "fp32"))
+    forward_backward(engine)
+    grads = zd.sharded_grads(engine)
+    names = list(grads.names)
+    rank = dist.get_rank()
+    assert not debug.is_debug()
+    debug.set_debug(True)
+    seen = []
+    try:
+        # agreement costs exactly one extra small collective (one process group)
+        with count_comms() as mode:
+            grads.full_tensors(names[:2])
+        plain = mode.get_total_counts()
+        debug.set_debug(False)
+        with count_comms() as mode:
+            grads.full_tensors(names[:2])
+        assert plain == mode.get_total_counts() + 1, (plain, mode.get_comm_counts())
+        debug.set_debug(True)
+
+        mine = [names[rank % len(names)]]  # different names on every rank
+        with pytest.raises(RankDisagreementError, match="different arguments") as info:
+            grads.full_tensors(mine)
+        seen.append(str(info.value))
+        order = names if rank == 0 else list(reversed(names))  # same names, different order
+        with pytest.raises(RankDisagreementError):
+            grads.full_tensors(order)
+        with pytest.raises(RankDisagreementError):
+            grads[mine[0]].full_tensor()
+        with pytest.raises(RankDisagreementError):
+            grads.full_tensors(names, dtype=torch.float32 if rank == 0 else None)
+        # and the pool is still usable: an agreeing call afterwards works
+        full = grads.full_tensors(names)
+        assert sorted(full) == sorted(names)
+    finally:
+        debug.set_debug(False)
+    return seen
+
+
+def unsupported_stage0() -> str:
+    engine = make_engine(ds_config(0, "fp32"))
+    forward_backward(engine)
+    with pytest.raises(zd.UnsupportedDeepSpeedError) as info:
+        zd.sharded_grads(engine)
+    message = str(info.value)
+    for word in ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3", "BF16_Optimizer", "stage"):
+        assert word in message, message
+    return message
+
+
+def unsupported_version(version: str) -> str:
+    import deepspeed
+
+    engine = make_engine(ds_config(2, "fp32"))
+    forward_backward(engine)
+    real = deepspeed.__version__
+    deepspeed.__version__ = version
+    try:
+        with pytest.raises(zd.UnsupportedDeepSpeedError) as info:
+            zd.sharded_grads(engine)
+    finally:
+        deepspeed.__version__ = real
+    message = str(info.value)
+    assert "0.18.9" in message and version in message, message
+    zd.sharded_grads(engine)  # the real version is accepted again
+    return message

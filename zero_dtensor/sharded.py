@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from . import debug as _debug
 from .collectives import _all_gather_single, all_gather_partitions, all_reduce_sum, mesh_for
 from .errors import StaleGradientsError
 from .layout import GradLayout, Packing, ParamLayout
@@ -91,6 +92,7 @@ class ParamGrad:
         To gather many parameters use :meth:`ShardedGrads.full_tensors` (one collective per group).
         """
         self._grads._check_current()
+        _debug.check_same_call("ParamGrad.full_tensor", (self.name, str(dtype)), [self._grads._storage.process_groups[self._param.group]], self._grads._storage.device)
         group, param = self._group, self._param
         pg = self._grads._storage.process_groups[param.group]
         local = self.to_local()

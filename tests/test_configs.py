@@ -73,3 +73,19 @@ def test_tied_parameter_appears_once(ranks, stage: int) -> None:
 @pytest.mark.parametrize("gas", [1, 2])
 def test_bf16_optimizer_is_replicated_and_writable(ranks, gas: int) -> None:
     ranks(2).run(configs.check_bf16_optimizer, gas)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_fp16_overflow_is_reported(ranks, stage: int) -> None:
+    ranks(2).run(configs.check_fp16_overflow, stage)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fp16_writes_are_rescaled(ranks, stage: int) -> None:
+    ranks(2).run(configs.check_fp16_writes_rescaled, stage)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offload_clip_norm_sees_written_values(ranks, stage: int) -> None:
+    result = ranks(2).run(configs.check_offload_norm_after_write, stage)[0]
+    assert abs(result[True] - result[False]) <= 1e-5 * result[False]

@@ -176,3 +176,88 @@ def check_bf16_optimizer(gas: int) -> dict:
         agree = (moved == -values[name].sign()).float().mean()
         assert agree > 0.9, (name, float(agree))
     return {"replicated": True}
+
+
+def check_fp16_overflow(stage: int) -> dict:
+    """An overflowing fp16 backward: found_inf is True on every rank and the full tensors carry the inf/nan."""
+    from zero_dtensor.overflow import found_inf
+
+    engine = make_engine(ds_config(stage, "fp16"))
+    forward_backward(engine)
+    grads = zd.sharded_grads(engine)
+    with count_comms() as mode:
+        assert found_inf(grads) is False
+    assert mode.get_total_counts() == 1, mode.get_comm_counts()
+    engine.step()
+
+    x = torch.randn(engine.train_micro_batch_size_per_gpu(), 33, generator=torch.Generator().manual_seed(7)).half()
+    loss = engine(x).float().pow(2).mean() * 1e8  # times the 1024 loss scale: far beyond fp16's 65504
+    engine.backward(loss)
+    grads = zd.sharded_grads(engine)
+    assert found_inf(grads) is True
+    full = grads.full_tensors(dtype=torch.float32)
+    assert any(not torch.isfinite(v).all() for v in full.values())
+    scale = grads.loss_scale
+    before = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()} if stage != 3 else None
+    skipped = engine.skipped_steps
+    engine.step()  # DeepSpeed skips this step (and lowers the scale after `hysteresis` overflows)
+    assert engine.skipped_steps == skipped + 1
+    if before is not None:
+        for name, p in engine.module.named_parameters():
+            assert torch.equal(p.detach().float(), before[name]), name
+    return {"scale_before": scale, "scale_after": float(engine.optimizer.loss_scale)}
+
+
+def check_fp16_writes_rescaled(stage: int) -> None:
+    """set_full_ under fp16 stores value x loss_scale: the step equals DeepSpeed's own set of pre-scaled values."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_grad
+
+    ours = make_engine(ds_config(stage, "fp16"))
+    forward_backward(ours)
+    grads = zd.sharded_grads(ours)
+    assert grads.loss_scale == 1024.0
+    values = {n: fill_value(n, grads[n].shape) * 1e-2 for n in grads.names}
+    grads.set_full_(values)
+    for name, value in values.items():  # reads give back the true (unscaled) value, to fp16 precision
+        assert torch.allclose(grads[name].full_tensor(dtype=torch.float32), value, rtol=1e-3, atol=1e-6), name
+    ours.step()
+
+    theirs = make_engine(ds_config(stage, "fp16"))
+    forward_backward(theirs)
+    scale = theirs.optimizer.loss_scale
+    world = dist.get_world_size()
+    for name, p in theirs.module.named_parameters():
+        value = values[name] * scale
+        if stage == 3:  # DeepSpeed's stage-3 set needs a padded value (its narrow bug)
+            pn = p.partition_numel()
+            value = torch.cat([value.reshape(-1), value.new_zeros(pn * world - value.numel())])
+        safe_set_full_grad(p, value)
+    theirs.step()
+    for (name, p), (_, q) in zip(ours.module.named_parameters(), theirs.module.named_parameters()):
+        assert torch.equal(safe_get_full_fp32_param(p), safe_get_full_fp32_param(q)), name
+
+
+def check_offload_norm_after_write(stage: int, dtype: str = "fp32") -> dict:
+    """After set_full_, DeepSpeed's clipping and reported global norm use the written values (offload included)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    results = {}
+    params_after = {}
+    for offload in (False, True):
+        zero = {"offload_optimizer": {"device": "cpu"}} if offload else {}
+        config = ds_config(stage, dtype, **zero)
+        config["gradient_clipping"] = 0.5
+        engine = make_engine(config)
+        forward_backward(engine)
+        grads = zd.sharded_grads(engine)
+        values = {n: fill_value(n, grads[n].shape) * 0.1 for n in grads.names}
+        grads.set_full_(values)
+        engine.step()
+        expected = float(torch.sqrt(sum((v.double() ** 2).sum() for v in values.values())))
+        reported = float(engine.get_global_grad_norm())
+        assert abs(reported - expected) <= 1e-4 * expected, (offload, reported, expected)
+        results[offload] = reported
+        params_after[offload] = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+    for name in params_after[False]:  # the clipped step is the same with and without offload
+        assert torch.allclose(params_after[True][name], params_after[False][name], rtol=1e-5, atol=1e-6), name
+    return results

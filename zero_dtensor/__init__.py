@@ -1,6 +1,7 @@
 """zero_dtensor: whole-model access to DeepSpeed ZeRO gradients as DTensors, between backward() and step()."""
 
 from .api import get_full_model_grads, set_full_model_grads, sharded_grads
+from .hooks import GradHookError, GradHookHandle, on_grads
 from .errors import GradientsNotReadyError, StaleGradientsError, UnsupportedDeepSpeedError
 from .launch import RankPool, launch
 from .layout import GradLayout, GroupLayout, Packing, ParamLayout
@@ -9,6 +10,8 @@ from .sharded import ParamGrad, ShardedGrads
 __version__ = "0.1.0"
 
 __all__ = [
+    "GradHookError",
+    "GradHookHandle",
     "GradLayout",
     "GradientsNotReadyError",
     "GroupLayout",
@@ -21,6 +24,7 @@ __all__ = [
     "RankPool",
     "get_full_model_grads",
     "launch",
+    "on_grads",
     "set_full_model_grads",
     "sharded_grads",
 ]

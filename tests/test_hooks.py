@@ -1,0 +1,55 @@
+"""Issue 6: ``zd.on_grads`` fires once per accumulation boundary, after reduction and before the optimizer step, in a
+plain DeepSpeed loop and under Accelerate's DeepSpeed plugin; removal restores DeepSpeed; errors raise on every rank."""
+
+from __future__ import annotations
+
+import pytest
+
+from workers import hooks
+
+pytest.importorskip("deepspeed")
+
+
+@pytest.mark.parametrize("stage,gas", [(1, 1), (1, 2), (2, 1), (2, 2), (3, 1), (3, 2)])
+def test_fires_once_per_boundary_with_reduced_grads(ranks, stage: int, gas: int) -> None:
+    assert ranks(2).run(hooks.check_fires_once_per_boundary, stage, gas)[0] == {"fired": hooks.STEPS}
+
+
+@pytest.mark.parametrize("stage,gas", [(1, 2), (2, 1), (2, 2), (3, 2)])
+def test_edit_reaches_optimizer_like_safe_set_full_grad(ranks, stage: int, gas: int) -> None:
+    ranks(2).run(hooks.check_edit_reaches_optimizer, stage, gas)
+
+
+def test_several_hooks_run_in_order(ranks) -> None:
+    ranks(2).run(hooks.check_several_hooks_in_order)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_remove_restores_deepspeed(ranks, stage: int) -> None:
+    ranks(2).run(hooks.check_remove_restores, stage)
+
+
+def test_remove_respects_other_instance_wrappers(ranks) -> None:
+    ranks(2).run(hooks.check_instance_attribute_preserved)
+
+
+@pytest.mark.parametrize("stage,failing_rank", [(1, 0), (2, 1), (3, 1)])
+def test_error_on_one_rank_raises_everywhere_without_stepping(ranks, stage: int, failing_rank: int) -> None:
+    ranks(2).run(hooks.check_error_on_one_rank, stage, failing_rank)
+
+
+def test_error_on_all_ranks(ranks) -> None:
+    ranks(2).run(hooks.check_error_on_all_ranks)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_unmanaged_accumulation_hooks_after_finalize(ranks, stage: int) -> None:
+    ranks(2).run(hooks.check_unmanaged, stage)
+
+
+@pytest.mark.parametrize("stage,gas", [(2, 1), (2, 2), (3, 2)])
+def test_accelerate_deepspeed_plugin(ranks, stage: int, gas: int) -> None:
+    pytest.importorskip("accelerate")
+    result = ranks(2).run(hooks.check_accelerate, stage, gas)[0]
+    assert result["fired"] == hooks.STEPS
+    assert result["sync"] == ([False] * (gas - 1) + [True]) * hooks.STEPS

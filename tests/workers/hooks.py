@@ -1,0 +1,341 @@
+"""Issue 6 checks, run on every rank: ``zd.on_grads`` in plain DeepSpeed and Accelerate loops, removal, errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import deepspeed
+import pytest
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
+
+import zero_dtensor as zd
+from zero_dtensor.hooks import GradHookError
+
+from .common import OddModel, batch, ds_config, fill_value, forward_backward, make_engine, params_snapshot
+
+STEPS = 2  # optimizer steps per check
+
+
+def modify(name: str, g: torch.Tensor) -> torch.Tensor:
+    """The gradient edit under test: deterministic, the same on every rank, changes every element."""
+    return 0.5 * g.float() + 0.01 * fill_value(name, g.shape)
+
+
+def hook_modify(grads: zd.ShardedGrads) -> None:
+    full = grads.full_tensors(dtype=torch.float32)
+    grads.set_full_({n: modify(n, v) for n, v in full.items()})
+
+
+def reference_modify(engine: Any, stage: int) -> None:
+    """DeepSpeed's own way of making the same edit: a safe_get_full_grad / safe_set_full_grad loop."""
+    world = dist.get_world_size()
+    for name, p in engine.module.named_parameters():
+        value = modify(name, safe_get_full_grad(p))
+        if stage == 3:  # DeepSpeed's stage-3 set narrows past the end unless the value is padded (its bug 2)
+            pn = p.partition_numel()
+            value = torch.cat([value.reshape(-1), value.new_zeros(pn * world - value.numel())])
+        safe_set_full_grad(p, value)
+
+
+def assert_params_equal(mine: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], exact: bool = True) -> None:
+    assert mine.keys() == reference.keys()
+    for name in mine:
+        if exact:
+            assert torch.equal(mine[name], reference[name]), name
+        else:
+            torch.testing.assert_close(mine[name], reference[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def assert_params_differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert any(not torch.equal(a[n], b[n]) for n in a), "the hook's edit did not change the parameters"
+
+
+# --- plain DeepSpeed ---------------------------------------------------------------------------------------------------
+def check_fires_once_per_boundary(stage: int, gas: int) -> dict:
+    """The hook fires once per boundary, with the reduced gradient (== safe_get_full_grad), never mid-accumulation."""
+    engine = make_engine(ds_config(stage, gas=gas))
+    seen: list[tuple[int, int]] = []
+
+    def fn(grads: zd.ShardedGrads) -> None:
+        assert engine.is_gradient_accumulation_boundary()
+        seen.append((engine.micro_steps, engine.global_steps))
+        full = grads.full_tensors(dtype=torch.float32)
+        for name, p in engine.module.named_parameters():
+            assert torch.equal(full[name], safe_get_full_grad(p)), name
+
+    handle = zd.on_grads(engine, fn)
+    for micro in range(STEPS * gas):
+        forward_backward(engine, micro)
+        engine.step()
+    handle.remove()
+    assert seen == [((s + 1) * gas - 1, s) for s in range(STEPS)], seen
+    assert engine.global_steps == STEPS
+    return {"fired": len(seen)}
+
+
+def check_edit_reaches_optimizer(stage: int, gas: int) -> None:
+    """Parameters after steps with a hook edit == a safe_get/set_full_grad loop doing the same edit."""
+    ours = make_engine(ds_config(stage, gas=gas))
+    untouched = params_snapshot(ours)
+    with zd.on_grads(ours, hook_modify):
+        for micro in range(STEPS * gas):
+            forward_backward(ours, micro)
+            ours.step()
+
+    theirs = make_engine(ds_config(stage, gas=gas))
+    for micro in range(STEPS * gas):
+        forward_backward(theirs, micro)
+        if theirs.is_gradient_accumulation_boundary():
+            reference_modify(theirs, stage)
+        theirs.step()
+    mine = params_snapshot(ours)
+    assert_params_equal(mine, params_snapshot(theirs))
+    assert_params_differ(mine, untouched)
+
+
+def check_several_hooks_in_order() -> None:
+    engine = make_engine(ds_config(2))
+    order: list[str] = []
+
+    def first(grads: zd.ShardedGrads) -> None:
+        order.append("first")
+        grads.set_full_({n: torch.ones(grads[n].shape) for n in grads.names})
+
+    def second(grads: zd.ShardedGrads) -> None:
+        order.append("second")
+        full = grads.full_tensors(dtype=torch.float32)
+        assert all(torch.equal(v, torch.ones_like(v)) for v in full.values())  # sees the first hook's edit
+
+    h1, h2 = zd.on_grads(engine, first), zd.on_grads(engine, second)
+    forward_backward(engine)
+    engine.step()
+    h1.remove()
+    assert "step" in engine.__dict__  # h2 still registered
+    forward_backward(engine, 1)
+    with pytest.raises(AssertionError):  # without `first`, the gradients are no longer all ones
+        engine.step()
+    h2.remove()
+    assert "step" not in engine.__dict__
+    assert order == ["first", "second", "second"]
+
+
+# --- removal -------------------------------------------------------------------------------------------------------------
+def check_remove_restores(stage: int) -> None:
+    engine = make_engine(ds_config(stage))
+    assert "step" not in engine.__dict__ and "_take_model_step" not in engine.__dict__
+    handle = zd.on_grads(engine, hook_modify)
+    assert engine.step.__wrapped__.__func__ is DeepSpeedEngine.step  # type: ignore[attr-defined]
+    handle.remove()
+    handle.remove()  # idempotent
+    assert not handle.active
+    assert "step" not in engine.__dict__ and "_take_model_step" not in engine.__dict__
+    assert engine.step.__func__ is DeepSpeedEngine.step and engine.step.__self__ is engine
+    assert engine._take_model_step.__func__ is DeepSpeedEngine._take_model_step
+    assert not hasattr(engine, "_zero_dtensor_grad_hooks")
+
+    # context-manager form: fires inside, not after
+    fired: list[int] = []
+    with zd.on_grads(engine, lambda g: fired.append(engine.global_steps)) as h:
+        assert h.active
+        forward_backward(engine, 0)
+        engine.step()
+    assert "step" not in engine.__dict__
+    forward_backward(engine, 1)
+    engine.step()
+    assert fired == [0]
+
+    never = make_engine(ds_config(stage))
+    for micro in range(2):
+        forward_backward(never, micro)
+        never.step()
+    assert_params_equal(params_snapshot(engine), params_snapshot(never))
+
+
+def check_instance_attribute_preserved() -> None:
+    """A ``step`` someone set on the instance before us comes back on remove; one set on top of us is left alone."""
+    engine = make_engine(ds_config(1))
+    calls: list[str] = []
+    original = engine.step
+
+    def theirs(*a: Any, **k: Any) -> Any:
+        calls.append("theirs")
+        return original(*a, **k)
+
+    engine.step = theirs
+    handle = zd.on_grads(engine, lambda g: calls.append("hook"))
+    forward_backward(engine)
+    engine.step()
+    assert calls == ["hook", "theirs"]
+    handle.remove()
+    assert engine.step is theirs
+
+    handle = zd.on_grads(engine, lambda g: calls.append("hook2"))
+    ours = engine.step
+    on_top = lambda *a, **k: ours(*a, **k)  # noqa: E731
+    engine.step = on_top
+    handle.remove()
+    assert engine.step is on_top  # not torn out from under the later wrapper; ours is now a pass-through
+    forward_backward(engine, 1)
+    engine.step()
+    assert calls == ["hook", "theirs", "theirs"]
+
+
+# --- errors ----------------------------------------------------------------------------------------------------------------
+def check_error_on_one_rank(stage: int, failing_rank: int) -> None:
+    """fn raises on one rank: every rank raises, nothing hangs, no optimizer update; the engine steps fine after."""
+    engine = make_engine(ds_config(stage))
+    before = params_snapshot(engine)
+
+    def fn(grads: zd.ShardedGrads) -> None:
+        if dist.get_rank() == failing_rank:
+            raise ValueError("bad gradients on this rank")
+
+    handle = zd.on_grads(engine, fn)
+    forward_backward(engine)
+    micro, steps = engine.micro_steps, engine.global_steps
+    if dist.get_rank() == failing_rank:
+        with pytest.raises(ValueError, match="bad gradients"):
+            engine.step()
+    else:
+        with pytest.raises(GradHookError, match=rf"rank\(s\) \[{failing_rank}\]") as info:
+            engine.step()
+        assert info.value.failed_ranks == [failing_rank]
+    assert (engine.micro_steps, engine.global_steps) == (micro, steps)  # step() did not begin
+    assert_params_equal(params_snapshot(engine), before)
+    handle.remove()
+
+    # the engine is not half-stepped: stepping now equals an engine that never had a hook
+    engine.step()
+    never = make_engine(ds_config(stage))
+    forward_backward(never)
+    never.step()
+    assert_params_equal(params_snapshot(engine), params_snapshot(never))
+
+
+def check_error_on_all_ranks() -> None:
+    engine = make_engine(ds_config(2))
+    before = params_snapshot(engine)
+
+    def fn(grads: zd.ShardedGrads) -> None:
+        raise KeyError(f"rank {dist.get_rank()}")
+
+    with zd.on_grads(engine, fn):
+        forward_backward(engine)
+        with pytest.raises(KeyError, match=f"rank {dist.get_rank()}"):
+            engine.step()
+    assert_params_equal(params_snapshot(engine), before)
+
+
+# --- unmanaged accumulation ------------------------------------------------------------------------------------------------
+def check_unmanaged(stage: int) -> None:
+    """``managed_gradient_accumulation: false``: step() finalizes; the hook runs after that, before the optimizer."""
+    gas = 2
+    config = ds_config(stage, gas=gas)
+    config["managed_gradient_accumulation"] = False
+    ours = make_engine(config)
+    seen: list[int] = []
+
+    def fn(grads: zd.ShardedGrads) -> None:
+        seen.append(ours.global_steps)
+        hook_modify(grads)
+
+    with zd.on_grads(ours, fn):
+        for s in range(STEPS):
+            for m in range(gas):
+                forward_backward(ours, s * gas + m)
+            ours.step()
+    assert seen == list(range(STEPS))
+
+    # reference: managed accumulation, same data, the same edit made by DeepSpeed's safe_* loop
+    theirs = make_engine(ds_config(stage, gas=gas))
+    for micro in range(STEPS * gas):
+        forward_backward(theirs, micro)
+        if theirs.is_gradient_accumulation_boundary():
+            reference_modify(theirs, stage)
+        theirs.step()
+    assert_params_equal(params_snapshot(ours), params_snapshot(theirs), exact=False)
+
+    # an error inside step(): every rank raises, no update, step() state undone
+    engine = make_engine(config)
+    before = params_snapshot(engine)
+
+    def bad(grads: zd.ShardedGrads) -> None:
+        if dist.get_rank() == 1:
+            raise ValueError("bad")
+
+    with zd.on_grads(engine, bad):
+        forward_backward(engine)
+        with pytest.raises((ValueError, GradHookError)):
+            engine.step()
+    assert engine._running_engine_step is False and engine.global_steps == 0
+    assert_params_equal(params_snapshot(engine), before)
+
+
+# --- Accelerate ----------------------------------------------------------------------------------------------------------
+def _accelerate_engine(stage: int, gas: int) -> tuple[Any, Any, Any]:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from accelerate.utils import DeepSpeedPlugin
+
+    # one Accelerator per check in a reused rank process: drop the singletons the previous check left
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    del PartialState
+    config = ds_config(stage, gas=gas)
+    config.pop("optimizer")  # the client optimizer below, as an Accelerate user passes it
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config), gradient_accumulation_steps=gas)
+    torch.manual_seed(0)
+    model = OddModel()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    engine, optimizer = accelerator.prepare(model, optimizer)
+    assert isinstance(engine, DeepSpeedEngine)
+    return accelerator, engine, optimizer
+
+
+def _plain_engine_like_accelerate(stage: int, gas: int) -> Any:
+    config = ds_config(stage, gas=gas)
+    config.pop("optimizer")
+    torch.manual_seed(0)
+    model = OddModel()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+def check_accelerate(stage: int, gas: int) -> dict:
+    """Under Accelerate's DeepSpeed plugin (engine.step() runs inside accelerator.backward()), the hook fires once per
+    boundary and its edit reaches the optimizer (== a plain engine with the safe_* loop making the same edit)."""
+    accelerator, engine, optimizer = _accelerate_engine(stage, gas)
+    seen: list[int] = []
+    steps_called: list[bool] = []
+    inner_step = engine.step
+
+    def fn(grads: zd.ShardedGrads) -> None:
+        seen.append(engine.global_steps)
+        hook_modify(grads)
+
+    with zd.on_grads(engine, fn):
+        engine_step = engine.step
+        for micro in range(STEPS * gas):
+            with accelerator.accumulate(engine):
+                loss = engine(batch(engine, micro)).float().pow(2).mean()
+                steps_called.append(accelerator.sync_gradients)
+                accelerator.backward(loss)  # DeepSpeedEngineWrapper.backward: engine.backward(loss); engine.step()
+                optimizer.step()  # no-ops under DeepSpeed
+                optimizer.zero_grad()
+        assert engine.step is engine_step
+    assert engine.step.__func__ is inner_step.__func__
+    assert seen == list(range(STEPS)), seen
+    assert engine.global_steps == STEPS
+
+    theirs = _plain_engine_like_accelerate(stage, gas)
+    for micro in range(STEPS * gas):
+        forward_backward(theirs, micro)
+        if theirs.is_gradient_accumulation_boundary():
+            reference_modify(theirs, stage)
+        theirs.step()
+    assert_params_equal(params_snapshot(engine), params_snapshot(theirs))
+    return {"fired": len(seen), "sync": steps_called}

@@ -1,0 +1,294 @@
+"""Run gradient code at the one meaningful moment: after reduction at an accumulation boundary, before the optimizer.
+
+:func:`on_grads` registers ``fn(grads)`` on a DeepSpeed engine; ``grads`` is the step's
+:class:`~zero_dtensor.sharded.ShardedGrads`, whose in-place changes are what the optimizer step then uses. It fires
+whoever calls ``engine.step()``: a plain DeepSpeed loop, or Hugging Face Accelerate, whose
+``DeepSpeedEngineWrapper.backward`` calls ``engine.step()`` itself right after ``engine.backward()`` (so the HF
+Trainer's ``on_pre_optimizer_step`` callback comes too late; this hook does not).
+
+Where it hooks (DeepSpeed 0.18.9 / 0.19.x, ``deepspeed/runtime/engine.py``):
+
+* **Managed accumulation** (the default): the reduction finishes inside ``engine.backward()`` at the boundary, so the
+  hook wraps the instance's ``engine.step`` and runs *before* the original ``step()`` when
+  ``engine.is_gradient_accumulation_boundary()`` is true. Nothing of ``step()`` has run yet, so an exception leaves the
+  engine exactly as it was after ``backward()`` (no timers started, no counters moved, no optimizer update).
+  Non-boundary micro-steps (``step()`` called after every micro-batch) pass straight through.
+* **``managed_gradient_accumulation: false``**: ``backward()`` only accumulates locally; ``step()`` itself finalizes
+  (stage 2/3: ``optimizer.finalize_gradient_accumulation_boundary()``; stage 0/1: ``allreduce_gradients()``) and then
+  calls ``self._take_model_step(lr_kwargs)``, which runs the optimizer. The hook therefore also wraps the instance's
+  ``engine._take_model_step`` and runs there (after the finalize, before ``optimizer.step()``). If the hook raises
+  there, the ``step()`` wrapper resets ``_running_engine_step`` and stops the step timers, but the gradients stay
+  finalized (reduced) and no update is applied: call ``engine.optimizer.zero_grad()`` before training on, or the
+  next ``step()`` reduces on top of them.
+
+Errors: hooks run in registration order. After each hook, every rank takes part in one tiny ``all_reduce`` of an
+error flag (``world_size`` int32 values on the engine's device; latency-bound, a few microseconds on NCCL, tens on
+gloo), so that an exception on some ranks makes **every** rank raise, before any rank enters the optimizer step's
+collectives: the failing rank(s) re-raise their own exception, the others raise :class:`GradHookError` naming the
+failing rank(s). The optimizer step does not run. Pass ``sync_errors=False`` to skip the collective (then a
+rank-dependent exception hangs the job, as any rank-dependent exception in ``torch.distributed`` code does). The
+agreement cannot help a hook that raises on one rank *between* collectives the other ranks complete (e.g. before a
+``full_tensors()`` the others enter): keep rank-dependent failures before the first or after the last collective.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .api import sharded_grads
+from .sharded import ShardedGrads
+
+__all__ = ["GradHookError", "GradHookHandle", "on_grads"]
+
+GradFn = Callable[[ShardedGrads], Any]
+
+_ATTR = "_zero_dtensor_grad_hooks"
+_ids = itertools.count()
+
+
+class GradHookError(RuntimeError):
+    """Raised on the ranks whose own hook succeeded when a gradient hook raised on other ranks.
+
+    ``failed_ranks`` lists the global ranks (of the agreement group) that raised. The optimizer step was not run.
+    """
+
+    def __init__(self, message: str, failed_ranks: list[int]) -> None:
+        super().__init__(message)
+        self.failed_ranks = failed_ranks
+
+
+class GradHookHandle:
+    """Returned by :func:`on_grads`. ``remove()`` unregisters the hook (idempotent); also a context manager."""
+
+    def __init__(self, registry: _Registry, hook_id: int, fn: GradFn) -> None:
+        self._registry = registry
+        self.id = hook_id
+        self.fn = fn
+
+    @property
+    def active(self) -> bool:
+        return self.id in self._registry.hooks
+
+    def remove(self) -> None:
+        """Unregister. When the engine's last hook goes, ``engine.step`` (and ``_take_model_step``) are restored to
+        DeepSpeed's own bound methods (or whatever was set on the instance before the first hook)."""
+        self._registry.remove(self.id)
+
+    def __enter__(self) -> GradHookHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"GradHookHandle(id={self.id}, fn={getattr(self.fn, '__qualname__', self.fn)!r}, active={self.active})"
+
+
+def on_grads(engine: Any, fn: GradFn, *, sync_errors: bool = True, group: dist.ProcessGroup | None = None
+             ) -> GradHookHandle:
+    """Call ``fn(grads)`` at every gradient-accumulation boundary, after reduction and before the optimizer step.
+
+    ``grads`` is ``zero_dtensor.sharded_grads(engine)``: in-place changes (``grads.set_full_(...)``, writes to
+    ``to_local()`` views or ``grads.groups``, the ``GradOpsMixin`` transforms) are what the optimizer uses. ``fn`` runs
+    on every rank and may issue collectives (same order on every rank). Its return value is ignored. Not called at
+    non-boundary micro-steps.
+
+    Works whether the user calls ``engine.step()`` or Accelerate does inside ``accelerator.backward()``; see the module
+    docstring for where exactly it hooks. Several hooks may be registered on one engine; they run in registration
+    order, each seeing the previous ones' changes.
+
+    Args:
+        engine: a ``deepspeed.DeepSpeedEngine`` (what ``deepspeed.initialize`` returns, ``accelerator.prepare`` gives
+            under its DeepSpeed plugin, or ``trainer.model_wrapped`` in the HF Trainer).
+        fn: ``fn(grads: ShardedGrads) -> Any``.
+        sync_errors: after ``fn``, all-reduce an error flag (``world_size`` int32) so that an exception on any rank
+            raises on every rank before the optimizer step (:class:`GradHookError` on the ranks that did not fail).
+        group: the process group for that agreement; default the world (every rank that runs ``engine.step()``).
+
+    Returns:
+        a :class:`GradHookHandle`; ``handle.remove()`` or ``with on_grads(engine, fn): ...`` unregisters.
+    """
+    if not callable(fn):
+        raise TypeError(f"on_grads(engine, fn): fn must be callable, got {type(fn).__name__}")
+    if not callable(getattr(engine, "step", None)) or not hasattr(engine, "is_gradient_accumulation_boundary"):
+        raise TypeError(
+            f"on_grads needs a DeepSpeed engine (with step() and is_gradient_accumulation_boundary()), got "
+            f"{type(engine).__name__}; under Accelerate pass the object accelerator.prepare() returned for the model, "
+            "in the HF Trainer trainer.model_wrapped (after training started)"
+        )
+    registry = getattr(engine, _ATTR, None)
+    if registry is None or not registry.installed:
+        registry = _Registry(engine)
+    return registry.add(fn, sync_errors=sync_errors, group=group)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+_MISSING = object()
+
+
+class _Registry:
+    """The hooks of one engine, and the instance attributes they replaced."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.hooks: dict[int, tuple[GradFn, bool, dist.ProcessGroup | None]] = {}
+        self.installed = False
+        self._saved: dict[str, Any] = {}
+        self._wrappers: dict[str, Any] = {}
+        self._unmanaged_fired = False
+
+    # --- registration --------------------------------------------------------------------------------------------
+    def add(self, fn: GradFn, *, sync_errors: bool, group: dist.ProcessGroup | None) -> GradHookHandle:
+        if not self.installed:
+            self._install()
+        hook_id = next(_ids)
+        self.hooks[hook_id] = (fn, sync_errors, group)
+        return GradHookHandle(self, hook_id, fn)
+
+    def remove(self, hook_id: int) -> None:
+        self.hooks.pop(hook_id, None)
+        if not self.hooks and self.installed:
+            self._uninstall()
+
+    def _install(self) -> None:
+        engine = self.engine
+        self._wrap("step", self._step_wrapper)
+        self._wrap("_take_model_step", self._take_model_step_wrapper)
+        object.__setattr__(engine, _ATTR, self)
+        self.installed = True
+
+    def _wrap(self, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        engine = self.engine
+        self._saved[name] = engine.__dict__.get(name, _MISSING)
+        original = getattr(engine, name)
+        wrapper = make(original)
+        self._wrappers[name] = wrapper
+        object.__setattr__(engine, name, wrapper)
+
+    def _uninstall(self) -> None:
+        engine = self.engine
+        for name, wrapper in self._wrappers.items():
+            if engine.__dict__.get(name) is not wrapper:
+                # someone wrapped on top of us: leave their wrapper; ours is now a pass-through (no hooks left)
+                continue
+            saved = self._saved[name]
+            if saved is _MISSING:
+                object.__delattr__(engine, name)
+            else:
+                object.__setattr__(engine, name, saved)
+        if engine.__dict__.get(_ATTR) is self:
+            object.__delattr__(engine, _ATTR)
+        self.installed = False
+
+    # --- the wrappers ----------------------------------------------------------------------------------------------
+    def _managed(self) -> bool:
+        managed = getattr(self.engine, "managed_gradient_accumulation", None)
+        return True if managed is None else bool(managed())
+
+    def _step_wrapper(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        registry = self
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            engine = registry.engine
+            if registry.hooks and registry._managed():
+                if engine.is_gradient_accumulation_boundary():
+                    registry._fire()  # raises before any part of DeepSpeed's step() ran
+                return original(*args, **kwargs)
+            registry._unmanaged_fired = False
+            try:
+                return original(*args, **kwargs)
+            except BaseException:
+                if registry._unmanaged_fired:
+                    registry._undo_unmanaged_step_entry()
+                raise
+
+        step.__wrapped__ = original  # type: ignore[attr-defined]
+        step.__doc__ = getattr(original, "__doc__", None)
+        return step
+
+    def _take_model_step_wrapper(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        registry = self
+
+        def _take_model_step(*args: Any, **kwargs: Any) -> Any:
+            if registry.hooks and not registry._managed():
+                registry._unmanaged_fired = True
+                registry._fire()  # after step() finalized the accumulation, before optimizer.step()
+                registry._unmanaged_fired = False
+            return original(*args, **kwargs)
+
+        _take_model_step.__wrapped__ = original  # type: ignore[attr-defined]
+        return _take_model_step
+
+    def _undo_unmanaged_step_entry(self) -> None:
+        """A hook raised inside ``_take_model_step`` (unmanaged accumulation): undo what ``step()`` had begun."""
+        engine = self.engine
+        if hasattr(engine, "_running_engine_step"):
+            engine._running_engine_step = False
+        try:
+            engine._stop_timers(engine.engine_timers.step_timers)
+        except Exception:  # noqa: BLE001 - best effort; timers are diagnostics only
+            pass
+
+    def _fire(self) -> None:
+        grads: ShardedGrads | None = None
+        for fn, sync_errors, group in list(self.hooks.values()):
+            error: BaseException | None = None
+            try:
+                if grads is None:
+                    grads = sharded_grads(self.engine)
+                fn(grads)
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank agreed
+                error = exc
+            if sync_errors:
+                failed = _agree(error is not None, group, _device_of(self.engine))
+                if failed:
+                    if error is not None:
+                        _add_note(error, f"zero_dtensor.on_grads: hook {_fn_name(fn)} raised on ranks {failed}; "
+                                         "the optimizer step was not run")
+                        raise error
+                    raise GradHookError(
+                        f"zero_dtensor.on_grads: gradient hook {_fn_name(fn)} raised on rank(s) {failed} (see that "
+                        "rank's traceback); this rank's hook succeeded. The optimizer step was not run on any rank.",
+                        failed,
+                    )
+            elif error is not None:
+                raise error
+
+
+def _agree(failed_here: bool, group: dist.ProcessGroup | None, device: torch.device) -> list[int]:
+    """One ``all_reduce`` (SUM) of a ``world_size``-long int32 flag vector; the global ranks that failed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [0] if failed_here else []
+    world = dist.get_world_size(group)
+    flags = torch.zeros(world, dtype=torch.int32, device=device)
+    if failed_here:
+        flags[dist.get_rank(group)] = 1
+    dist.all_reduce(flags, group=group)
+    local = [i for i, f in enumerate(flags.tolist()) if f]
+    if group is None or group is dist.group.WORLD:
+        return local
+    return [dist.get_global_rank(group, i) for i in local]
+
+
+def _device_of(engine: Any) -> torch.device:
+    device = getattr(engine, "device", None)
+    if device is not None:
+        return torch.device(device)
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _fn_name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+

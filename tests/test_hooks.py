@@ -53,3 +53,13 @@ def test_accelerate_deepspeed_plugin(ranks, stage: int, gas: int) -> None:
     result = ranks(2).run(hooks.check_accelerate, stage, gas)[0]
     assert result["fired"] == hooks.STEPS
     assert result["sync"] == ([False] * (gas - 1) + [True]) * hooks.STEPS
+
+
+@pytest.mark.parametrize("stage,gas,every", [(1, 2, 1), (2, 1, 2), (3, 2, 1)])
+def test_stats_logger_matches_safe_get_full_grad(ranks, stage: int, gas: int, every: int) -> None:
+    result = ranks(2).run(hooks.check_stats_logger, stage, gas, every)[0]
+    assert result["steps"] == list(range(1, 4, every))
+
+
+def test_stats_logger_counts_nonfinite_and_callback_errors_stop_the_step(ranks) -> None:
+    ranks(2).run(hooks.check_stats_logger_nan_and_callback_error)

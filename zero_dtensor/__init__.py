@@ -6,6 +6,7 @@ from .errors import GradientsNotReadyError, StaleGradientsError, UnsupportedDeep
 from .launch import RankPool, launch
 from .layout import GradLayout, GroupLayout, Packing, ParamLayout
 from .sharded import ParamGrad, ShardedGrads
+from .stats_logger import GradStatsLogger
 
 __version__ = "0.1.0"
 
@@ -13,6 +14,7 @@ __all__ = [
     "GradHookError",
     "GradHookHandle",
     "GradLayout",
+    "GradStatsLogger",
     "GradientsNotReadyError",
     "GroupLayout",
     "Packing",

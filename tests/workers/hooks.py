@@ -339,3 +339,98 @@ def check_accelerate(stage: int, gas: int) -> dict:
         theirs.step()
     assert_params_equal(params_snapshot(engine), params_snapshot(theirs))
     return {"fired": len(seen), "sync": steps_called}
+
+
+# --- GradStatsLogger ---------------------------------------------------------------------------------------------------------
+def check_stats_logger(stage: int, gas: int, every: int) -> dict:
+    """Values equal statistics of safe_get_full_grad taken at the same moment; logged every ``every`` boundaries;
+    callback on rank 0 only; stats cost at most two collectives."""
+    from .common import count_comms
+
+    engine = make_engine(ds_config(stage, gas=gas))
+    references: list[dict[str, torch.Tensor]] = []
+    calls: list[tuple[int, dict[str, float]]] = []
+    zd.on_grads(engine, lambda g: references.append(
+        {n: safe_get_full_grad(p) for n, p in engine.module.named_parameters()}))
+    logger = zd.GradStatsLogger(engine, every=every, callback=lambda m, s: calls.append((s, m)))
+    logged: list[tuple[int | None, dict[str, float]]] = []
+    boundaries = 3
+    for micro in range(boundaries * gas):
+        forward_backward(engine, micro)
+        engine.step()
+        if engine.micro_steps % gas == 0 and (engine.micro_steps // gas - 1) % every == 0:
+            logged.append((logger.latest_step, dict(logger.latest)))
+    logger.remove()
+    assert logger.boundaries == boundaries and not logger.active
+    expected_steps = list(range(1, boundaries + 1, every))
+    assert [s for s, _ in logged] == expected_steps
+    for (step, latest) in logged:
+        ref = references[step - 1]
+        assert all(isinstance(v, float) for v in latest.values())
+        total = 0.0
+        for name, g in ref.items():
+            torch.testing.assert_close(latest[f"grad/{name}/norm"], g.norm().item(), rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(latest[f"grad/{name}/max_abs"], g.abs().max().item(), rtol=1e-6, atol=0.0)
+            torch.testing.assert_close(latest[f"grad/{name}/mean"], g.mean().item(), rtol=1e-4, atol=1e-8)
+            assert latest[f"grad/{name}/nan_count"] == 0.0 and latest[f"grad/{name}/inf_count"] == 0.0
+            total += g.double().pow(2).sum().item()
+        torch.testing.assert_close(latest["grad/global_norm"], total**0.5, rtol=1e-5, atol=1e-7)
+        assert len(latest) == 5 * len(ref) + 3
+    if dist.get_rank() == 0:
+        assert [s for s, _ in calls] == expected_steps
+        assert calls[-1][1] == logged[-1][1]
+    else:
+        assert calls == []
+
+    # cost: the statistics take at most two collectives per step
+    engine2 = make_engine(ds_config(stage))
+    probe = zd.GradStatsLogger(engine2, metrics=("norm",))
+    probe.remove()
+    counts: list[int] = []
+
+    def counted(grads: zd.ShardedGrads) -> None:
+        with count_comms() as mode:
+            probe._on_grads(grads)
+        counts.append(mode.get_total_counts())
+
+    with zd.on_grads(engine2, counted):
+        forward_backward(engine2)
+        engine2.step()
+    assert counts and counts[0] <= 2, counts
+    assert set(probe.latest) == {f"grad/{n}/norm" for n, _ in engine2.module.named_parameters()} | {
+        "grad/global_norm", "grad/nan_count", "grad/inf_count"}
+    return {"steps": [s for s, _ in logged]}
+
+
+def check_stats_logger_nan_and_callback_error() -> None:
+    engine = make_engine(ds_config(2))
+
+    def poison(grads: zd.ShardedGrads) -> None:
+        value = grads.full_tensors(["fc2.bias"], dtype=torch.float32)["fc2.bias"].clone()
+        value[3] = float("nan")
+        value[5] = float("inf")
+        grads.set_full_({"fc2.bias": value})
+
+    zd.on_grads(engine, poison)
+
+    def callback(metrics: dict[str, float], step: int) -> None:
+        raise RuntimeError("tracker down")
+
+    before = params_snapshot(engine)
+    logger = zd.GradStatsLogger(engine, callback=callback)
+    forward_backward(engine)
+    if dist.get_rank() == 0:
+        with pytest.raises(RuntimeError, match="tracker down"):
+            engine.step()
+    else:
+        with pytest.raises(GradHookError):
+            engine.step()
+    assert_params_equal(params_snapshot(engine), before)  # the callback failed: no optimizer step
+    latest = logger.latest
+    assert latest["grad/fc2.bias/nan_count"] == 1.0 and latest["grad/fc2.bias/inf_count"] == 1.0
+    assert latest["grad/nan_count"] == 1.0 and latest["grad/inf_count"] == 1.0
+    assert latest["grad/fc1.weight/nan_count"] == 0.0
+    with pytest.raises(ValueError):
+        zd.GradStatsLogger(engine, every=0)
+    with pytest.raises(ValueError):
+        zd.GradStatsLogger(engine, metrics=("median",))

@@ -1,0 +1,120 @@
+"""``GradStatsLogger``: per-parameter gradient statistics at every (or every n-th) optimizer step, as plain floats.
+
+Built on :func:`zero_dtensor.on_grads` and :meth:`ShardedGrads.stats` (at most two small all_reduces per process group
+per logged step: a ``(k, 4)`` float64 sum and a ``(k,)`` float32 max for ``k`` parameters; no gradient is gathered).
+The values are those the optimizer is about to use: true (unscaled under fp16), reduced, unclipped (DeepSpeed clips
+inside ``step()``), and after any hook registered earlier on the same engine.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from .hooks import GradHookHandle, on_grads
+from .sharded import ShardedGrads
+
+__all__ = ["GradStatsLogger"]
+
+METRICS = ("norm", "max_abs", "mean", "nan_count", "inf_count")
+
+
+class GradStatsLogger:
+    """Log per-parameter gradient statistics at accumulation boundaries, before the optimizer step.
+
+    ``logger.latest`` is ``{"grad/<name>/<metric>": float, ..., "grad/global_norm": float, "grad/nan_count": float,
+    "grad/inf_count": float}`` from the last logged step (the totals are derived from the per-parameter values, no extra
+    communication), identical on every rank. ``callback(metrics, step)`` is called with that dict (a copy) and
+    ``step = engine.global_steps + 1``, the number of the optimizer step these gradients feed — e.g.
+    ``callback=lambda m, s: wandb.log(m, step=s)`` or ``lambda m, s: [tb.add_scalar(k, v, s) for k, v in m.items()]``.
+
+    Args:
+        engine: a DeepSpeed engine (see :func:`~zero_dtensor.on_grads`).
+        every: log at every ``every``-th accumulation boundary (1 = every optimizer step; the first one is logged).
+        callback: called on rank 0 only (on every rank with ``all_ranks=True``).
+        params: which parameters (names, or a predicate ``name -> bool``); default all trainable ones.
+        metrics: which of ``norm``, ``max_abs``, ``mean``, ``nan_count``, ``inf_count`` to report per parameter.
+        prefix: key prefix.
+        all_ranks: call ``callback`` on every rank.
+
+    Collective: every rank must create (and remove) the logger, like the hook itself. An exception in ``callback`` (or
+    anywhere in the hook) is raised on every rank and the optimizer step is not run (see :func:`on_grads`).
+    Use as a context manager or call :meth:`remove`.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        every: int = 1,
+        callback: Callable[[dict[str, float], int], Any] | None = None,
+        params: Any = None,
+        metrics: Sequence[str] = METRICS,
+        prefix: str = "grad/",
+        all_ranks: bool = False,
+    ) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be an int >= 1, got {every!r}")
+        unknown = [m for m in metrics if m not in METRICS]
+        if unknown or isinstance(metrics, str):
+            raise ValueError(f"metrics must be a sequence drawn from {METRICS}, got {metrics!r}")
+        if callback is not None and not callable(callback):
+            raise TypeError(f"callback must be callable, got {type(callback).__name__}")
+        self.engine = engine
+        self.every = every
+        self.callback = callback
+        self.params = params
+        self.metrics = tuple(metrics)
+        self.prefix = prefix
+        self.all_ranks = all_ranks
+        self.latest: dict[str, float] = {}
+        self.latest_step: int | None = None
+        self.boundaries = 0  # accumulation boundaries seen (logged or not)
+        self.handle: GradHookHandle = on_grads(engine, self._on_grads)
+
+    def _on_grads(self, grads: ShardedGrads) -> None:
+        index = self.boundaries
+        self.boundaries += 1
+        if index % self.every:
+            return
+        stats = grads.stats(params=self.params)
+        p = self.prefix
+        out: dict[str, float] = {}
+        sumsq = nans = infs = 0.0
+        for name, s in stats.items():
+            for metric in self.metrics:
+                out[f"{p}{name}/{metric}"] = float(getattr(s, metric))
+            sumsq += s.norm * s.norm
+            nans += s.nan_count
+            infs += s.inf_count
+        out[f"{p}global_norm"] = math.sqrt(sumsq)
+        out[f"{p}nan_count"] = float(nans)
+        out[f"{p}inf_count"] = float(infs)
+        self.latest = out
+        self.latest_step = int(self.engine.global_steps) + 1
+        if self.callback is not None and (self.all_ranks or _rank() == 0):
+            self.callback(dict(out), self.latest_step)
+
+    @property
+    def active(self) -> bool:
+        return self.handle.active
+
+    def remove(self) -> None:
+        """Stop logging (removes the hook; idempotent). ``latest`` keeps the last values."""
+        self.handle.remove()
+
+    def __enter__(self) -> GradStatsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"GradStatsLogger(every={self.every}, boundaries={self.boundaries}, active={self.active})"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -149,7 +149,7 @@ def grad_storage(engine: Any, opt: Any) -> GradStorage:
                 fragment = partitions[p.group].narrow(0, p.local_offset(group, group.rank), stop - start)
                 opt.norm_for_param_grads[opt.get_param_id(by_name[name])] = fragment.to(get_norm_dtype()).norm(2)
 
-    return GradStorage(
+    sharded = GradStorage(
         layout=layout,
         partitions=partitions,
         process_groups=tuple(opt.real_dp_process_group[i] for i in range(len(partitions))),
@@ -158,4 +158,48 @@ def grad_storage(engine: Any, opt: Any) -> GradStorage:
         is_current=is_current,
         after_write=after_write,
         describe=f"ZeRO-{2 if opt.partition_gradients else 1}",
+    )
+    from .capture import active_capture
+
+    capture = active_capture(opt)
+    if capture is not None and capture.complete():
+        return _replicated(sharded, capture)
+    return sharded
+
+
+def _replicated(sharded: GradStorage, capture: Any) -> GradStorage:
+    """The same gradients as ``sharded``, but every group is the full flat buffer kept by ``keep_full_grads``.
+
+    Writes (``set_full_`` and in-place transforms, which call ``after_write``) go to the full buffer; ``after_write``
+    then copies this rank's slice of every touched group into DeepSpeed's partition (the memory ``step()`` reads,
+    converting device/dtype where needed, e.g. a CPU offload buffer) and refreshes DeepSpeed's bookkeeping.
+    Every rank must therefore apply the same change (as with ``BF16_Optimizer``).
+    """
+    layout = sharded.layout
+    fulls, groups = [], []
+    for g, part in zip(layout.groups, sharded.partitions):
+        full = capture.buffers[g.index]
+        if full is None:  # no parameter of this group received a gradient: DeepSpeed's partition is zeros too
+            full = capture.buffers[g.index] = torch.zeros(g.flat_numel, dtype=part.dtype, device=sharded.device)
+        fulls.append(full)
+        groups.append(GroupLayout(g.index, g.world_size, g.rank, g.flat_numel, full.dtype, Packing.CONTIGUOUS,
+                                  replicated=True))
+    new_layout = GradLayout(groups=tuple(groups), params=layout.params)
+
+    def after_write(written: Sequence[str]) -> None:
+        touched = sorted({new_layout.by_name[n].group for n in written})
+        for i in touched:
+            g = layout.groups[i]
+            sharded.partitions[i].copy_(fulls[i].narrow(0, g.local_start, g.partition_numel))
+        sharded.after_write(written)
+
+    return GradStorage(
+        layout=new_layout,
+        partitions=tuple(fulls),
+        process_groups=sharded.process_groups,
+        loss_scale=sharded.loss_scale,
+        device=sharded.device,
+        is_current=sharded.is_current,
+        after_write=after_write,
+        describe=f"{sharded.describe} + keep_full_grads (Replicate)",
     )

@@ -292,6 +292,10 @@ def _accelerate_engine(stage: int, gas: int) -> tuple[Any, Any, Any]:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     engine, optimizer = accelerator.prepare(model, optimizer)
     assert isinstance(engine, DeepSpeedEngine)
+    assert str(accelerator.distributed_type) == "DistributedType.DEEPSPEED"
+    # accelerate on CPU counts one process per rank (no backend without a GPU unless cpu=True, which disables the
+    # DeepSpeed plugin); DeepSpeed itself trains on the whole world, which is what the hook depends on
+    assert engine.dp_world_size == dist.get_world_size() == 2
     return accelerator, engine, optimizer
 
 

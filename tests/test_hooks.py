@@ -3,6 +3,10 @@ plain DeepSpeed loop and under Accelerate's DeepSpeed plugin; removal restores D
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from workers import hooks
@@ -63,3 +67,18 @@ def test_stats_logger_matches_safe_get_full_grad(ranks, stage: int, gas: int, ev
 
 def test_stats_logger_counts_nonfinite_and_callback_errors_stop_the_step(ranks) -> None:
     ranks(2).run(hooks.check_stats_logger_nan_and_callback_error)
+
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+@pytest.mark.parametrize("script,needs", [("plain_deepspeed.py", None), ("accelerate_loop.py", "accelerate"),
+                                          ("hf_trainer.py", "transformers")])
+def test_example_runs_on_two_cpu_ranks(script: str, needs: str | None) -> None:
+    """Each example forks 2 gloo ranks itself (``python examples/<script>``) and asserts its own results."""
+    if needs:
+        pytest.importorskip(needs)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, script)], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=os.path.dirname(EXAMPLES))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -1,7 +1,7 @@
 """zero_dtensor: whole-model access to DeepSpeed ZeRO gradients as DTensors, between backward() and step()."""
 
 from .api import get_full_model_grads, set_full_model_grads, sharded_grads
-from .hooks import GradHookError, GradHookHandle, on_grads
+from .hooks import GradHookError, GradHookHandle, attach_to_trainer, on_grads, on_grads_in_trainer
 from .errors import GradientsNotReadyError, StaleGradientsError, UnsupportedDeepSpeedError
 from .launch import RankPool, launch
 from .layout import GradLayout, GroupLayout, Packing, ParamLayout
@@ -25,8 +25,10 @@ __all__ = [
     "UnsupportedDeepSpeedError",
     "RankPool",
     "get_full_model_grads",
+    "attach_to_trainer",
     "launch",
     "on_grads",
+    "on_grads_in_trainer",
     "set_full_model_grads",
     "sharded_grads",
 ]

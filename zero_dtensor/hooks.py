@@ -43,7 +43,7 @@ import torch.distributed as dist
 from .api import sharded_grads
 from .sharded import ShardedGrads
 
-__all__ = ["GradHookError", "GradHookHandle", "on_grads"]
+__all__ = ["GradHookError", "GradHookHandle", "attach_to_trainer", "on_grads", "on_grads_in_trainer"]
 
 GradFn = Callable[[ShardedGrads], Any]
 
@@ -125,6 +125,60 @@ def on_grads(engine: Any, fn: GradFn, *, sync_errors: bool = True, group: dist.P
     if registry is None or not registry.installed:
         registry = _Registry(engine)
     return registry.add(fn, sync_errors=sync_errors, group=group)
+
+
+def attach_to_trainer(trainer: Any, factory: Callable[[Any], Any]) -> Any:
+    """Hugging Face Trainer: call ``factory(engine)`` when training begins, ``.remove()`` its result when it ends.
+
+    ``engine`` is the DeepSpeed engine the Trainer built (``trainer.model_wrapped``; it exists only once ``train()``
+    has prepared the model, which is why this goes through a callback). ``factory`` returns anything with a
+    ``remove()`` method, e.g. ``lambda engine: zd.GradStatsLogger(engine, every=10, callback=...)``. Returns the
+    ``transformers.TrainerCallback`` it added to the trainer; ``callback.attached`` is the factory's current result,
+    ``callback.active`` whether it is attached. Needs ``transformers`` and a Trainer running DeepSpeed.
+    """
+    from transformers import TrainerCallback
+
+    class _ZeroDTensorAttach(TrainerCallback):
+        def __init__(self) -> None:
+            self.attached: Any = None
+
+        @property
+        def active(self) -> bool:
+            return self.attached is not None
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            engine = getattr(trainer, "model_wrapped", None)
+            if not hasattr(engine, "is_gradient_accumulation_boundary"):
+                raise TypeError(
+                    "zero_dtensor: the Trainer is not running DeepSpeed (trainer.model_wrapped is "
+                    f"{type(engine).__name__}); pass TrainingArguments(deepspeed=...)"
+                )
+            self.detach()
+            self.attached = factory(engine)
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.detach()
+
+        def detach(self) -> None:
+            if self.attached is not None:
+                attached, self.attached = self.attached, None
+                attached.remove()
+
+    callback = _ZeroDTensorAttach()
+    trainer.add_callback(callback)
+    return callback
+
+
+def on_grads_in_trainer(trainer: Any, fn: GradFn, **kwargs: Any) -> Any:
+    """Hugging Face Trainer: :func:`on_grads` ``(engine, fn, **kwargs)`` for the duration of ``trainer.train()``.
+
+    A ``TrainerCallback`` such as ``on_pre_optimizer_step`` runs after Accelerate's ``backward()`` already called
+    ``engine.step()``, too late to see or change the gradients; this registers ``fn`` on the engine itself. Returns
+    the added callback (see :func:`attach_to_trainer`; ``callback.attached`` is the :class:`GradHookHandle`).
+    """
+    if not callable(fn):
+        raise TypeError(f"on_grads_in_trainer(trainer, fn): fn must be callable, got {type(fn).__name__}")
+    return attach_to_trainer(trainer, lambda engine: on_grads(engine, fn, **kwargs))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ time, one copy (stage 1) or add (stage 2) of each reduced bucket during backward
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 import torch
@@ -35,7 +36,15 @@ from ..errors import UnsupportedDeepSpeedError
 from ._common import wait_for_stream
 
 
+def _sum_dtype(opt: Any, group: int) -> torch.dtype:
+    """The dtype DeepSpeed sums micro-step reductions in, so that the kept values are bit-identical to its own."""
+    if opt.cpu_offload and opt.partition_gradients and not getattr(opt, "low_precision_master_weights_and_grads", False):
+        return opt.bit16_groups_flat[group].dtype  # stage-2 offload sums in accumulated_grads_in_cpu (param dtype)
+    return _accum_dtype(opt, group)
+
+
 def _accum_dtype(opt: Any, group: int) -> torch.dtype:
+    """The dtype of the partition DeepSpeed's step reads (the kept buffer's dtype)."""
     if opt.cpu_offload:
         return opt.single_partition_of_fp32_groups[group].dtype
     compact = getattr(opt, "_use_compact_grad_partition_buffer", None)
@@ -80,6 +89,7 @@ class FullGradCapture:
         self.window: int | None = None
         self.first_micro_step: int | None = None
         self.captures = 0
+        self._seen: set[int] = set()  # id(param) reduced at least once in this window
         self._current: tuple[torch.Tensor, list[tuple[int, int, int]], torch.Tensor | None] | None = None
         self._orig_average = opt.average_tensor
         self._orig_allreduce_bucket = opt.allreduce_bucket
@@ -94,11 +104,9 @@ class FullGradCapture:
     def _begin(self) -> None:
         micro = int(self.engine.micro_steps)
         window = self._window_of(micro)
-        if window != self.window:
+        if window != self.window:  # a new accumulation window: the first reduction of each param copies
             self.window, self.first_micro_step, self.captures = window, micro, 0
-            for buf in self.buffers:
-                if buf is not None:
-                    buf.zero_()
+            self._seen = set()
 
     def complete(self) -> bool:
         """Whether the buffers hold every reduction of the current accumulation window (else use the shards)."""
@@ -110,6 +118,12 @@ class FullGradCapture:
             return self.first_micro_step == self.window * gas
         return True  # stage 1 reduces only at the boundary
 
+    def finalize(self) -> None:
+        """Zero the ranges of parameters that got no gradient in this window (DeepSpeed's partition holds zeros)."""
+        for pid, (g, offset, numel) in self._offsets.items():
+            if pid not in self._seen and self.buffers[g] is not None:
+                self.buffers[g].narrow(0, offset, numel).zero_()
+
     def _buffer(self, group: int, like: torch.Tensor) -> torch.Tensor:
         buf = self.buffers[group]
         if buf is None:
@@ -120,42 +134,53 @@ class FullGradCapture:
 
     # --- wrappers --------------------------------------------------------------------------------------------------
     def _average_tensor(self, tensor: torch.Tensor, communication_data_type: torch.dtype, *args: Any, **kwargs: Any):
+        self._begin()
         bucket = self.opt.ipg_buckets[communication_data_type]
-        params = list(bucket.params)
-        staged = None if not self.opt.reduce_scatter else torch.zeros_like(tensor)
-        self._current = (tensor, params, staged)
+        # (start in the bucket, numel, target view in the full buffer, add instead of copy), in bucket order
+        spans, start, reduced_params = [], 0, []
+        for group, index, _param_id in bucket.params:
+            param = self.opt.bit16_groups[group][index]
+            g, offset, numel = self._offsets[id(param)]
+            add = _sum_dtype(self.opt, g) if id(param) in self._seen else None
+            spans.append((start, numel, self._buffer(g, tensor).narrow(0, offset, numel), add))
+            reduced_params.append(id(param))
+            start += numel
+        self._current = (tensor, spans) if self.opt.reduce_scatter else None
         try:
             result = self._orig_average(tensor, communication_data_type, *args, **kwargs)
         finally:
             self._current = None
-        wait_for_stream(getattr(self.opt, "reduction_stream", None) if self.opt.overlap_comm else None)
-        reduced = tensor if staged is None else staged
-        self._begin()
-        start = 0
-        for group, index, _param_id in params:
-            param = self.opt.bit16_groups[group][index]
-            g, offset, numel = self._offsets[id(param)]
-            target = self._buffer(g, reduced).narrow(0, offset, numel)
-            target.add_(reduced.narrow(0, start, numel).to(target.dtype))
-            start += numel
+        if not self.opt.reduce_scatter:  # mode A: the bucket itself now holds the averaged gradient
+            wait_for_stream(getattr(self.opt, "reduction_stream", None) if self.opt.overlap_comm else None)
+            for begin, numel, target, add in spans:
+                _put(target, tensor.narrow(0, begin, numel), add)
+        self._seen.update(reduced_params)
         self.captures += 1
         return result
 
     def _allreduce_bucket(self, bucket: Any, *args: Any, **kwargs: Any):
+        """Mode B: copy every all-reduced slice (DeepSpeed keeps only its own) straight into the full buffer."""
         allreduced = self._orig_allreduce_bucket(bucket, *args, **kwargs)
         current = self._current
         rank_arg = kwargs.get("rank", args[1] if len(args) > 1 else None)
-        if current is None or current[2] is None or rank_arg is not None:
+        if current is None or rank_arg is not None:
             return allreduced
-        base, _, staged = current
+        base, spans = current
         element = base.element_size()
-        start = 0
+        starts = [s[0] for s in spans]
+        pos = 0
         for piece in bucket:
             n = piece.numel()
-            offset = (piece.data_ptr() - base.data_ptr()) // element
-            if 0 <= offset and offset + n <= base.numel():
-                staged.narrow(0, offset, n).copy_(allreduced.narrow(0, start, n))
-            start += n
+            a = (piece.data_ptr() - base.data_ptr()) // element  # the piece is a narrow() of the bucket
+            if 0 <= a and a + n <= base.numel():
+                k = max(bisect.bisect_right(starts, a) - 1, 0)
+                while k < len(spans) and spans[k][0] < a + n:
+                    begin, numel, target, add = spans[k]
+                    lo, hi = max(a, begin), min(a + n, begin + numel)
+                    if hi > lo:
+                        _put(target.narrow(0, lo - begin, hi - lo), allreduced.narrow(0, pos + lo - a, hi - lo), add)
+                    k += 1
+            pos += n
         return allreduced
 
     def remove(self) -> None:
@@ -169,6 +194,16 @@ class FullGradCapture:
         self.buffers = [None] * len(self.buffers)
         self.active = False
         _CAPTURES.pop(id(self.opt), None)
+
+
+def _put(target: torch.Tensor, source: torch.Tensor, add: torch.dtype | None) -> None:
+    """Copy (first reduction of a parameter in this window) or accumulate in dtype ``add`` (later micro-steps)."""
+    if add is None:
+        target.copy_(source)
+    elif add == target.dtype:
+        target.add_(source.to(add))
+    else:  # DeepSpeed sums in a narrower dtype than it stores: round the same way
+        target.copy_(target.to(add).add_(source.to(add)))
 
 
 _CAPTURES: dict[int, FullGradCapture] = {}

@@ -163,6 +163,7 @@ def grad_storage(engine: Any, opt: Any) -> GradStorage:
 
     capture = active_capture(opt)
     if capture is not None and capture.complete():
+        capture.finalize()
         return _replicated(sharded, capture)
     return sharded
 

@@ -89,3 +89,10 @@ def test_fp16_writes_are_rescaled(ranks, stage: int) -> None:
 def test_offload_clip_norm_sees_written_values(ranks, stage: int) -> None:
     result = ranks(2).run(configs.check_offload_norm_after_write, stage)[0]
     assert abs(result[True] - result[False]) <= 1e-5 * result[False]
+
+
+@pytest.mark.parametrize("stage,dtype,gas", [(1, "fp32", 1), (2, "bf16", 2), (3, "fp32", 2)])
+def test_data_parallel_group_smaller_than_world(ranks, stage: int, dtype: str, gas: int) -> None:
+    """4 ranks as 2 (DP, via deepspeed.initialize(mpu=...)) x 2: meshes and averages follow DeepSpeed's DP group."""
+    results = ranks(4).run(configs.check_sub_world_dp, stage, dtype, gas)
+    assert [r["dp_ranks"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]

@@ -261,3 +261,81 @@ def check_offload_norm_after_write(stage: int, dtype: str = "fp32") -> dict:
     for name in params_after[False]:  # the clipped step is the same with and without offload
         assert torch.allclose(params_after[True][name], params_after[False][name], rtol=1e-5, atol=1e-6), name
     return results
+
+
+class TinyMPU:
+    """A model-parallel unit for ``deepspeed.initialize(mpu=...)``: 4 ranks as dp 2 x mp 2.
+
+    Data-parallel groups {0, 2} and {1, 3}; "model-parallel" groups {0, 1} and {2, 3} (the model is simply replicated
+    across them, which is enough to make DeepSpeed partition ZeRO state over a DP group that is not the world).
+    """
+
+    def __init__(self, mp: int = 2) -> None:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        self.dp_ranks = [r for r in range(world) if r % mp == rank % mp]
+        self.mp_ranks = [r for r in range(world) if r // mp == rank // mp]
+        self.dp_group = self.mp_group = None
+        for first in range(mp):  # every rank creates every group, in the same order
+            group = dist.new_group([r for r in range(world) if r % mp == first])
+            if rank % mp == first:
+                self.dp_group = group
+        for first in range(0, world, mp):
+            group = dist.new_group(list(range(first, first + mp)))
+            if rank // mp == first // mp:
+                self.mp_group = group
+
+    def get_data_parallel_group(self):
+        return self.dp_group
+
+    def get_data_parallel_rank(self) -> int:
+        return dist.get_rank(self.dp_group)
+
+    def get_data_parallel_world_size(self) -> int:
+        return dist.get_world_size(self.dp_group)
+
+    def get_model_parallel_group(self):
+        return self.mp_group
+
+    def get_model_parallel_rank(self) -> int:
+        return dist.get_rank(self.mp_group)
+
+    def get_model_parallel_world_size(self) -> int:
+        return dist.get_world_size(self.mp_group)
+
+    # newer DeepSpeed asks for the tensor-parallel names too
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+
+def check_sub_world_dp(stage: int, dtype: str, gas: int = 1) -> dict:
+    """4 ranks as 2 (data parallel) x 2: meshes are built on DeepSpeed's DP group, values average over it only."""
+    import deepspeed
+
+    mpu = TinyMPU()
+    model, _ = build_model(1)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=ds_config(stage, dtype, gas=gas), mpu=mpu)
+    for step in range(gas):
+        forward_backward(engine, step)
+        if step < gas - 1:
+            engine.step()
+    grads = zd.sharded_grads(engine)
+    for dt in grads.groups:
+        mesh = dt.device_mesh
+        assert mesh.get_group() is mpu.dp_group or sorted(mesh.mesh.tolist()) == mpu.dp_ranks
+        assert mesh.mesh.tolist() == mpu.dp_ranks, (mesh.mesh.tolist(), mpu.dp_ranks)
+    assert all(g.world_size == 2 for g in grads.layout.groups)
+    full = grads.full_tensors(dtype=torch.float32)
+    micro = engine.train_micro_batch_size_per_gpu()
+    ref = reference_grads(dtype, 1, micro, gas, ranks=mpu.dp_ranks)
+    assert_close(full, ref, TOL[dtype], "2x2 dp")
+    # the other DP group averaged other data: our values are not the world average
+    world_ref = reference_grads(dtype, 1, micro, gas)
+    assert any(not torch.allclose(full[n], world_ref[n], rtol=1e-3, atol=1e-5) for n in full)
+    values = {n: fill_value(n, grads[n].shape) for n in grads.names}
+    grads.set_full_(values)
+    for name, value in values.items():
+        assert torch.equal(grads[name].full_tensor(), value.to(grads[name].dtype)), name
+    engine.step()
+    return {"dp_ranks": mpu.dp_ranks}

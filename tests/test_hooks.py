@@ -28,6 +28,10 @@ def test_several_hooks_run_in_order(ranks) -> None:
     ranks(2).run(hooks.check_several_hooks_in_order)
 
 
+def test_rejects_non_engines(ranks) -> None:
+    ranks(2).run(hooks.check_rejects_non_engines)
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_remove_restores_deepspeed(ranks, stage: int) -> None:
     ranks(2).run(hooks.check_remove_restores, stage)
@@ -46,7 +50,7 @@ def test_error_on_all_ranks(ranks) -> None:
     ranks(2).run(hooks.check_error_on_all_ranks)
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_unmanaged_accumulation_hooks_after_finalize(ranks, stage: int) -> None:
     ranks(2).run(hooks.check_unmanaged, stage)
 

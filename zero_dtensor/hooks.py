@@ -121,6 +121,11 @@ def on_grads(engine: Any, fn: GradFn, *, sync_errors: bool = True, group: dist.P
             f"{type(engine).__name__}; under Accelerate pass the object accelerator.prepare() returned for the model, "
             "in the HF Trainer trainer.model_wrapped (after training started)"
         )
+    if _is_pipeline_engine(engine):
+        raise TypeError(
+            "on_grads does not support DeepSpeed's PipelineEngine: train_batch() runs the optimizer through "
+            "_take_model_step without engine.step(), and zero_dtensor does not map pipeline-parallel gradients"
+        )
     registry = getattr(engine, _ATTR, None)
     if registry is None or not registry.installed:
         registry = _Registry(engine)
@@ -249,6 +254,8 @@ class _Registry:
 
         def step(*args: Any, **kwargs: Any) -> Any:
             engine = registry.engine
+            if getattr(engine, "inside_no_sync_ctxt", False):
+                return original(*args, **kwargs)  # DeepSpeed refuses step() inside no_sync(); let it say so
             if registry.hooks and registry._managed():
                 if engine.is_gradient_accumulation_boundary():
                     registry._fire()  # raises before any part of DeepSpeed's step() ran
@@ -327,6 +334,14 @@ def _agree(failed_here: bool, group: dist.ProcessGroup | None, device: torch.dev
     if group is None or group is dist.group.WORLD:
         return local
     return [dist.get_global_rank(group, i) for i in local]
+
+
+def _is_pipeline_engine(engine: Any) -> bool:
+    try:
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+    except Exception:  # noqa: BLE001 - no pipeline support installed: nothing to refuse
+        return False
+    return isinstance(engine, PipelineEngine)
 
 
 def _device_of(engine: Any) -> torch.device:

@@ -122,6 +122,19 @@ def check_several_hooks_in_order() -> None:
     assert order == ["first", "second", "second"]
 
 
+def check_rejects_non_engines() -> None:
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    with pytest.raises(TypeError, match="PipelineEngine"):
+        zd.on_grads(PipelineEngine.__new__(PipelineEngine), hook_modify)
+    with pytest.raises(TypeError, match="DeepSpeed engine"):
+        zd.on_grads(torch.nn.Linear(2, 2), hook_modify)
+    engine = make_engine(ds_config(1))
+    with pytest.raises(TypeError, match="callable"):
+        zd.on_grads(engine, None)  # type: ignore[arg-type]
+    assert "step" not in engine.__dict__
+
+
 # --- removal -------------------------------------------------------------------------------------------------------------
 def check_remove_restores(stage: int) -> None:
     engine = make_engine(ds_config(stage))

@@ -12,7 +12,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["all_gather_flat", "all_gather_partitions", "all_reduce_sum", "mesh_for"]
+__all__ = [
+    "all_gather_flat",
+    "all_gather_into",
+    "all_gather_partitions",
+    "all_reduce_sum",
+    "all_reduce_sum_work",
+    "gather_to",
+    "max_across",
+    "mesh_for",
+    "reduce_sum_to",
+]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _MESHES: dict[tuple[dist.ProcessGroup, str], DeviceMesh] = {}
@@ -36,6 +46,12 @@ def all_gather_flat(local: torch.Tensor, group: dist.ProcessGroup, out: torch.Te
     return out
 
 
+def _coalescing_device(group: dist.ProcessGroup, device: torch.device) -> torch.device | None:
+    """``device`` for ``_coalescing_manager``: gloo raises "does not implement startCoalescing" when given one (its
+    coalesced all_gather/all_reduce fast paths need none); other backends get it."""
+    return None if dist.get_backend(group) == "gloo" else device
+
+
 def all_gather_partitions(
     partitions: Sequence[torch.Tensor],
     group: dist.ProcessGroup,
@@ -48,7 +64,7 @@ def all_gather_partitions(
         return [all_gather_flat(partitions[0], group)]
     world = dist.get_world_size(group)
     outs = [torch.empty(world * p.numel(), dtype=p.dtype, device=p.device) for p in partitions]
-    with dist._coalescing_manager(group=group, device=partitions[0].device):
+    with dist._coalescing_manager(group=group, device=_coalescing_device(group, partitions[0].device)):
         for out, part in zip(outs, partitions):
             _all_gather_single(out, part, group=group)
     return outs
@@ -57,4 +73,72 @@ def all_gather_partitions(
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """One in-place sum ``all_reduce``."""
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+# --- building blocks of zero_dtensor.materialize (each returns the pending ``Work`` objects when async) ---------------
+
+
+def all_gather_into(
+    outs: Sequence[torch.Tensor],
+    partitions: Sequence[torch.Tensor],
+    group: dist.ProcessGroup,
+    *,
+    async_op: bool = False,
+) -> list[dist.Work]:
+    """Gather each equal-per-rank 1-D ``partitions[i]`` into the preallocated ``outs[i]`` (``N×`` its length).
+
+    **One** collective for all of them (coalesced when there are several; they must share dtype and device).
+    Bytes received per rank: ``(N-1)/N`` of the summed output sizes. Returns the pending works (empty when sync).
+    """
+    if len(outs) != len(partitions):
+        raise ValueError(f"{len(outs)} outputs for {len(partitions)} partitions")
+    if len(partitions) == 1:
+        work = _all_gather_single(outs[0], partitions[0], group=group, async_op=async_op)
+        return [work] if async_op and work is not None else []
+    with dist._coalescing_manager(group=group, device=_coalescing_device(group, partitions[0].device),
+                                  async_ops=async_op) as cm:
+        for out, part in zip(outs, partitions):
+            _all_gather_single(out, part, group=group)
+    return list(cm.works) if async_op else []
+
+
+def all_reduce_sum_work(tensor: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False) -> list[dist.Work]:
+    """One in-place sum ``all_reduce`` (``2(N-1)/N·S`` bytes per rank); returns the pending work when async."""
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return [work] if async_op and work is not None else []
+
+
+def reduce_sum_to(
+    tensor: torch.Tensor, group_dst: int, group: dist.ProcessGroup, *, async_op: bool = False
+) -> list[dist.Work]:
+    """One in-place sum ``reduce`` to group rank ``group_dst`` (only its ``tensor`` holds the sum afterwards)."""
+    work = dist.reduce(tensor, group_dst=group_dst, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return [work] if async_op and work is not None else []
+
+
+def gather_to(
+    local: torch.Tensor,
+    gather_list: list[torch.Tensor] | None,
+    group_dst: int,
+    group: dist.ProcessGroup,
+    *,
+    async_op: bool = False,
+) -> list[dist.Work]:
+    """One ``gather`` of equal-size ``local`` tensors into ``gather_list`` on group rank ``group_dst`` (``None``
+    elsewhere). Bytes: each rank sends ``S/N``; the destination receives ``(N-1)/N·S``. Has no coalesced form."""
+    work = dist.gather(local, gather_list=gather_list, group_dst=group_dst, group=group, async_op=async_op)
+    return [work] if async_op and work is not None else []
+
+
+def max_across(values: Sequence[float], group: dist.ProcessGroup, device: torch.device) -> list[float]:
+    """Element-wise maximum of a few floats over the group: one ``all_reduce(MAX)`` of ``len(values)`` float64."""
+    t = torch.tensor(list(values), dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [float(v) for v in t.cpu()]
+
+
+def _all_reduce_op(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp) -> torch.Tensor:
+    """One in-place ``all_reduce`` with reduce op ``op`` (used by the sharded reductions in :mod:`.ops`)."""
+    dist.all_reduce(tensor, op=op, group=group)
     return tensor

@@ -1,0 +1,67 @@
+"""Issue 4: transforms of sharded gradients without gathering, at world sizes 1-4 and ZeRO stages 1-3."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers import transforms
+from workers.common import OddModel
+from zero_dtensor.ops import counter_normal
+
+FP32_CASES = [(ws, stage) for ws in (1, 2, 3, 4) for stage in (1, 2, 3)]
+_NOISE: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+
+
+@pytest.mark.parametrize("world_size,stage", FP32_CASES)
+def test_transforms_fp32(ranks, world_size: int, stage: int) -> None:
+    results = ranks(world_size).run(transforms.check_transforms, stage, "fp32")
+    noise = results[0]["noise"]
+    for r in results[1:]:  # every rank gathered the same noise
+        assert all(torch.equal(noise[n], r["noise"][n]) for n in noise)
+    _NOISE[(world_size, stage)] = noise
+    reference = noise_reference()
+    for name, value in noise.items():
+        assert torch.equal(value, reference[name]), (world_size, stage, name)
+
+
+@pytest.mark.parametrize("world_size,stage", [(2, 1), (2, 2), (3, 3)])
+def test_transforms_bf16(ranks, world_size: int, stage: int) -> None:
+    ranks(world_size).run(transforms.check_transforms, stage, "bf16")
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_transforms_replicated_bf16_optimizer(ranks, world_size: int) -> None:
+    ranks(world_size).run(transforms.check_transforms, 1, "bf16-replicated")
+
+
+@pytest.mark.parametrize("world_size,stage", [(2, 1), (2, 3)])
+def test_transforms_fp16_loss_scale(ranks, world_size: int, stage: int) -> None:
+    results = ranks(world_size).run(transforms.check_fp16, stage)
+    assert results[0]["loss_scale"] == 1024.0
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_collective_counts_do_not_grow_with_model(ranks, stage: int) -> None:
+    counts = ranks(2).run(transforms.check_scaling, stage)[0]
+    for op in ("norms2", "norms_inf", "global_norm", "dots", "dots_with_norms", "clip_grad_norm_", "clip_per_param_"):
+        assert counts[op] == 1, (op, counts)
+    assert 1 <= counts["stats"] <= 2
+    assert counts["elementwise"] == 0
+
+
+def test_noise_identical_across_world_sizes_and_stages() -> None:
+    if len(_NOISE) < 2:
+        pytest.skip("needs the fp32 transform cases of this module to have run")
+    first, *others = _NOISE.values()
+    for other in others:
+        assert all(torch.equal(first[n], other[n]) for n in first)
+
+
+def noise_reference() -> dict[str, torch.Tensor]:
+    """Single-process reference: the counter-based generator over each full flattened parameter."""
+    model = OddModel()
+    return {
+        name: counter_normal(transforms.NOISE_SEED, name, p.numel()).view(p.shape)
+        for name, p in model.named_parameters()
+    }

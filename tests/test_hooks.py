@@ -41,9 +41,11 @@ def test_remove_respects_other_instance_wrappers(ranks) -> None:
     ranks(2).run(hooks.check_instance_attribute_preserved)
 
 
-@pytest.mark.parametrize("stage,failing_rank", [(1, 0), (2, 1), (3, 1)])
-def test_error_on_one_rank_raises_everywhere_without_stepping(ranks, stage: int, failing_rank: int) -> None:
-    ranks(2).run(hooks.check_error_on_one_rank, stage, failing_rank)
+@pytest.mark.parametrize("stage,failing_rank,after_collective", [(1, 0, False), (2, 1, False), (3, 1, False),
+                                                                   (2, 0, True), (3, 1, True)])
+def test_error_on_one_rank_raises_everywhere_without_stepping(ranks, stage: int, failing_rank: int,
+                                                              after_collective: bool) -> None:
+    ranks(2).run(hooks.check_error_on_one_rank, stage, failing_rank, after_collective)
 
 
 def test_error_on_all_ranks(ranks) -> None:
@@ -71,6 +73,11 @@ def test_stats_logger_matches_safe_get_full_grad(ranks, stage: int, gas: int, ev
 
 def test_stats_logger_counts_nonfinite_and_callback_errors_stop_the_step(ranks) -> None:
     ranks(2).run(hooks.check_stats_logger_nan_and_callback_error)
+
+
+def test_accelerate_error_on_one_rank(ranks) -> None:
+    pytest.importorskip("accelerate")
+    ranks(2).run(hooks.check_accelerate_error)
 
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")

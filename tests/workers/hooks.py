@@ -197,12 +197,14 @@ def check_instance_attribute_preserved() -> None:
 
 
 # --- errors ----------------------------------------------------------------------------------------------------------------
-def check_error_on_one_rank(stage: int, failing_rank: int) -> None:
+def check_error_on_one_rank(stage: int, failing_rank: int, after_collective: bool = False) -> None:
     """fn raises on one rank: every rank raises, nothing hangs, no optimizer update; the engine steps fine after."""
     engine = make_engine(ds_config(stage))
     before = params_snapshot(engine)
 
     def fn(grads: zd.ShardedGrads) -> None:
+        if after_collective:
+            grads.full_tensors()  # every rank completes this collective; then one rank fails
         if dist.get_rank() == failing_rank:
             raise ValueError("bad gradients on this rank")
 
@@ -451,3 +453,21 @@ def check_stats_logger_nan_and_callback_error() -> None:
         zd.GradStatsLogger(engine, every=0)
     with pytest.raises(ValueError):
         zd.GradStatsLogger(engine, metrics=("median",))
+
+
+def check_accelerate_error() -> None:
+    """A hook failing on one rank inside accelerator.backward(): every rank raises there, no optimizer update."""
+    accelerator, engine, _ = _accelerate_engine(2, 1)
+    before = params_snapshot(engine)
+
+    def fn(grads: zd.ShardedGrads) -> None:
+        if dist.get_rank() == 1:
+            raise ValueError("rank 1 objects")
+
+    with zd.on_grads(engine, fn):
+        loss = engine(batch(engine)).float().pow(2).mean()
+        expected = ValueError if dist.get_rank() == 1 else GradHookError
+        with pytest.raises(expected):
+            accelerator.backward(loss)
+    assert engine.global_steps == 0 and engine.micro_steps == 0
+    assert_params_equal(params_snapshot(engine), before)

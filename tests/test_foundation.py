@@ -17,4 +17,6 @@ def test_reads_match_deepspeed(ranks, world_size: int, stage: int, dtype: str) -
 
 @pytest.mark.parametrize("world_size,stage,dtype", CASES)
 def test_set_then_step_matches_deepspeed(ranks, world_size: int, stage: int, dtype: str) -> None:
-    ranks(world_size).run(foundation.check_writes, stage, dtype)
+    skipped = ranks(world_size).run(foundation.check_writes, stage, dtype)[0]
+    if skipped:
+        pytest.skip(skipped)

@@ -339,3 +339,16 @@ def check_sub_world_dp(stage: int, dtype: str, gas: int = 1) -> dict:
         assert torch.equal(grads[name].full_tensor(), value.to(grads[name].dtype)), name
     engine.step()
     return {"dp_ranks": mpu.dp_ranks}
+
+
+def check_hpz() -> dict:
+    """ZeRO-3 with hpZ (zero_hpz_partition_size 2 of 4): gradients are still partitioned over the whole DP group."""
+    model, _ = build_model(1)
+    engine = make_engine(ds_config(3, "fp32", zero_hpz_partition_size=2), model=model)
+    forward_backward(engine)
+    grads = zd.sharded_grads(engine)
+    assert all(g.world_size == dist.get_world_size() for g in grads.layout.groups)
+    full = grads.full_tensors(dtype=torch.float32)
+    assert_close(full, reference_grads("fp32", 1, engine.train_micro_batch_size_per_gpu(), 1), TOL["fp32"], "hpZ")
+    engine.step()
+    return {"groups": len(grads.layout.groups)}

@@ -139,7 +139,11 @@ def grad_storage(engine: Any, opt: Any) -> GradStorage:
     def after_write(written: Sequence[str]) -> None:
         if not opt.cpu_offload:
             return
-        from deepspeed.runtime.zero.utils import get_norm_dtype
+        try:
+            from deepspeed.runtime.zero.utils import get_norm_dtype
+        except ImportError:  # DeepSpeed 0.18.9 computes these norms in float64
+            def get_norm_dtype() -> torch.dtype:
+                return torch.float64
 
         for name in written:
             p = layout.by_name[name]

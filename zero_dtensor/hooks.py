@@ -65,10 +65,16 @@ class GradHookError(RuntimeError):
 class GradHookHandle:
     """Returned by :func:`on_grads`. ``remove()`` unregisters the hook (idempotent); also a context manager."""
 
-    def __init__(self, registry: _Registry, hook_id: int, fn: GradFn) -> None:
+    def __init__(self, registry: _Registry, hook_id: int, hook: _Hook) -> None:
         self._registry = registry
+        self._hook = hook
         self.id = hook_id
-        self.fn = fn
+        self.fn = hook.fn
+
+    @property
+    def boundaries(self) -> int:
+        """Accumulation boundaries seen while registered (``fn`` ran at every ``every``-th of them)."""
+        return self._hook.boundaries
 
     @property
     def active(self) -> bool:
@@ -89,8 +95,8 @@ class GradHookHandle:
         return f"GradHookHandle(id={self.id}, fn={getattr(self.fn, '__qualname__', self.fn)!r}, active={self.active})"
 
 
-def on_grads(engine: Any, fn: GradFn, *, sync_errors: bool = True, group: dist.ProcessGroup | None = None
-             ) -> GradHookHandle:
+def on_grads(engine: Any, fn: GradFn, *, every: int = 1, sync_errors: bool = True,
+             group: dist.ProcessGroup | None = None) -> GradHookHandle:
     """Call ``fn(grads)`` at every gradient-accumulation boundary, after reduction and before the optimizer step.
 
     ``grads`` is ``zero_dtensor.sharded_grads(engine)``: in-place changes (``grads.set_full_(...)``, writes to
@@ -106,6 +112,8 @@ def on_grads(engine: Any, fn: GradFn, *, sync_errors: bool = True, group: dist.P
         engine: a ``deepspeed.DeepSpeedEngine`` (what ``deepspeed.initialize`` returns, ``accelerator.prepare`` gives
             under its DeepSpeed plugin, or ``trainer.model_wrapped`` in the HF Trainer).
         fn: ``fn(grads: ShardedGrads) -> Any``.
+        every: call ``fn`` at every ``every``-th accumulation boundary only (the first one included); the other
+            boundaries cost nothing (no ``ShardedGrads``, no agreement collective).
         sync_errors: after ``fn``, all-reduce an error flag (``world_size`` int32) so that an exception on any rank
             raises on every rank before the optimizer step (:class:`GradHookError` on the ranks that did not fail).
         group: the process group for that agreement; default the world (every rank that runs ``engine.step()``).
@@ -115,6 +123,8 @@ def on_grads(engine: Any, fn: GradFn, *, sync_errors: bool = True, group: dist.P
     """
     if not callable(fn):
         raise TypeError(f"on_grads(engine, fn): fn must be callable, got {type(fn).__name__}")
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"every must be an int >= 1, got {every!r}")
     if not callable(getattr(engine, "step", None)) or not hasattr(engine, "is_gradient_accumulation_boundary"):
         raise TypeError(
             f"on_grads needs a DeepSpeed engine (with step() and is_gradient_accumulation_boundary()), got "
@@ -129,7 +139,7 @@ def on_grads(engine: Any, fn: GradFn, *, sync_errors: bool = True, group: dist.P
     registry = getattr(engine, _ATTR, None)
     if registry is None or not registry.installed:
         registry = _Registry(engine)
-    return registry.add(fn, sync_errors=sync_errors, group=group)
+    return registry.add(_Hook(fn, every, sync_errors, group))
 
 
 def attach_to_trainer(trainer: Any, factory: Callable[[Any], Any]) -> Any:
@@ -190,24 +200,32 @@ def on_grads_in_trainer(trainer: Any, fn: GradFn, **kwargs: Any) -> Any:
 _MISSING = object()
 
 
+class _Hook:
+    __slots__ = ("fn", "every", "sync_errors", "group", "boundaries")
+
+    def __init__(self, fn: GradFn, every: int, sync_errors: bool, group: dist.ProcessGroup | None) -> None:
+        self.fn, self.every, self.sync_errors, self.group = fn, every, sync_errors, group
+        self.boundaries = 0  # accumulation boundaries seen while registered
+
+
 class _Registry:
     """The hooks of one engine, and the instance attributes they replaced."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self.hooks: dict[int, tuple[GradFn, bool, dist.ProcessGroup | None]] = {}
+        self.hooks: dict[int, _Hook] = {}
         self.installed = False
         self._saved: dict[str, Any] = {}
         self._wrappers: dict[str, Any] = {}
         self._unmanaged_fired = False
 
     # --- registration --------------------------------------------------------------------------------------------
-    def add(self, fn: GradFn, *, sync_errors: bool, group: dist.ProcessGroup | None) -> GradHookHandle:
+    def add(self, hook: _Hook) -> GradHookHandle:
         if not self.installed:
             self._install()
         hook_id = next(_ids)
-        self.hooks[hook_id] = (fn, sync_errors, group)
-        return GradHookHandle(self, hook_id, fn)
+        self.hooks[hook_id] = hook
+        return GradHookHandle(self, hook_id, hook)
 
     def remove(self, hook_id: int) -> None:
         self.hooks.pop(hook_id, None)
@@ -297,7 +315,11 @@ class _Registry:
 
     def _fire(self) -> None:
         grads: ShardedGrads | None = None
-        for fn, sync_errors, group in list(self.hooks.values()):
+        for hook in list(self.hooks.values()):
+            index, hook.boundaries = hook.boundaries, hook.boundaries + 1
+            if index % hook.every:
+                continue
+            fn, sync_errors, group = hook.fn, hook.sync_errors, hook.group
             error: BaseException | None = None
             try:
                 if grads is None:

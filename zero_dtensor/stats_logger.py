@@ -33,7 +33,8 @@ class GradStatsLogger:
 
     Args:
         engine: a DeepSpeed engine (see :func:`~zero_dtensor.on_grads`).
-        every: log at every ``every``-th accumulation boundary (1 = every optimizer step; the first one is logged).
+        every: log at every ``every``-th accumulation boundary (1 = every optimizer step; the first one is logged);
+            the boundaries in between cost nothing (``on_grads(..., every=every)``).
         callback: called on rank 0 only (on every rank with ``all_ranks=True``).
         params: which parameters (names, or a predicate ``name -> bool``); default all trainable ones.
         metrics: which of ``norm``, ``max_abs``, ``mean``, ``nan_count``, ``inf_count`` to report per parameter.
@@ -72,14 +73,14 @@ class GradStatsLogger:
         self.all_ranks = all_ranks
         self.latest: dict[str, float] = {}
         self.latest_step: int | None = None
-        self.boundaries = 0  # accumulation boundaries seen (logged or not)
-        self.handle: GradHookHandle = on_grads(engine, self._on_grads)
+        self.handle: GradHookHandle = on_grads(engine, self._on_grads, every=every)
+
+    @property
+    def boundaries(self) -> int:
+        """Accumulation boundaries seen while attached (logged or not)."""
+        return self.handle.boundaries
 
     def _on_grads(self, grads: ShardedGrads) -> None:
-        index = self.boundaries
-        self.boundaries += 1
-        if index % self.every:
-            return
         stats = grads.stats(params=self.params)
         p = self.prefix
         out: dict[str, float] = {}

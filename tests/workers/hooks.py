@@ -16,7 +16,7 @@ from zero_dtensor.hooks import GradHookError
 
 from .common import OddModel, batch, ds_config, fill_value, forward_backward, make_engine, params_snapshot
 
-STEPS = 2  # optimizer steps per check
+STEPS = 3  # optimizer steps per check
 
 
 def modify(name: str, g: torch.Tensor) -> torch.Tensor:
@@ -67,12 +67,16 @@ def check_fires_once_per_boundary(stage: int, gas: int) -> dict:
             assert torch.equal(full[name], safe_get_full_grad(p)), name
 
     handle = zd.on_grads(engine, fn)
+    sparse: list[int] = []
+    every_other = zd.on_grads(engine, lambda g: sparse.append(engine.global_steps), every=2)
     for micro in range(STEPS * gas):
         forward_backward(engine, micro)
         engine.step()
     handle.remove()
+    every_other.remove()
     assert seen == [((s + 1) * gas - 1, s) for s in range(STEPS)], seen
     assert engine.global_steps == STEPS
+    assert sparse == list(range(0, STEPS, 2)) and every_other.boundaries == handle.boundaries == STEPS
     return {"fired": len(seen)}
 
 
@@ -132,6 +136,8 @@ def check_rejects_non_engines() -> None:
     engine = make_engine(ds_config(1))
     with pytest.raises(TypeError, match="callable"):
         zd.on_grads(engine, None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="every"):
+        zd.on_grads(engine, hook_modify, every=0)
     assert "step" not in engine.__dict__
 
 

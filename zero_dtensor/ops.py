@@ -43,6 +43,7 @@ from typing import Any, Union
 import torch
 import torch.distributed as dist
 
+from . import debug as _debug
 from .collectives import _all_reduce_op
 
 __all__ = ["GradOpsMixin", "GradStats", "NOISE_BLOCK", "counter_normal"]
@@ -603,6 +604,7 @@ class GradOpsMixin:
     def _reduce(self, selected: list, local: torch.Tensor, op: Any) -> torch.Tensor:
         """All-reduce the rows of ``local`` (one row per selected parameter): one collective per distinct process
         group of sharded, multi-rank groups; rows of replicated or single-rank groups are already complete."""
+        _debug.check_grads_call(self, "reduce", [p.name for p in selected], str(op), tuple(local.shape[1:]))
         storage = self._storage
         buckets: dict[int, tuple[Any, list[int]]] = {}
         for i, p in enumerate(selected):

@@ -13,10 +13,10 @@ Why a hook and not a ``TrainerCallback``: under DeepSpeed the Trainer calls ``ac
 ``zd.on_grads_in_trainer(trainer, fn)`` adds a small callback that registers ``fn`` with ``zd.on_grads`` on the
 DeepSpeed engine when training begins (``trainer.model_wrapped``) and removes it when training ends.
 
-CPU caveat (accelerate 1.15, see examples/accelerate_loop.py): without a GPU, Accelerate — and so the Trainer — counts
-one process per rank (``args.world_size == 1``), while DeepSpeed trains on all ranks. The Trainer's dataloader is then
-not sharded, so this example gives every rank its own random data; keep ``train_batch_size`` out of the DeepSpeed
-config (the Trainer would fill it for one process and DeepSpeed would refuse the mismatch).
+CPU caveat (accelerate 1.15, see examples/accelerate_loop.py): without a GPU, Accelerate (and so the Trainer)
+counts one process per rank (``args.world_size == 1``), while DeepSpeed trains on all ranks. The Trainer's
+dataloader is then not sharded, so this example gives every rank its own random data. Keep ``train_batch_size`` out
+of the DeepSpeed config: the Trainer would fill it for one process and DeepSpeed would refuse the mismatch.
 """
 
 from __future__ import annotations
@@ -66,6 +66,8 @@ def main() -> dict:
     rank = dist.get_rank()
     data = RandomTokens(4 * GAS * STEPS, 16, 128, seed=rank)  # per-rank data: see the CPU caveat above
     trainer = Trainer(model=model, args=args, train_dataset=data)
+    if rank == 0:  # the CPU caveat above: 1 vs 2
+        print(f"Trainer world_size {args.world_size}, DeepSpeed world size {dist.get_world_size()}")
 
     seen: list[int] = []
     late: list[str] = []

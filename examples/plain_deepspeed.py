@@ -41,10 +41,11 @@ def main() -> dict[str, float]:
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
     def edit(grads: zd.ShardedGrads) -> None:
-        norms = grads.clip_per_param_(0.1)  # per-parameter clip to norm 0.1, one small all_reduce; returns norms before
+        norms = grads.clip_per_param_(0.1)  # per-parameter clip, one small all_reduce; returns norms before
         grads.add_noise_(1e-4, seed=engine.global_steps)  # same noise whatever the world size
         if rank == 0:
-            print(f"step {engine.global_steps + 1}: clipped {sum(float(n) > 0.1 for n in norms.values())} of {len(norms)}")
+            clipped = sum(float(n) > 0.1 for n in norms.values())
+            print(f"step {engine.global_steps + 1}: clipped {clipped} of {len(norms)} parameter gradients")
 
     def report(metrics: dict[str, float], step: int) -> None:  # e.g. wandb.log(metrics, step=step)
         print(f"step {step}: global grad norm {metrics['grad/global_norm']:.4f}, "

@@ -53,7 +53,7 @@ def assert_params_differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
     assert any(not torch.equal(a[n], b[n]) for n in a), "the hook's edit did not change the parameters"
 
 
-# --- plain DeepSpeed ---------------------------------------------------------------------------------------------------
+# --- plain DeepSpeed --------------------------------------------------------------------------------------------------
 def check_fires_once_per_boundary(stage: int, gas: int) -> dict:
     """The hook fires once per boundary, with the reduced gradient (== safe_get_full_grad), never mid-accumulation."""
     engine = make_engine(ds_config(stage, gas=gas))
@@ -141,7 +141,7 @@ def check_rejects_non_engines() -> None:
     assert "step" not in engine.__dict__
 
 
-# --- removal -------------------------------------------------------------------------------------------------------------
+# --- removal ----------------------------------------------------------------------------------------------------------
 def check_remove_restores(stage: int) -> None:
     engine = make_engine(ds_config(stage))
     assert "step" not in engine.__dict__ and "_take_model_step" not in engine.__dict__
@@ -202,7 +202,7 @@ def check_instance_attribute_preserved() -> None:
     assert calls == ["hook", "theirs", "theirs"]
 
 
-# --- errors ----------------------------------------------------------------------------------------------------------------
+# --- errors -----------------------------------------------------------------------------------------------------------
 def check_error_on_one_rank(stage: int, failing_rank: int, after_collective: bool = False) -> None:
     """fn raises on one rank: every rank raises, nothing hangs, no optimizer update; the engine steps fine after."""
     engine = make_engine(ds_config(stage))
@@ -250,7 +250,7 @@ def check_error_on_all_ranks() -> None:
     assert_params_equal(params_snapshot(engine), before)
 
 
-# --- unmanaged accumulation ------------------------------------------------------------------------------------------------
+# --- unmanaged accumulation -------------------------------------------------------------------------------------------
 def check_unmanaged(stage: int) -> None:
     """``managed_gradient_accumulation: false``: step() finalizes; the hook runs after that, before the optimizer."""
     gas = 2
@@ -295,7 +295,7 @@ def check_unmanaged(stage: int) -> None:
     assert_params_equal(params_snapshot(engine), before)
 
 
-# --- Accelerate ----------------------------------------------------------------------------------------------------------
+# --- Accelerate -------------------------------------------------------------------------------------------------------
 def _accelerate_engine(stage: int, gas: int) -> tuple[Any, Any, Any]:
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState, PartialState
@@ -366,7 +366,7 @@ def check_accelerate(stage: int, gas: int) -> dict:
     return {"fired": len(seen), "sync": steps_called}
 
 
-# --- GradStatsLogger ---------------------------------------------------------------------------------------------------------
+# --- GradStatsLogger --------------------------------------------------------------------------------------------------
 def check_stats_logger(stage: int, gas: int, every: int) -> dict:
     """Values equal statistics of safe_get_full_grad taken at the same moment; logged every ``every`` boundaries;
     callback on rank 0 only; stats cost at most two collectives."""

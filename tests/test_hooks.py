@@ -48,6 +48,11 @@ def test_error_on_one_rank_raises_everywhere_without_stepping(ranks, stage: int,
     ranks(2).run(hooks.check_error_on_one_rank, stage, failing_rank, after_collective)
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_discard_step_after_error(ranks, stage: int) -> None:
+    ranks(2).run(hooks.check_discard_after_error, stage)
+
+
 def test_error_on_all_ranks(ranks) -> None:
     ranks(2).run(hooks.check_error_on_all_ranks)
 

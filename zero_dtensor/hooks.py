@@ -105,7 +105,13 @@ def on_grads(engine: Any, fn: GradFn, *, every: int = 1, sync_errors: bool = Tru
     non-boundary micro-steps.
 
     Works whether the user calls ``engine.step()`` or Accelerate does inside ``accelerator.backward()``; see the module
-    docstring for where exactly it hooks. Several hooks may be registered on one engine; they run in registration
+    docstring for where exactly it hooks. Values are as DeepSpeed holds them before its step: reduced (averaged over
+    ranks and micro-steps), unclipped (``gradient_clipping`` runs inside the step, on the edited values), and under
+    fp16 possibly non-finite: the hook also runs on steps DeepSpeed will then skip for overflow.
+
+    If ``fn`` raises, ``engine.step()`` raises on every rank (see ``sync_errors``) and DeepSpeed's step has not begun
+    (managed accumulation): the gradients are still there. Calling ``engine.step()`` again runs the hooks again; to
+    discard the step instead, call ``engine.optimizer.zero_grad()`` and train on. Several hooks may be registered on one engine; they run in registration
     order, each seeing the previous ones' changes.
 
     Args:

@@ -298,13 +298,12 @@ def check_unmanaged(stage: int) -> None:
 # --- Accelerate -------------------------------------------------------------------------------------------------------
 def _accelerate_engine(stage: int, gas: int) -> tuple[Any, Any, Any]:
     from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import DeepSpeedPlugin
 
     # one Accelerator per check in a reused rank process: drop the singletons the previous check left
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    del PartialState
     config = ds_config(stage, gas=gas)
     config.pop("optimizer")  # the client optimizer below, as an Accelerate user passes it
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config), gradient_accumulation_steps=gas)
@@ -477,3 +476,26 @@ def check_accelerate_error() -> None:
             accelerator.backward(loss)
     assert engine.global_steps == 0 and engine.micro_steps == 0
     assert_params_equal(params_snapshot(engine), before)
+
+
+def check_discard_after_error(stage: int) -> None:
+    """After a hook error, ``engine.optimizer.zero_grad()`` discards the step: training on equals an engine that
+    never saw that batch."""
+    engine = make_engine(ds_config(stage))
+
+    def fn(grads: zd.ShardedGrads) -> None:
+        raise ValueError("reject this batch")
+
+    with zd.on_grads(engine, fn):
+        forward_backward(engine, 0)
+        with pytest.raises(ValueError):
+            engine.step()
+    engine.optimizer.zero_grad()
+    forward_backward(engine, 1)
+    engine.step()
+
+    never = make_engine(ds_config(stage))
+    forward_backward(never, 1)
+    never.step()
+    assert engine.global_steps == never.global_steps == 1
+    assert_params_equal(params_snapshot(engine), params_snapshot(never))

@@ -150,6 +150,9 @@ class GradOpsMixin:
     def add_(self, other: Any, *, alpha: Scalar | Mapping[str, Scalar] = 1.0, params: ParamSelection = None):
         """``g += alpha * other`` in true units. **No communication.** Returns ``self``.
 
+        With a ``ShardedGrads`` operand and ``alpha != 1``, ``alpha * other`` is formed in float32 and then added
+        (one rounding to the stored dtype), so results do not depend on how fragments fall on vector boundaries.
+
         ``other``: a number or 0-d tensor (added to every element), or another ``ShardedGrads``/clone with the same
         layout (its own loss scale is taken into account). ``alpha``: a number, 0-d tensor, or a mapping
         ``name -> alpha`` (per-parameter, e.g. PCGrad projection coefficients).
@@ -162,9 +165,12 @@ class GradOpsMixin:
             ratio = scale / other.loss_scale
 
             def op(x, a, o):
-                if isinstance(a, torch.Tensor):
-                    return x.add_(o * (a * ratio).to(o.device))
-                return x.add_(o, alpha=a * ratio)
+                if not isinstance(a, torch.Tensor) and a * ratio == 1.0:
+                    return x.add_(o)
+                # the product in float32, then one add: torch's add_(o, alpha=) on 16-bit tensors rounds differently
+                # in its vectorized body and its scalar tail, which would make results depend on sharding
+                factor = (a * ratio).to(o.device) if isinstance(a, torch.Tensor) else a * ratio
+                return x.add_(o.to(torch.float32) * factor)
 
             self._elementwise(selected, op, per_alpha, other=other)
         else:

@@ -88,9 +88,10 @@ def elementwise_ops(snap_full: dict[str, torch.Tensor], names: list[str]) -> lis
         ("div_ per-param mapping", lambda g, s: g.div_(factors), lambda n, t: t.div_(factors[n])),
         ("add_ scalar subset", lambda g, s: g.add_(0.001, params=SUBSET),
          lambda n, t: t.add_(0.001) if n in SUBSET else t),
-        ("add_ other all", lambda g, s: g.add_(s, alpha=-0.25), lambda n, t: t.add_(snap_full[n], alpha=-0.25)),
+        ("add_ other all", lambda g, s: g.add_(s, alpha=-0.25), lambda n, t: t.add_(snap_full[n].float() * -0.25)),
+        # (documented semantics: alpha·other formed in float32, then added)
         ("add_ other per-param alpha", lambda g, s: g.add_(s, alpha=alphas, params=weights),
-         lambda n, t: t.add_(snap_full[n], alpha=alphas[n]) if weights(n) else t),
+         lambda n, t: t.add_(snap_full[n].float() * alphas[n]) if weights(n) else t),
         ("clamp_ all", lambda g, s: g.clamp_(-0.02, 0.03), lambda n, t: t.clamp_(-0.02, 0.03)),
         ("clamp_ min subset", lambda g, s: g.clamp_(min=-0.01, params=SUBSET),
          lambda n, t: t.clamp_(min=-0.01) if n in SUBSET else t),

@@ -96,3 +96,8 @@ def test_data_parallel_group_smaller_than_world(ranks, stage: int, dtype: str, g
     """4 ranks as 2 (DP, via deepspeed.initialize(mpu=...)) x 2: meshes and averages follow DeepSpeed's DP group."""
     results = ranks(4).run(configs.check_sub_world_dp, stage, dtype, gas)
     assert [r["dp_ranks"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+
+
+def test_zero3_hpz_reads_true_gradient(ranks) -> None:
+    """hpZ (zero_hpz_partition_size 2 of 4) only adds a secondary parameter copy; gradients stay DP-partitioned."""
+    ranks(4).run(configs.check_hpz)

@@ -70,10 +70,13 @@ def test_accelerate_deepspeed_plugin(ranks, stage: int, gas: int) -> None:
     assert result["sync"] == ([False] * (gas - 1) + [True]) * hooks.STEPS
 
 
-@pytest.mark.parametrize("stage,gas,every", [(1, 2, 1), (2, 1, 2), (3, 2, 1)])
-def test_stats_logger_matches_safe_get_full_grad(ranks, stage: int, gas: int, every: int) -> None:
-    result = ranks(2).run(hooks.check_stats_logger, stage, gas, every)[0]
+@pytest.mark.parametrize("stage,gas,every,dtype", [(1, 2, 1, "fp32"), (2, 1, 2, "fp32"), (3, 2, 1, "fp32"),
+                                                     (1, 1, 1, "bf16")])
+def test_stats_logger_matches_safe_get_full_grad(ranks, stage: int, gas: int, every: int, dtype: str) -> None:
+    result = ranks(2).run(hooks.check_stats_logger, stage, gas, every, dtype)[0]
     assert result["steps"] == list(range(1, 4, every))
+    if dtype == "bf16":
+        assert result["optimizer"] == "BF16_Optimizer"
 
 
 def test_stats_logger_counts_nonfinite_and_callback_errors_stop_the_step(ranks) -> None:

@@ -366,12 +366,15 @@ def check_accelerate(stage: int, gas: int) -> dict:
 
 
 # --- GradStatsLogger --------------------------------------------------------------------------------------------------
-def check_stats_logger(stage: int, gas: int, every: int) -> dict:
+def check_stats_logger(stage: int, gas: int, every: int, dtype: str = "fp32") -> dict:
     """Values equal statistics of safe_get_full_grad taken at the same moment; logged every ``every`` boundaries;
     callback on rank 0 only; stats cost at most two collectives."""
     from .common import count_comms
 
-    engine = make_engine(ds_config(stage, gas=gas))
+    config = ds_config(stage, dtype, gas=gas)
+    if dtype == "bf16":
+        config["data_types"] = {"grad_accum_dtype": "fp32"}  # stage 1: BF16_Optimizer (replicated fp32 grads)
+    engine = make_engine(config)
     references: list[dict[str, torch.Tensor]] = []
     calls: list[tuple[int, dict[str, float]]] = []
     zd.on_grads(engine, lambda g: references.append(
@@ -407,7 +410,7 @@ def check_stats_logger(stage: int, gas: int, every: int) -> dict:
         assert calls == []
 
     # cost: the statistics take at most two collectives per step
-    engine2 = make_engine(ds_config(stage))
+    engine2 = make_engine({**config, "gradient_accumulation_steps": 1})
     probe = zd.GradStatsLogger(engine2, metrics=("norm",))
     probe.remove()
     counts: list[int] = []
@@ -423,7 +426,7 @@ def check_stats_logger(stage: int, gas: int, every: int) -> dict:
     assert counts and counts[0] <= 2, counts
     assert set(probe.latest) == {f"grad/{n}/norm" for n, _ in engine2.module.named_parameters()} | {
         "grad/global_norm", "grad/nan_count", "grad/inf_count"}
-    return {"steps": [s for s, _ in logged]}
+    return {"steps": [s for s, _ in logged], "optimizer": type(engine.optimizer).__name__}
 
 
 def check_stats_logger_nan_and_callback_error() -> None:

@@ -17,6 +17,8 @@ from . import debug as _debug
 from .collectives import _all_gather_single, all_gather_partitions, all_reduce_sum, mesh_for
 from .errors import StaleGradientsError
 from .layout import GradLayout, Packing, ParamLayout
+from . import materialize as _materialize
+from .materialize import FullTensorsHandle
 from .ops import GradOpsMixin
 from .storage import GradStorage
 
@@ -198,19 +200,80 @@ class ShardedGrads(GradOpsMixin, Mapping[str, ParamGrad]):
         return self._group_dtensors
 
     # --- materialization ---------------------------------------------------------------------------------------
-    def full_tensors(self, names: list[str] | None = None, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """``{name: full gradient}`` (true, unscaled values). **Collective**: call on every rank, same ``names``.
+    def full_tensors(
+        self,
+        names: list[str] | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        out: dict[str, torch.Tensor] | None = None,
+        dst: int | None = None,
+        async_op: bool = False,
+        strategy: str = "auto",
+    ) -> dict[str, torch.Tensor] | FullTensorsHandle:
+        """``{name: full gradient}`` (true, unscaled values). **Collective**: call on every rank with the same arguments.
 
-        Communication: one ``all_gather`` per process group and dtype, coalesced over the flat groups that share
-        them (``(N-1)/N·S`` bytes received per rank, ``S`` the padded flat size in the stored dtype); none for
-        replicated groups. Only groups holding a requested name are gathered. ZeRO-1/2 results are views into the
-        gathered buffer; ZeRO-3 results are copies (a strided unpack); replicated results alias the storage.
+        Args:
+            names: parameters to materialize (default: all). Only flat groups holding one of them communicate.
+            dtype: output dtype (default: the stored dtype; fp32 under fp16 loss scaling). Communication always
+                uses the stored dtype; the cast happens after it.
+            out: a dict to fill in place, e.g. the result of a previous call: zero allocation on later steps. A
+                previous result (a :class:`~zero_dtensor.materialize.FullGrads`) also carries its flat gather
+                buffers, so the collective writes straight into them and ZeRO-1/2 entries in the stored dtype are
+                views of them (no copy at all); ZeRO-3 entries get a strided copy into the existing tensors. With a
+                user-made dict, entries must have the parameter's shape and the output dtype, on the gradient's
+                device, contiguous; missing entries are created; the gather buffer is then a module-level workspace
+                kept between calls (``zero_dtensor.materialize.release_workspace()`` frees it).
+            dst: a global rank: only it receives full tensors, every other rank gets an empty dict.
+                ``all_gather``/``auto``: one ``gather`` per flat group (gather has no coalesced form): each rank sends
+                ``S/N``, the destination receives ``(N-1)/N·S`` and only it allocates ``S``. ``all_reduce``: one
+                sum ``reduce`` per bucket of a zero-padded ``S`` buffer that every rank allocates.
+            async_op: return a :class:`~zero_dtensor.materialize.FullTensorsHandle` whose ``wait()`` gives the
+                dict; do not change the gradients (``engine.step()``) before ``wait()``.
+            strategy: ``"all_gather"``, ``"all_reduce"`` or ``"auto"`` (see :mod:`zero_dtensor.materialize`).
+
+        Communication (``N`` ranks, ``S`` the padded flat bytes of the groups involved, in the stored dtype):
+        ``all_gather``: one all_gather per (process group, dtype, device), coalesced over the flat groups sharing
+        them, ``(N-1)/N·S`` bytes per rank. ``all_reduce``: one sum all_reduce per (process group, dtype, device)
+        of a zero-filled ``S`` buffer, ``2(N-1)/N·S`` bytes per rank. ``auto`` on gloo: the first call per
+        (process group, dtype, size bucket) also calibrates (5 more collectives; see
+        :func:`~zero_dtensor.materialize.calibrate`). Replicated groups (``BF16_Optimizer``): none.
+
+        Results: ZeRO-1/2 entries in the stored dtype are views into one gathered buffer; ZeRO-3 entries are copies
+        (a strided unpack; with ``all_reduce`` they are views, since each rank writes its chunks in parameter order);
+        replicated entries alias DeepSpeed's storage unless ``out=`` or a cast asks for copies.
         """
-        self._check_current()
-        params = self._select(names)
-        wanted = sorted({p.group for p in params})
-        flats = self._gather_groups(wanted)
-        return {p.name: self._finish(self._unpack(flats[p.group], p), dtype) for p in params}
+        return _materialize.full_tensors(
+            self, names, dtype=dtype, out=out, dst=dst, async_op=async_op, strategy=strategy
+        )
+
+    def iter_full(
+        self,
+        names: list[str] | None = None,
+        *,
+        bucket_bytes: int = _materialize.DEFAULT_BUCKET_BYTES,
+        dtype: torch.dtype | None = None,
+        strategy: str = "auto",
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(name, full gradient)`` bucket by bucket, for models whose full gradient does not fit in memory.
+        **Collective**: every rank must iterate to the end (a rank that stops early leaves the others waiting in
+        the next bucket's collective).
+
+        Parameters come per flat group, in buffer order (not model order). Consecutive parameters form buckets of
+        at most ``bucket_bytes`` of buffers allocated here (stored dtype); a parameter larger than that gets a
+        bucket of its own (and its own, larger, buffer). One collective per bucket, nothing for replicated groups:
+        ZeRO-1/2 ``all_reduce`` (the default on gloo and NCCL): the bucket's window ``[a, b)`` of the global flat
+        buffer, zero-filled, each rank writing its overlap, ``2(N-1)/N·W`` bytes per rank; ``all_gather``: each
+        rank's overlap padded to the largest one (``m``), ``(N-1)·m`` bytes received per rank (up to ``N/2×``
+        the all_reduce when the window lies within one rank). ZeRO-3 ``all_gather`` (NCCL default): the bucket's
+        chunk range of every rank's partition, ``(N-1)/N·W``; ``all_reduce`` (gloo default): a zero-filled
+        parameter-order buffer, ``2(N-1)/N·W``.
+
+        Peak extra memory: one bucket (plus the local shard DeepSpeed already holds), provided the caller drops
+        each tensor before asking for the next bucket. Yielded tensors of the stored dtype are views into their
+        bucket's buffer (valid as long as they are referenced); ``dtype`` casts and fp16 unscaling add one
+        converted copy per yielded tensor.
+        """
+        return _materialize.iter_full(self, names, bucket_bytes=bucket_bytes, dtype=dtype, strategy=strategy)
 
     def set_full_(self, mapping: Mapping[str, torch.Tensor]) -> None:
         """Overwrite the gradients of the named parameters with full tensors. **No communication**.
@@ -249,25 +312,13 @@ class ShardedGrads(GradOpsMixin, Mapping[str, ParamGrad]):
         return [self.layout.by_name[n] for n in names]
 
     def _gather_groups(self, wanted: list[int]) -> dict[int, torch.Tensor]:
-        flats: dict[int, torch.Tensor] = {}
-        buckets: dict[tuple[dist.ProcessGroup, torch.dtype, torch.device], list[int]] = {}
-        for i in wanted:
-            part = self._storage.partitions[i]
-            if self.layout.groups[i].replicated:
-                flats[i] = part
-            else:
-                buckets.setdefault((self._storage.process_groups[i], part.dtype, part.device), []).append(i)
-        for (pg, _, _), indices in buckets.items():
-            gathered = all_gather_partitions([self._storage.partitions[i] for i in indices], pg)
-            flats.update(zip(indices, gathered))
-        return flats
+        """``{group index: padded global flat buffer}`` (replicated groups: the storage itself). **Collective**: one
+        all_gather per (process group, dtype, device), coalesced; see :mod:`zero_dtensor.materialize`."""
+        return _materialize.gather_flat_groups(self, wanted)
 
     def _unpack(self, flat: torch.Tensor, param: ParamLayout) -> torch.Tensor:
-        group = self.layout.groups[param.group]
-        if group.packing is Packing.CHUNKED and not group.replicated:
-            rows = flat.view(group.world_size, group.partition_numel).narrow(1, param.offset, param.chunk_numel)
-            return rows.reshape(-1).narrow(0, 0, param.numel).view(param.shape)
-        return flat.narrow(0, param.offset, param.numel).view(param.shape)
+        """``param``'s full (stored, still scaled) values from its group's gathered flat buffer."""
+        return _materialize.unpack(self, flat, param)
 
     def _finish(self, full: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
         if self.loss_scale != 1.0:

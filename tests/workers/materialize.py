@@ -1,0 +1,323 @@
+"""Issue 5 checks, run on every rank: every full_tensors option and iter_full against the default path and DeepSpeed."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from deepspeed.utils import safe_get_full_grad
+
+import zero_dtensor as zd
+from zero_dtensor import materialize as mz
+
+from .common import DTYPES, OddModel, count_comms, ds_config, forward_backward, make_engine
+
+
+@contextlib.contextmanager
+def pinned(strategy: str | None) -> Iterator[None]:
+    previous = mz._PINNED
+    mz.set_gather_strategy(strategy)
+    try:
+        yield
+    finally:
+        mz._PINNED = previous
+
+
+class AllocRecorder:
+    """Records every buffer zero_dtensor.materialize allocates (through ``_alloc``) and the peak of live bytes.
+
+    A buffer counts as live until its storage is freed (its last view is gone). Allocations made inside torch or
+    the backend (e.g. by a collective) are *not* seen.
+    """
+
+    def __init__(self, budget: int | None = None) -> None:
+        self.budget = budget
+        self.live = 0
+        self.peak = 0
+        self.sizes: list[int] = []
+
+    def settled_live(self, timeout: float = 0.2) -> int:
+        """Live bytes once the backend thread has let go of finished works (see ``alloc``)."""
+        deadline = time.monotonic() + timeout
+        while self.live and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return self.live
+
+    def _free(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def alloc(self, numel: int, dtype: torch.dtype, device: torch.device, *, zero: bool = False) -> torch.Tensor:
+        t = (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=device)
+        nbytes = t.numel() * t.element_size()
+        # A synchronous gloo collective returns once its work completed, but the backend's worker thread may hold
+        # the work (and so the previous bucket's buffer) a moment longer. Give it up to 50 ms before counting
+        # that buffer as still live; on an idle machine this never waits.
+        deadline = time.monotonic() + 0.05
+        while self.budget is not None and self.live + nbytes > self.budget and time.monotonic() < deadline:
+            time.sleep(0.001)
+        self.sizes.append(nbytes)
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(t, self._free, nbytes)
+        return t
+
+
+@contextlib.contextmanager
+def recording(budget: int | None = None) -> Iterator[AllocRecorder]:
+    rec = AllocRecorder(budget)
+    original = mz._alloc
+    mz._alloc = rec.alloc
+    try:
+        yield rec
+    finally:
+        mz._alloc = original
+
+
+def _engine(stage: int, dtype: str, *, two_groups: bool = False, **zero: Any) -> Any:
+    config = ds_config(stage, dtype, **zero)
+    if not two_groups:
+        return make_engine(config)
+    torch.manual_seed(0)
+    model = OddModel()
+    first = [model.fc1.weight, model.fc2.weight, model.fc3.weight, model.tiny.weight]
+    rest = [p for p in model.parameters() if all(p is not q for q in first)]
+    return make_engine(config, model=model, model_parameters=[{"params": first}, {"params": rest, "lr": 1e-3}])
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
+    assert list(a) == list(b), (what, list(a), list(b))
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, (what, name)
+        assert torch.equal(a[name], b[name]), (what, name)
+
+
+def _expected_collectives(grads: zd.ShardedGrads, strategy: str, names: list[str] | None = None) -> int:
+    """One collective per (process group, dtype, device) bucket of sharded groups holding a requested name."""
+    wanted = {grads.layout.by_name[n].group for n in (names or grads.names)}
+    keys = {
+        (grads._storage.process_groups[i], grads.local_partitions[i].dtype)
+        for i in wanted if not grads.layout.groups[i].replicated
+    }
+    return len(keys)
+
+
+def check_options(stage: int, dtype: str, two_groups: bool = False) -> dict:
+    """Every option of full_tensors returns what the default path (and DeepSpeed) returns."""
+    engine = _engine(stage, dtype, two_groups=two_groups)
+    forward_backward(engine)
+    grads = zd.sharded_grads(engine)
+    stored = DTYPES[dtype]
+    refs = {n: safe_get_full_grad(p).to(stored) for n, p in engine.module.named_parameters() if p.requires_grad}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    report: dict[str, Any] = {"groups": len(grads.groups)}
+
+    with pinned("all_gather"):
+        default = dict(grads.full_tensors())
+    _equal(default, {n: refs[n] for n in grads.names}, "default vs DeepSpeed")
+
+    for strategy in ("all_gather", "all_reduce"):
+        with pinned(strategy), count_comms() as mode:
+            got = grads.full_tensors()
+        _equal(dict(got), default, f"auto pinned to {strategy}")
+        assert mode.get_total_counts() == _expected_collectives(grads, strategy), (strategy, mode.get_comm_counts())
+        with count_comms() as mode:
+            got = grads.full_tensors(strategy=strategy)
+        _equal(dict(got), default, strategy)
+        expected = _expected_collectives(grads, strategy)
+        assert mode.get_total_counts() == expected, (strategy, mode.get_comm_counts())
+        report[f"count_{strategy}"] = mode.get_total_counts()
+
+        # a subset, in the caller's order
+        subset = [grads.names[-1], grads.names[0]]
+        got = grads.full_tensors(subset, strategy=strategy)
+        _equal(dict(got), {n: default[n] for n in subset}, f"{strategy} subset")
+
+        # an output dtype
+        got = grads.full_tensors(dtype=torch.float32, strategy=strategy)
+        _equal(dict(got), {n: t.float() for n, t in default.items()}, f"{strategy} fp32")
+
+        # out=: the returned dict reused; same memory, same collectives
+        first = grads.full_tensors(strategy=strategy)
+        ptrs = {n: t.data_ptr() for n, t in first.items()}
+        buffers = {k: b.data_ptr() for k, b in first.buffers.items()}
+        with count_comms() as mode, recording() as rec:
+            second = grads.full_tensors(out=first, strategy=strategy)
+        assert second is first
+        assert rec.sizes == [], (strategy, rec.sizes)  # nothing allocated by zero_dtensor
+        assert {n: t.data_ptr() for n, t in second.items()} == ptrs
+        assert {k: b.data_ptr() for k, b in second.buffers.items()} == buffers
+        assert mode.get_total_counts() == expected, mode.get_comm_counts()
+        _equal(dict(second), default, f"{strategy} out= reuse")
+
+        # out=: a user-made dict (fp32 outputs): filled in place; the workspace is allocated once
+        mine = {n: torch.full(t.shape, float("nan")) for n, t in default.items()}
+        ptrs = {n: t.data_ptr() for n, t in mine.items()}
+        mz.release_workspace()
+        got = grads.full_tensors(out=mine, dtype=torch.float32, strategy=strategy)
+        with recording() as rec:
+            got = grads.full_tensors(out=mine, dtype=torch.float32, strategy=strategy)
+        assert got is mine and rec.sizes == []
+        assert {n: t.data_ptr() for n, t in mine.items()} == ptrs
+        _equal(dict(mine), {n: t.float() for n, t in default.items()}, f"{strategy} user out=")
+        mz.release_workspace()
+
+        # dst: only the destination receives
+        for dst in (0, world - 1):
+            with count_comms() as mode:
+                got = grads.full_tensors(dst=dst, strategy=strategy)
+            if rank == dst:
+                _equal(dict(got), default, f"{strategy} dst={dst}")
+            else:
+                assert dict(got) == {}, (strategy, dst, list(got))
+            groups = {grads.layout.by_name[n].group for n in grads.names}
+            n_sharded = sum(1 for i in groups if not grads.layout.groups[i].replicated)
+            want = n_sharded if strategy == "all_gather" else expected  # gather: one per group; reduce: per bucket
+            assert mode.get_total_counts() == want, (strategy, dst, mode.get_comm_counts())
+
+        # async
+        with count_comms() as mode:
+            handle = grads.full_tensors(async_op=True, strategy=strategy)
+            got = handle.wait()
+        assert handle.wait() is got
+        _equal(dict(got), default, f"{strategy} async")
+        assert mode.get_total_counts() == expected
+        handle = grads.full_tensors(async_op=True, strategy=strategy, dst=world - 1, dtype=torch.float32)
+        got = handle.wait()
+        if rank == world - 1:
+            _equal(dict(got), {n: t.float() for n, t in default.items()}, f"{strategy} async dst fp32")
+        else:
+            assert dict(got) == {}
+
+    # the internal helpers keep working (other modules may use them)
+    flats = grads._gather_groups(list(range(len(grads.groups))))
+    for p in grads.layout.params:
+        assert torch.equal(grads._finish(grads._unpack(flats[p.group], p), None), default[p.name]), p.name
+    return report
+
+
+def check_streaming(stage: int, dtype: str, bucket_elements: int = 512) -> dict:
+    """iter_full yields the same tensors, one collective per bucket, within its memory budget."""
+    engine = _engine(stage, dtype)
+    forward_backward(engine)
+    grads = zd.sharded_grads(engine)
+    bucket_bytes = bucket_elements * grads.local_partitions[0].element_size()
+    with pinned("all_gather"):
+        default = dict(grads.full_tensors())
+    report: dict[str, Any] = {}
+    for strategy in ("all_gather", "all_reduce"):
+        plan = mz.plan_windows(grads, bucket_bytes=bucket_bytes, strategy=strategy)
+        esize = grads.local_partitions[0].element_size()
+        budget = max(bucket_bytes, max(w["elements"] for w in plan) * esize)
+        oversized = [w["names"] for w in plan if w["elements"] * esize > bucket_bytes]
+        for w in plan:
+            if w["elements"] * esize > bucket_bytes:
+                assert len(w["names"]) == 1, w  # only a single parameter may exceed the bucket
+        seen: dict[str, torch.Tensor] = {}
+        with count_comms() as mode, recording(budget) as rec:
+            for name, tensor in grads.iter_full(bucket_bytes=bucket_bytes, strategy=strategy):
+                assert torch.equal(tensor, default[name]), (strategy, name)
+                seen[name] = tensor.sum().float()  # keep a scalar, drop the tensor
+                del tensor
+        assert sorted(seen) == sorted(default)
+        assert mode.get_total_counts() == len(plan) == sum(w["collectives"] for w in plan), mode.get_comm_counts()
+        assert rec.peak <= budget, (strategy, rec.peak, budget, rec.sizes)
+        assert rec.settled_live() == 0
+        report[strategy] = {"buckets": len(plan), "bucket_bytes": bucket_bytes, "peak": rec.peak, "budget": budget, "oversized": oversized,
+                            "full": sum(t.numel() * t.element_size() for t in default.values())}
+
+        # a subset and a dtype
+        subset = list(grads.names[1::2])
+        got = dict(grads.iter_full(subset, bucket_bytes=bucket_bytes, dtype=torch.float32, strategy=strategy))
+        assert sorted(got) == sorted(subset)
+        for n in subset:
+            assert got[n].dtype == torch.float32 and torch.equal(got[n], default[n].float()), n
+    # auto (pinned) and one huge bucket: one collective for the whole group
+    with pinned("all_gather"), count_comms() as mode:
+        got = dict(grads.iter_full(bucket_bytes=1 << 30))
+    assert mode.get_total_counts() == 1
+    assert all(torch.equal(got[n], default[n]) for n in default)
+    return report
+
+
+def check_fp16(stage: int) -> None:
+    """Under fp16 loss scaling every option returns true (unscaled) gradients, equal to the default path."""
+    engine = _engine(stage, "fp16")
+    forward_backward(engine)
+    grads = zd.sharded_grads(engine)
+    assert grads.loss_scale != 1.0
+    refs = {n: safe_get_full_grad(p).float() / grads.loss_scale for n, p in engine.module.named_parameters()}
+    with pinned("all_gather"):
+        default = dict(grads.full_tensors())
+    _equal(default, refs, "fp16 default vs DeepSpeed/scale")
+    for strategy in ("all_gather", "all_reduce"):
+        got = grads.full_tensors(strategy=strategy)
+        _equal(dict(got), default, f"fp16 {strategy}")
+        again = grads.full_tensors(out=got, strategy=strategy)
+        _equal(dict(again), default, f"fp16 {strategy} out=")
+        got = grads.full_tensors(dst=0, strategy=strategy, dtype=torch.bfloat16)
+        if dist.get_rank() == 0:
+            _equal(dict(got), {n: t.to(torch.bfloat16) for n, t in default.items()}, f"fp16 {strategy} dst bf16")
+        got = grads.full_tensors(async_op=True, strategy=strategy).wait()
+        _equal(dict(got), default, f"fp16 {strategy} async")
+        got = dict(grads.iter_full(bucket_bytes=1024, strategy=strategy))
+        _equal({n: got[n] for n in default}, default, f"fp16 {strategy} iter_full")
+
+
+def check_calibration() -> dict:
+    """auto on gloo: the first call per size bucket calibrates (5 extra collectives), later calls reuse the
+    decision, and every rank takes the same one."""
+    engine = _engine(2, "fp32")
+    forward_backward(engine)
+    grads = zd.sharded_grads(engine)
+    with pinned("all_gather"):
+        default = dict(grads.full_tensors())
+    previous_min = mz.CALIBRATION_MIN_BYTES
+    mz.CALIBRATION_MIN_BYTES = 0
+    mz.clear_calibration()
+    try:
+        with pinned(None), count_comms() as first:
+            got = grads.full_tensors()
+        _equal(dict(got), default, "auto (calibrating)")
+        with pinned(None), count_comms() as second:
+            got = grads.full_tensors()
+        _equal(dict(got), default, "auto (calibrated)")
+        decisions = list(mz.strategy_decisions().values())
+    finally:
+        mz.CALIBRATION_MIN_BYTES = previous_min
+        mz.clear_calibration()
+    assert first.get_total_counts() == 1 + mz.CALIBRATION_COLLECTIVES, first.get_comm_counts()
+    assert second.get_total_counts() == 1, second.get_comm_counts()
+    # below the threshold, auto does not calibrate
+    with pinned(None), count_comms() as small:
+        grads.full_tensors()
+    assert small.get_total_counts() == 1 and mz.strategy_decisions() == {}
+    return {"decisions": decisions}
+
+
+def check_errors() -> None:
+    engine = _engine(2, "fp32")
+    forward_backward(engine)
+    grads = zd.sharded_grads(engine)
+    name = grads.names[0]
+    import pytest
+
+    with pytest.raises(ValueError, match="strategy"):
+        grads.full_tensors(strategy="bogus")
+    with pytest.raises(ValueError, match="must be a tensor of shape"):
+        grads.full_tensors(out={name: torch.zeros(3)})
+    with pytest.raises(ValueError, match="dst"):
+        grads.full_tensors(dst=dist.get_world_size())
+    with pytest.raises(TypeError, match="out="):
+        grads.full_tensors(out=[1, 2])
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        grads.iter_full(bucket_bytes=0)
+    with pytest.raises(ValueError):
+        mz.set_gather_strategy("nope")
+    # nothing above communicated: the next collective still lines up on every rank
+    with pinned("all_gather"):
+        assert len(grads.full_tensors()) == len(grads)

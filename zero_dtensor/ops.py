@@ -609,9 +609,13 @@ class GradOpsMixin:
 
     def _reduce(self, selected: list, local: torch.Tensor, op: Any) -> torch.Tensor:
         """All-reduce the rows of ``local`` (one row per selected parameter): one collective per distinct process
-        group of sharded, multi-rank groups; rows of replicated or single-rank groups are already complete."""
+        group of sharded, multi-rank groups; rows of replicated or single-rank groups are already complete.
+        Returns the reduced rows on the engine's device."""
         _debug.check_grads_call(self, "reduce", [p.name for p in selected], str(op), tuple(local.shape[1:]))
         storage = self._storage
+        # results live on the engine's device: that is where the process group communicates (with CPU offload the
+        # partitions are host memory, while an NCCL group only reduces device tensors)
+        local = local.to(storage.device)
         buckets: dict[int, tuple[Any, list[int]]] = {}
         for i, p in enumerate(selected):
             group = self.layout.groups[p.group]

@@ -435,6 +435,10 @@ def check_fp16(stage: int) -> dict:
     # a clone stored in fp32 with the same scale: add_ converts between dtypes, not scales
     fp32_snap = snap.clone(dtype=torch.float32)
     assert fp32_snap.layout.groups[0].dtype == torch.float32 and fp32_snap.loss_scale == scale
+    grads.add_(fp32_snap, alpha=0.3)
+    stored = {n: t.add_(initial_stored[n].float() * 0.3) for n, t in stored.items()}
+    applied.append(lambda n, t: t.add_(initial_stored[n].float() * 0.3))
+    assert_equal(full(grads), {n: t.float() / scale for n, t in stored.items()}, "fp16 add_ of an fp32 clone")
     with count_comms() as mode:
         norms = grads.norms()
     assert mode.get_total_counts() == one

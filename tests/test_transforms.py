@@ -50,6 +50,11 @@ def test_collective_counts_do_not_grow_with_model(ranks, stage: int) -> None:
     assert counts["elementwise"] == 0
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_offload_norms_refreshed_after_writes(ranks, stage: int) -> None:
+    ranks(2).run(transforms.check_offload_after_write, stage)
+
+
 def test_noise_identical_across_world_sizes_and_stages() -> None:
     if len(_NOISE) < 2:
         pytest.skip("needs the fp32 transform cases of this module to have run")

@@ -460,4 +460,23 @@ def check_fp16(stage: int) -> dict:
     return {"loss_scale": scale}
 
 
-__all__ = ["DTYPES", "check_fp16", "check_scaling", "check_transforms"]
+def check_offload_after_write(stage: int) -> dict:
+    """With CPU offload DeepSpeed clips with norms it precomputed in backward: our writes must refresh them."""
+    config = ds_config(stage, offload_optimizer={"device": "cpu"})
+    config["gradient_clipping"] = 0.5
+    engine = make_engine(config)
+    forward_backward(engine)
+    grads = zd.sharded_grads(engine)
+    before = float(grads.global_norm())
+    grads.mul_(0.25, params=weights)
+    grads.add_noise_(0.002, 5, params=SUBSET)
+    grads.clip_per_param_(0.01, params=lambda n: n.endswith("bias"))
+    expected = float(grads.global_norm())
+    assert abs(expected - before) > 0.1 * before  # the ops changed the norm a lot
+    engine.step()
+    reported = float(engine.get_global_grad_norm())
+    close(reported, expected, "DeepSpeed's global norm after our writes (offload)", rtol=1e-4)
+    return {"before": before, "after": expected, "reported": reported}
+
+
+__all__ = ["DTYPES", "check_fp16", "check_offload_after_write", "check_scaling", "check_transforms"]

@@ -62,6 +62,11 @@ def test_unmanaged_accumulation_hooks_after_finalize(ranks, stage: int) -> None:
     ranks(2).run(hooks.check_unmanaged, stage)
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_unmanaged_discard_after_error(ranks, stage: int) -> None:
+    ranks(2).run(hooks.check_unmanaged_discard_after_error, stage)
+
+
 @pytest.mark.parametrize("stage,gas", [(2, 1), (2, 2), (3, 2)])
 def test_accelerate_deepspeed_plugin(ranks, stage: int, gas: int) -> None:
     pytest.importorskip("accelerate")

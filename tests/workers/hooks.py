@@ -502,3 +502,31 @@ def check_discard_after_error(stage: int) -> None:
     never.step()
     assert engine.global_steps == never.global_steps == 1
     assert_params_equal(params_snapshot(engine), params_snapshot(never))
+
+
+def check_unmanaged_discard_after_error(stage: int) -> None:
+    """Unmanaged accumulation: after a hook error inside step(), ``optimizer.zero_grad()`` discards the finalized
+    gradients; training on equals an engine that never saw those micro-batches."""
+    config = ds_config(stage, gas=2)
+    config["managed_gradient_accumulation"] = False
+
+    def fn(grads: zd.ShardedGrads) -> None:
+        raise ValueError("reject")
+
+    engine = make_engine(config)
+    with zd.on_grads(engine, fn):
+        forward_backward(engine, 0)
+        forward_backward(engine, 1)
+        with pytest.raises(ValueError):
+            engine.step()
+    engine.optimizer.zero_grad()
+    forward_backward(engine, 2)
+    forward_backward(engine, 3)
+    engine.step()
+
+    never = make_engine(config)
+    forward_backward(never, 2)
+    forward_backward(never, 3)
+    never.step()
+    assert engine.global_steps == never.global_steps == 1
+    assert_params_equal(params_snapshot(engine), params_snapshot(never), exact=False)

@@ -1,0 +1,57 @@
+"""Smoke test of the benchmark CLI (python -m zero_dtensor.bench) at a tiny size: it runs, and its JSON is complete."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROWS = {
+    "ds get loop", "ds set loop", "full_tensors out=prev", "full_tensors all_gather", "full_tensors all_reduce",
+    "set_full_", "floor: bare all_gather", "ref: bare all_reduce",
+}
+
+
+def test_help_documents_flags() -> None:
+    out = subprocess.run([sys.executable, "-m", "zero_dtensor.bench", "--help"], capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    for flag in ("--nproc", "--stages", "--tiny", "--hidden", "--layers", "--params", "--repeat", "--json"):
+        assert flag in out, flag
+
+
+def test_cli_tiny_run_writes_complete_json(tmp_path) -> None:
+    path = tmp_path / "bench.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "zero_dtensor.bench", "--tiny", "--nproc", "2", "--stages", "1,3", "--repeat", "2",
+         "--no-progress", "--json", str(path)],
+        capture_output=True, text=True, timeout=240, env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ZeRO-1" in proc.stdout and "ZeRO-3" in proc.stdout
+    data = json.loads(path.read_text())
+    assert data["world_size"] == 2 and data["backend"] == "gloo"
+    assert sorted(int(s) for s in data["stages"]) == [1, 3]
+    for stage in (1, 3):
+        rows = {r["row"]: r for r in data["rows"] if r["stage"] == stage}
+        names = set(rows)
+        assert ROWS <= names, ROWS - names
+        assert any(n.startswith("full_tensors [auto=") for n in names)
+        assert any(n.startswith("iter_full") for n in names)
+        n_tensors = data["stages"][str(stage)]["tensors"]
+        assert n_tensors == 30
+        for r in rows.values():
+            assert 0 < r["min_s"] <= r["median_s"] <= r["max_s"], r
+            assert r["repeat"] >= 2
+        # DeepSpeed reads each parameter with its own collective; zero_dtensor with one
+        assert rows["ds get loop"]["collectives"] == n_tensors
+        for name in ("full_tensors out=prev", "full_tensors all_gather", "full_tensors all_reduce",
+                     "floor: bare all_gather"):
+            assert rows[name]["collectives"] == 1, name
+        assert rows["set_full_"]["collectives"] == 0 and rows["ds set loop"]["collectives"] == 0
+        assert rows["full_tensors out=prev"]["memory_bytes"] == 0
+        assert rows["full_tensors all_gather"]["speedup_vs_deepspeed"] > 0
+        assert rows["floor: bare all_gather"]["ratio_to_floor"] == 1.0
+        if "clip_grad_norm_" in rows:
+            assert rows["clip_grad_norm_"]["collectives"] == 1

@@ -1,0 +1,413 @@
+"""Benchmark: read/write every ZeRO gradient with DeepSpeed's per-parameter API vs zero_dtensor.
+
+    python -m zero_dtensor.bench                       # 2 CPU ranks on gloo, ~24M params / 198 tensors, stages 1-3
+    python -m zero_dtensor.bench --nproc 4 --json out.json
+    torchrun --nproc-per-node 8 -m zero_dtensor.bench  # in place (NCCL on GPUs when available)
+
+For each ZeRO stage it builds a DeepSpeed engine around a transformer-like model, runs one forward/backward, and
+times (``--repeat`` times after one warm-up, every repetition starting at a barrier; a repetition's time is the
+slowest rank's):
+
+- ``ds safe_get_full_grad loop`` / ``ds safe_set_full_grad loop``: DeepSpeed's per-parameter API over every parameter;
+- ``full_tensors()`` (``strategy="auto"``), ``full_tensors(out=prev)`` (reused memory), the two explicit strategies,
+  ``iter_full`` (streaming), ``set_full_``, and ``clip_grad_norm_`` if this zero_dtensor has it;
+- the floor: one bare all_gather of the same partitions into a preallocated buffer (what any full read must move).
+
+Collectives are counted in a separate, untimed run under ``CommDebugMode``. Progress and the final table are printed
+by rank 0 (rich); ``--json PATH`` writes the same figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+SIZES = {"tiny": (32, 2), "small": (128, 4), "default": (352, 16)}
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m zero_dtensor.bench",
+        description="Time reading/writing every DeepSpeed ZeRO gradient: DeepSpeed's per-parameter safe_get/"
+        "safe_set_full_grad loops vs zero_dtensor (full_tensors, out= reuse, iter_full, set_full_, "
+        "clip_grad_norm_) vs the floor (one bare all_gather of the same bytes).",
+    )
+    p.add_argument("--nproc", type=int, default=2, help="CPU ranks to start on gloo (ignored under torchrun/deepspeed,"
+                   " i.e. when RANK and WORLD_SIZE are set). Default 2")
+    p.add_argument("--stages", default="1,2,3", help="comma-separated ZeRO stages. Default 1,2,3")
+    p.add_argument("--size", choices=sorted(SIZES), default="default",
+                   help="model preset: tiny (32 hidden, 2 blocks, 30 tensors), small (128, 4), "
+                        "default (352 hidden, 16 blocks: 24.1M params, 198 tensors)")
+    p.add_argument("--tiny", action="store_true", help="same as --size tiny (CI smoke test)")
+    p.add_argument("--hidden", type=int, help="hidden size (overrides the preset)")
+    p.add_argument("--layers", type=int, help="transformer blocks, 12 tensors each (+6 others; overrides the preset)")
+    p.add_argument("--params", type=float, help="target parameter count, e.g. 25e6: picks --hidden for --layers")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="model dtype. Default fp32")
+    p.add_argument("--repeat", type=int, default=5, help="timed repetitions per row (after 1 warm-up). Default 5")
+    p.add_argument("--ds-repeat", type=int, help="repetitions for DeepSpeed's loops (slow). Default: --repeat, at "
+                   "most 3")
+    p.add_argument("--bucket-mb", type=float, default=16.0, help="iter_full bucket size in MiB. Default 16")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed. Default 1800")
+    args = p.parse_args(argv)
+    hidden, layers = SIZES["tiny" if args.tiny else args.size]
+    args.layers = args.layers or layers
+    if args.params:
+        from ._bench_model import count
+
+        per_layer_params = args.params / max(args.layers, 1)
+        hidden = max(8, int((per_layer_params / 12) ** 0.5))
+        while count(hidden, args.layers)[0] > args.params and hidden > 8:
+            hidden -= 1
+    args.hidden = args.hidden or hidden
+    args.stages = [int(s) for s in str(args.stages).split(",") if s.strip()]
+    if any(s not in (1, 2, 3) for s in args.stages):
+        p.error("--stages takes 1, 2 and/or 3")
+    args.ds_repeat = args.ds_repeat or min(args.repeat, 3)
+    return args
+
+
+# --- rank side -----------------------------------------------------------------------------------------------------
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _ring_bytes(kind: str, full_bytes: float, world: int) -> float:
+    """Bytes per rank for a collective whose full size is ``full_bytes`` (ring model)."""
+    if world <= 1:
+        return 0.0
+    return {"all_gather": (world - 1) / world, "all_reduce": 2 * (world - 1) / world, "none": 0.0}[kind] * full_bytes
+
+
+class _Row:
+    def __init__(self, name: str, stage: int, **info: Any) -> None:
+        self.name, self.stage, self.info = name, stage, info
+
+
+def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import zero_dtensor as zd
+    from zero_dtensor import materialize as mz
+    from zero_dtensor._bench_model import TransformerLike
+    from zero_dtensor.collectives import all_gather_into
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    use_cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    torch.manual_seed(0)
+    model = TransformerLike(args.hidden, args.layers)
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}},
+        "steps_per_print": 10**9,
+    }
+    if args.dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    dtype = next(engine.module.parameters()).dtype
+    x = torch.randn(2, 8, args.hidden, generator=torch.Generator().manual_seed(rank)).to(device=engine.device,
+                                                                                      dtype=dtype)
+    engine.backward(engine(x).float().pow(2).mean())
+    grads = zd.sharded_grads(engine)
+    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    parts = grads.local_partitions
+    stored_bytes = sum(g.flat_numel * parts[g.index].element_size() for g in grads.layout.groups if not g.replicated)
+    numel = sum(p.numel for p in grads.layout.params)
+    known = {t.untyped_storage().data_ptr() for t in parts}
+
+    def new_bytes(result: Any) -> int:
+        seen: set[int] = set()
+        total = 0
+        for t in (result.values() if isinstance(result, dict) else []):
+            s = t.untyped_storage()
+            if s.data_ptr() not in known and s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                total += s.nbytes()
+        return total
+
+    rows: list[dict[str, Any]] = []
+
+    def measure(name: str, fn: Callable[[], Any], *, repeat: int, bytes_per_rank: float, baseline: str | None,
+                note: str = "", memory: Callable[[Any], int] | None = None) -> None:
+        progress(f"stage {stage}: {name}")
+        result = fn()  # warm-up (also calibrates strategy="auto" on gloo)
+        with CommDebugMode() as mode:
+            result = fn()
+        counts = {str(k).split(".")[-1].strip("_") or str(k): v for k, v in mode.get_comm_counts().items()}
+        mem = memory(result) if memory is not None else new_bytes(result)
+        del result
+        times = []
+        for _ in range(repeat):
+            dist.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            result = fn()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+            del result
+        t = torch.tensor(times, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a repetition takes as long as its slowest rank
+        times = t.cpu().tolist()
+        rows.append({
+            "stage": stage, "row": name, "median_s": statistics.median(times), "min_s": min(times),
+            "max_s": max(times), "repeat": repeat, "collectives": int(mode.get_total_counts()),
+            "collective_ops": counts, "bytes_per_rank": float(bytes_per_rank), "memory_bytes": int(mem),
+            "baseline": baseline, "note": note,
+        })
+
+    # DeepSpeed's per-parameter loops
+    ds_get_bytes = 0.0
+    for _, p in named:
+        if stage == 3:
+            ds_get_bytes += _ring_bytes("all_gather", 4.0 * p.partition_numel() * world, world)
+        else:
+            ds_get_bytes += _ring_bytes("all_reduce", 4.0 * p.numel(), world)
+    measure("ds get loop", lambda: {n: safe_get_full_grad(p) for n, p in named},
+            repeat=args.ds_repeat, bytes_per_rank=ds_get_bytes, baseline=None,
+            note="fp32 per param" + (" all_gather" if stage == 3 else " all_reduce"))
+    values = {n: safe_get_full_grad(p) for n, p in named}
+    ds_values = {}
+    for n, p in named:
+        v = values[n]
+        if stage == 3:  # DeepSpeed's stage-3 set narrows past the end unless the value is padded
+            pad = p.partition_numel() * world - v.numel()
+            v = torch.cat([v.reshape(-1), v.new_zeros(pad)]) if pad else v
+        ds_values[n] = v
+
+    def ds_set() -> None:
+        for n, p in named:
+            safe_set_full_grad(p, ds_values[n])
+
+    measure("ds set loop", ds_set, repeat=args.ds_repeat, bytes_per_rank=0.0, baseline=None,
+            note="0 comm")
+    grads = zd.sharded_grads(engine)  # DeepSpeed's writes went to the same memory; the view is still current
+
+    # zero_dtensor
+    auto = mz._resolve("auto", grads._storage.process_groups[0], parts[0].device, parts[0].dtype, stored_bytes) \
+        if not grads.layout.groups[0].replicated else "none"
+    measure(f"full_tensors [auto={auto}]", lambda: grads.full_tensors(), repeat=args.repeat,
+            bytes_per_rank=_ring_bytes(auto, stored_bytes, world), baseline="ds get loop",
+            note="stored dtype")
+    state: dict[str, Any] = {"prev": grads.full_tensors()}
+    measure("full_tensors out=prev", lambda: grads.full_tensors(out=state["prev"]), repeat=args.repeat,
+            bytes_per_rank=_ring_bytes(auto, stored_bytes, world), baseline="ds get loop",
+            note="reused memory", memory=lambda r: 0 if r is state["prev"] else new_bytes(r))
+    for strategy in ("all_gather", "all_reduce"):
+        measure(f"full_tensors {strategy}", lambda s=strategy: grads.full_tensors(strategy=s),
+                repeat=args.repeat, bytes_per_rank=_ring_bytes(strategy, stored_bytes, world),
+                baseline="ds get loop")
+    bucket = int(args.bucket_mb * 2**20)
+
+    class Peak:
+        def __init__(self) -> None:
+            self.live = self.peak = 0
+
+        def alloc(self, n: int, dt: Any, dev: Any, *, zero: bool = False) -> Any:
+            import weakref
+
+            t = (torch.zeros if zero else torch.empty)(n, dtype=dt, device=dev)
+            nbytes = t.numel() * t.element_size()
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(t, self._free, nbytes)
+            return t
+
+        def _free(self, nbytes: int) -> None:
+            self.live -= nbytes
+
+    def stream() -> "Peak":
+        peak = Peak()
+        original, mz._alloc = mz._alloc, peak.alloc
+        try:
+            total = 0
+            for _, t in grads.iter_full(bucket_bytes=bucket):
+                total += t.numel()
+                del t
+        finally:
+            mz._alloc = original
+        return peak
+
+    stream_kind = mz._stream_strategy("auto", grads._storage.process_groups[0], grads.layout.groups[0].packing)
+    measure(f"iter_full {args.bucket_mb:g}MiB [{stream_kind}]", stream, repeat=args.repeat,
+            bytes_per_rank=_ring_bytes(stream_kind, stored_bytes, world), baseline="ds get loop",
+            note="peak of live bucket buffers", memory=lambda peak: peak.peak)
+    full = {n: t.clone() for n, t in grads.full_tensors(dtype=torch.float32).items()}
+    measure("set_full_", lambda: grads.set_full_(full), repeat=args.repeat, bytes_per_rank=0.0,
+            baseline="ds set loop", note="0 comm")
+    if hasattr(grads, "clip_grad_norm_"):
+        measure("clip_grad_norm_", lambda: grads.clip_grad_norm_(1e30), repeat=args.repeat,
+                bytes_per_rank=8.0 * len(grads.layout.params), baseline="ds get+set loops",
+                note="baseline: DS get loop + set loop")
+
+    # the floor: one bare all_gather of the same partitions into preallocated buffers
+    sharded = [g for g in grads.layout.groups if not g.replicated]
+    if sharded:
+        pg = grads._storage.process_groups[sharded[0].index]
+        ins = [parts[g.index] for g in sharded]
+        outs = [torch.empty(g.flat_numel, dtype=parts[g.index].dtype, device=parts[g.index].device) for g in sharded]
+        measure("floor: bare all_gather", lambda: all_gather_into(outs, ins, pg), repeat=args.repeat,
+                bytes_per_rank=_ring_bytes("all_gather", stored_bytes, world), baseline=None,
+                note="same bytes, no unpack", memory=lambda _: 0)
+        full_buf = torch.zeros(sum(g.flat_numel for g in sharded), dtype=parts[0].dtype, device=parts[0].device)
+        measure("ref: bare all_reduce", lambda: dist.all_reduce(full_buf, group=pg),
+                repeat=args.repeat, bytes_per_rank=_ring_bytes("all_reduce", stored_bytes, world), baseline=None,
+                note="gloo's faster primitive", memory=lambda _: 0)
+
+    by = {r["row"]: r for r in rows}
+    floor = by.get("floor: bare all_gather")
+    for r in rows:
+        base = r.pop("baseline")
+        if base == "ds get+set loops":
+            ref = by["ds get loop"]["median_s"] + by["ds set loop"]["median_s"]
+        else:
+            ref = by[base]["median_s"] if base in by else None
+        r["speedup_vs_deepspeed"] = (ref / r["median_s"]) if ref and r["median_s"] > 0 else None
+        r["ratio_to_floor"] = (r["median_s"] / floor["median_s"]) if floor and floor["median_s"] > 0 else None
+    meta = {"stage": stage, "params": numel, "tensors": len(named), "groups": len(grads.layout.groups),
+            "stored_dtype": str(parts[0].dtype), "stored_bytes": stored_bytes, "optimizer": grads._storage.describe}
+    del engine, grads
+    return [{"meta": meta}] + rows
+
+
+def _rank_main(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    show = rank == 0 and not args.no_progress
+    results: dict[str, Any] = {"stages": {}, "rows": []}
+    progress_cm: Any = None
+    if show:
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        progress_cm = Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                               console=Console(stderr=True), transient=True)
+    steps_per_stage = 11
+    start = time.perf_counter()
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if progress_cm is not None:
+        progress_cm.start()
+        task = progress_cm.add_task("starting", total=steps_per_stage * len(args.stages))
+    try:
+        for stage in args.stages:
+            def progress(msg: str) -> None:
+                if progress_cm is not None:
+                    progress_cm.update(task, description=msg, advance=1)
+
+            out = _bench_stage(args, stage, progress)
+            results["stages"][stage] = out[0]["meta"]
+            results["rows"] += out[1:]
+    finally:
+        if progress_cm is not None:
+            progress_cm.stop()
+    results["maxrss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    results["maxrss_start_bytes"] = rss0 * 1024
+    results["elapsed_s"] = time.perf_counter() - start
+    results["world_size"] = dist.get_world_size()
+    results["backend"] = dist.get_backend()
+    results["torch_threads"] = torch.get_num_threads()
+    return results
+
+
+# --- presentation --------------------------------------------------------------------------------------------------
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def render(results: dict[str, Any], args: argparse.Namespace | None = None, console: Any = None) -> None:
+    """Print the results as rich tables (one per stage)."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = console or Console(width=None if sys.stdout.isatty() else 150)
+    for stage, meta in results["stages"].items():
+        table = Table(
+            title=escape(f"ZeRO-{stage} ({meta['optimizer']}), {results['world_size']} ranks on {results['backend']}: "
+                   f"{meta['params'] / 1e6:.1f}M params, {meta['tensors']} tensors, {meta['stored_dtype']}, "
+                   f"{_fmt_bytes(meta['stored_bytes'])} flat"),
+            title_justify="left",
+        )
+        for col, just in (("row", "left"), ("median ms", "right"), ("min ms", "right"), ("max ms", "right"),
+                          ("collectives", "right"), ("bytes/rank", "right"), ("× DeepSpeed", "right"),
+                          ("÷ floor", "right"), ("memory", "right")):
+            table.add_column(col, justify=just)
+        for r in results["rows"]:
+            if r["stage"] != stage:
+                continue
+            ops = ", ".join(f"{v} {k}" for k, v in r["collective_ops"].items())
+            table.add_row(
+                escape(r["row"]), f"{1e3 * r['median_s']:.1f}", f"{1e3 * r['min_s']:.1f}", f"{1e3 * r['max_s']:.1f}",
+                f"{r['collectives']}" + (f" {ops.split(' ', 1)[1]}" if ops and len(r["collective_ops"]) == 1 else ""),
+                _fmt_bytes(r["bytes_per_rank"]),
+                f"{r['speedup_vs_deepspeed']:.2f}" if r["speedup_vs_deepspeed"] else "-",
+                f"{r['ratio_to_floor']:.2f}" if r["ratio_to_floor"] else "-",
+                _fmt_bytes(r["memory_bytes"]),
+            )
+        console.print(table)
+    console.print(
+        "[dim]Times: slowest rank per repetition, median/min/max over --repeat runs after one warm-up. collectives: "
+        "counted with CommDebugMode in a separate untimed run. bytes/rank: ring-model estimate (all_gather (N-1)/N·S,"
+        " all_reduce 2(N-1)/N·S). × DeepSpeed: DeepSpeed loop median / row median (set_full_ vs the set loop, clip vs "
+        "get+set loops). ÷ floor: row median / bare all_gather median. memory: bytes of new tensors held by the "
+        "result (storages other than DeepSpeed's), for iter_full the peak of its live bucket buffers; allocations "
+        f"inside torch/the backend are not seen. Process max RSS (rank 0): {_fmt_bytes(results['maxrss_bytes'])}. "
+        "CPU timings on a shared machine are noisy.[/dim]"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    in_place = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if in_place:
+        import deepspeed
+        import torch
+        import torch.distributed as dist
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+        results = _rank_main(args)
+        if dist.get_rank() != 0:
+            return 0
+    else:
+        from .launch import launch
+
+        results = launch(_rank_main, args, nprocs=args.nproc, timeout=args.timeout)
+    results["command"] = " ".join(["python -m zero_dtensor.bench", *(sys.argv[1:] if argv is None else argv)])
+    results["config"] = {"hidden": args.hidden, "layers": args.layers, "repeat": args.repeat,
+                         "ds_repeat": args.ds_repeat, "dtype": args.dtype, "bucket_mb": args.bucket_mb}
+    render(results, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

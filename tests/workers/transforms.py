@@ -382,7 +382,36 @@ def check_scaling(stage: int) -> dict:
         with pytest.raises(ValueError, match="layout"):
             call()
     assert_equal(full(gb), before, "after layout mismatch")
+    check_two_groups(stage, counts_small)
     return counts_small
+
+
+def check_two_groups(stage: int, counts_one_group: dict) -> None:
+    """Two optimizer param groups (two flat groups) on one process group: still one collective per reduction;
+    a group selected entirely takes the whole-partition path, the other fragment by fragment."""
+    from .common import OddModel
+
+    torch.manual_seed(0)
+    model = OddModel()
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if weights(n)]},
+        {"params": [p for n, p in model.named_parameters() if not weights(n)], "weight_decay": 0.0},
+    ]
+    engine = make_engine(ds_config(stage), model=model, model_parameters=groups)
+    forward_backward(engine)
+    grads = zd.sharded_grads(engine)
+    assert len(grads.groups) == 2
+    assert reduction_counts(grads.clone()) == counts_one_group
+    ref = full(grads)
+    grads.mul_(0.5, params=weights).add_(0.01, params=["fc1.bias", "fc3.bias"]).lerp_(0.0, 0.25)
+    ref = {n: t.mul_(0.5) if weights(n) else t for n, t in ref.items()}
+    ref = {n: t.add_(0.01) if n in ("fc1.bias", "fc3.bias") else t for n, t in ref.items()}
+    ref = {n: t.lerp_(torch.zeros_like(t), 0.25) for n, t in ref.items()}
+    assert_equal(full(grads), ref, "two groups")
+    assert_padding_zero(grads, "two groups")
+    for n, v in grads.norms().items():
+        close(v, ref_norm(ref[n], 2), f"two groups norm {n}")
+    close(grads.global_norm(), ref_norm(torch.cat([t.reshape(-1) for t in ref.values()]), 2), "two groups total")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -10,11 +10,12 @@ and with ``keep_full_grads``, the kept buffer's bytes per rank, and the time of 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
 
-def _measure(stage: int, layers: int, width: int, repeats: int) -> dict:
+def _measure(stage: int, layers: int, width: int, repeats: int, zero: dict | None = None) -> dict:
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -27,7 +28,7 @@ def _measure(stage: int, layers: int, width: int, repeats: int) -> dict:
         model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
         config = {
             "train_micro_batch_size_per_gpu": 8,
-            "zero_optimization": {"stage": stage},
+            "zero_optimization": {"stage": stage, **(zero or {})},
             "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}},
             "steps_per_print": 10**9,
         }
@@ -76,13 +77,14 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=448)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--zero", default="{}", help='extra zero_optimization keys as JSON, e.g. {"reduce_scatter": false}')
     args = parser.parse_args()
     with RankPool(args.ranks) as pool:
         for stage in (1, 2):
-            r = pool.run(_measure, stage, args.layers, args.width, args.repeats, timeout=1800)[0]
+            r = pool.run(_measure, stage, args.layers, args.width, args.repeats, json.loads(args.zero), timeout=1800)[0]
             base, kept = r[False], r[True]
             print(
-                f"ZeRO-{stage}, {r['params_M']:.1f}M fp32 params, {args.ranks} ranks: backward "
+                f"ZeRO-{stage} {args.zero}, {r['params_M']:.1f}M fp32 params, {args.ranks} ranks: backward "
                 f"{base['backward_ms']:.1f} -> {kept['backward_ms']:.1f} ms "
                 f"({100 * (kept['backward_ms'] / base['backward_ms'] - 1):+.1f}%); kept buffer {kept['kept_MB']:.1f} MB "
                 f"per rank; full_tensors() {base['read_all_ms']:.1f} -> {kept['read_all_ms']:.1f} ms",

@@ -11,6 +11,9 @@ fp32 (bf16 has an 8-bit mantissa: ~4e-3 per rounding, compounded over three laye
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import types
 from typing import Any
 
 import pytest
@@ -263,6 +266,22 @@ def check_offload_norm_after_write(stage: int, dtype: str = "fp32") -> dict:
     return results
 
 
+@contextlib.contextmanager
+def restore_deepspeed_groups() -> Any:
+    """Undo DeepSpeed's process-global group state (``deepspeed.utils.groups``: ``mpu``, hpZ groups, ...) that an
+    engine built with ``mpu=`` or ``zero_hpz_partition_size`` leaves behind, so later engines in the same reused rank
+    pool are not built against it."""
+    from deepspeed.utils import groups
+
+    saved = {k: (copy.copy(v) if isinstance(v, (dict, list, set)) else v) for k, v in vars(groups).items()
+             if not k.startswith("__") and not callable(v) and not isinstance(v, types.ModuleType)}
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(groups, k, v)
+
+
 class TinyMPU:
     """A model-parallel unit for ``deepspeed.initialize(mpu=...)``: 4 ranks as dp 2 x mp 2.
 
@@ -310,6 +329,11 @@ class TinyMPU:
 
 def check_sub_world_dp(stage: int, dtype: str, gas: int = 1) -> dict:
     """4 ranks as 2 (data parallel) x 2: meshes are built on DeepSpeed's DP group, values average over it only."""
+    with restore_deepspeed_groups():
+        return _check_sub_world_dp(stage, dtype, gas)
+
+
+def _check_sub_world_dp(stage: int, dtype: str, gas: int) -> dict:
     import deepspeed
 
     mpu = TinyMPU()
@@ -343,6 +367,11 @@ def check_sub_world_dp(stage: int, dtype: str, gas: int = 1) -> dict:
 
 def check_hpz() -> dict:
     """ZeRO-3 with hpZ (zero_hpz_partition_size 2 of 4): gradients are still partitioned over the whole DP group."""
+    with restore_deepspeed_groups():
+        return _check_hpz()
+
+
+def _check_hpz() -> dict:
     model, _ = build_model(1)
     engine = make_engine(ds_config(3, "fp32", zero_hpz_partition_size=2), model=model)
     forward_backward(engine)

@@ -242,6 +242,7 @@ class ShardedGrads(GradOpsMixin, Mapping[str, ParamGrad]):
         (a strided unpack; with ``all_reduce`` they are views, since each rank writes its chunks in parameter order);
         replicated entries alias DeepSpeed's storage unless ``out=`` or a cast asks for copies.
         """
+        _debug.check_grads_call(self, "full_tensors", None if names is None else list(names), str(dtype), dst, async_op, strategy)
         return _materialize.full_tensors(
             self, names, dtype=dtype, out=out, dst=dst, async_op=async_op, strategy=strategy
         )

@@ -274,6 +274,7 @@ class ShardedGrads(GradOpsMixin, Mapping[str, ParamGrad]):
         bucket's buffer (valid as long as they are referenced); ``dtype`` casts and fp16 unscaling add one
         converted copy per yielded tensor.
         """
+        _debug.check_grads_call(self, "iter_full", None if names is None else list(names), bucket_bytes, str(dtype), strategy)
         return _materialize.iter_full(self, names, bucket_bytes=bucket_bytes, dtype=dtype, strategy=strategy)
 
     def set_full_(self, mapping: Mapping[str, torch.Tensor]) -> None:

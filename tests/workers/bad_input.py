@@ -122,6 +122,10 @@ def disagreeing_collectives(stage: int) -> list[str]:
             grads[mine[0]].full_tensor()
         with pytest.raises(RankDisagreementError):
             grads.full_tensors(names, dtype=torch.float32 if rank == 0 else None)
+        with pytest.raises(RankDisagreementError):  # reductions (ops.py) check too
+            grads.norms(params=mine)
+        with pytest.raises(RankDisagreementError):
+            grads.iter_full(mine)
         # and the pool is still usable: an agreeing call afterwards works
         full = grads.full_tensors(names)
         assert sorted(full) == sorted(names)

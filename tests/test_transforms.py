@@ -55,6 +55,12 @@ def test_offload_norms_refreshed_after_writes(ranks, stage: int) -> None:
     ranks(2).run(transforms.check_offload_after_write, stage)
 
 
+@pytest.mark.parametrize("mode", ["per_param", "global"])
+def test_pcgrad_example(ranks, mode: str) -> None:
+    lines = ranks(2).run(transforms.check_pcgrad_example, mode)[0]
+    assert len(lines) == 3 and "projected" in lines[1]
+
+
 def test_noise_identical_across_world_sizes_and_stages() -> None:
     if len(_NOISE) < 2:
         pytest.skip("needs the fp32 transform cases of this module to have run")

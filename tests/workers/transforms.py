@@ -19,7 +19,7 @@ from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
 import zero_dtensor as zd
 from zero_dtensor.ops import counter_normal
 
-from .common import DTYPES, count_comms, ds_config, forward_backward, make_engine, params_snapshot
+from .common import count_comms, ds_config, forward_backward, make_engine, params_snapshot
 
 RTOL = 1e-5  # fp32 sums of a few thousand terms in a different order: observed differences ~1e-7 relative
 NOISE_SEED = 99
@@ -508,4 +508,38 @@ def check_offload_after_write(stage: int) -> dict:
     return {"before": before, "after": expected, "reported": reported}
 
 
-__all__ = ["DTYPES", "check_fp16", "check_offload_after_write", "check_scaling", "check_transforms"]
+def check_pcgrad_example(mode: str) -> list[str]:
+    """examples/pcgrad.py: its projection equals PCGrad on full tensors; its training loop runs."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "pcgrad.py"
+    spec = importlib.util.spec_from_file_location("zd_example_pcgrad", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+
+    engine = make_engine(ds_config(2))
+    forward_backward(engine)
+    grads = zd.sharded_grads(engine)
+    snap = grads.clone().mul_(-1.0, params=weights).add_noise_(1e-3, 11)  # weights conflict, biases agree
+    g, s = full(grads), full(snap)
+    g64, s64 = {n: t.double() for n, t in g.items()}, {n: t.double() for n, t in s.items()}
+    with count_comms() as mode_:
+        example.project_conflicts(grads, snap, mode)
+    assert mode_.get_total_counts() == expected_comms(grads)
+    if mode == "per_param":
+        expected = {}
+        for n in g64:
+            d = float((g64[n] * s64[n]).sum())
+            expected[n] = g64[n] - (d / float((s64[n] ** 2).sum())) * s64[n] if d < 0 else g64[n]
+    else:
+        d = sum(float((g64[n] * s64[n]).sum()) for n in g64)
+        ss = sum(float((s64[n] ** 2).sum()) for n in g64)
+        expected = {n: g64[n] - (d / ss) * s64[n] if d < 0 else g64[n] for n in g64}
+    after = full(grads)
+    for n in after:
+        torch.testing.assert_close(after[n].double(), expected[n], rtol=1e-5, atol=1e-7)
+    return example.train(steps=3, stage=1, mode=mode)
+
+
+__all__ = ["check_fp16", "check_offload_after_write", "check_pcgrad_example", "check_scaling", "check_transforms"]

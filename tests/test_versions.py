@@ -28,3 +28,9 @@ def test_monkeypatched_version_refused_on_a_live_engine(ranks) -> None:
 def test_non_zero_optimizer_is_refused(ranks) -> None:
     message = ranks(2).run(bad_input.unsupported_stage0)[0]
     assert "stage" in message
+
+
+def test_zero3_with_several_partition_groups_is_refused(ranks) -> None:
+    """MoE-like ZeRO-3 (parameters over different process groups): refused, naming what is supported."""
+    message = ranks(2).run(bad_input.unsupported_zero3_multi_group)[0]
+    assert "single data-parallel partition group" in message

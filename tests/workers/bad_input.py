@@ -161,3 +161,27 @@ def unsupported_version(version: str) -> str:
     assert "0.18.9" in message and version in message, message
     zd.sharded_grads(engine)  # the real version is accepted again
     return message
+
+
+def unsupported_zero3_multi_group() -> str:
+    """ZeRO-3 parameters partitioned over more than one process group (as MoE expert parameters are) are refused.
+
+    Building a real MoE engine on CPU is not cheap; giving one parameter another (equal-membership) partition group
+    exercises the same check without communication."""
+    engine = make_engine(ds_config(3, "fp32"))
+    forward_backward(engine)
+    other = dist.new_group(list(range(dist.get_world_size())))
+    param = engine.optimizer.fp16_groups[0][0]
+    had = hasattr(param, "ds_process_group")
+    saved = getattr(param, "ds_process_group", None)
+    param.ds_process_group = other
+    try:
+        with pytest.raises(zd.UnsupportedDeepSpeedError, match="more than one process group") as info:
+            zd.sharded_grads(engine)
+    finally:
+        if had:
+            param.ds_process_group = saved
+        else:
+            del param.ds_process_group
+    zd.sharded_grads(engine)  # the real engine is accepted
+    return str(info.value)

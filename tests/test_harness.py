@@ -23,4 +23,7 @@ def test_failure_and_hang_are_reported_and_pool_recovers() -> None:
             pool.run(harness.hang_on_rank_zero, timeout=5.0)
         assert "no answer in time" in hang.value.tracebacks[0]
         assert pool.run(harness.rank_and_sum) == [(0, 1.0), (1, 1.0)]  # restarted
+        with pytest.raises(RankFailure) as unpicklable:  # reported at once, not after a timeout
+            pool.run(harness.unpicklable_result, timeout=60.0)
+        assert "pickle" in unpicklable.value.tracebacks[0]
         assert pool.run(harness.pid) != before

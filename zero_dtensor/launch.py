@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -57,10 +58,11 @@ def _worker(rank: int, world_size: int, port: int, backend: str, tasks: Any, res
         if task is None:
             break
         call_id, fn, args, kwargs = task
-        try:
-            results.put((rank, "ok", (call_id, fn(*args, **kwargs))))
+        try:  # pickle here, by value: an unpicklable result must fail this call, not the queue's feeder thread
+            answer = (rank, "ok", (call_id, pickle.dumps(fn(*args, **kwargs))))
         except BaseException:  # noqa: BLE001
-            results.put((rank, "error", (call_id, traceback.format_exc())))
+            answer = (rank, "error", (call_id, traceback.format_exc()))
+        results.put(answer)
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -130,7 +132,7 @@ class RankPool:
         if failed:
             self.close()
             raise RankFailure(f"{getattr(fn, '__qualname__', fn)} failed on ranks {sorted(failed)}", failed)
-        return [answers[r][1] for r in range(self.nprocs)]
+        return [pickle.loads(answers[r][1]) for r in range(self.nprocs)]
 
     def _collect(self, call_id: int | None, timeout: float, expect: str) -> dict[int, tuple[str, Any]]:
         answers: dict[int, tuple[str, Any]] = {}

@@ -27,3 +27,7 @@ def hang_on_rank_zero() -> None:
 
 def pid() -> int:
     return os.getpid()
+
+
+def unpicklable_result() -> object:
+    return lambda: None  # a lambda cannot be pickled

@@ -286,7 +286,14 @@ def _param_positions(grads: ShardedGrads, group: GroupLayout) -> dict[str, int]:
 
 def _fill_for_reduce(grads: ShardedGrads, bucket: _Bucket, buf: torch.Tensor) -> None:
     """Zero ``buf`` and write this rank's partitions at their global places (the all_reduce/reduce input)."""
-    buf.zero_()
+    if any(bucket.param_order(g) for g in bucket.groups):
+        buf.zero_()
+    else:  # contiguous: the own partition is overwritten below, so zero only around it
+        for group in bucket.groups:
+            base, P = bucket.offsets[group.index], group.partition_numel
+            buf.narrow(0, base, group.rank * P).zero_()
+            after = base + (group.rank + 1) * P
+            buf.narrow(0, after, base + group.flat_numel - after).zero_()
     for group, part in zip(bucket.groups, bucket.partitions):
         base = bucket.offsets[group.index]
         if bucket.param_order(group):

@@ -234,9 +234,10 @@ class ShardedGrads(GradOpsMixin, Mapping[str, ParamGrad]):
         Communication (``N`` ranks, ``S`` the padded flat bytes of the groups involved, in the stored dtype):
         ``all_gather``: one all_gather per (process group, dtype, device), coalesced over the flat groups sharing
         them, ``(N-1)/N·S`` bytes per rank. ``all_reduce``: one sum all_reduce per (process group, dtype, device)
-        of a zero-filled ``S`` buffer, ``2(N-1)/N·S`` bytes per rank. ``auto`` on gloo: the first call per
-        (process group, dtype, size bucket) also calibrates (5 more collectives; see
-        :func:`~zero_dtensor.materialize.calibrate`). Replicated groups (``BF16_Optimizer``): none.
+        of a zero-filled ``S`` buffer, ``2(N-1)/N·S`` bytes per rank. ``auto`` on gloo, for buckets of at least
+        1 MiB: the first call per (process group, dtype, power-of-two size) also calibrates (5 more collectives;
+        see :func:`~zero_dtensor.materialize.calibrate`); pin it with ``ZERO_DTENSOR_GATHER_STRATEGY`` or
+        :func:`~zero_dtensor.materialize.set_gather_strategy`. Replicated groups (``BF16_Optimizer``): none.
 
         Results: ZeRO-1/2 entries in the stored dtype are views into one gathered buffer; ZeRO-3 entries are copies
         (a strided unpack; with ``all_reduce`` they are views, since each rank writes its chunks in parameter order);

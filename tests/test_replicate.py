@@ -37,3 +37,9 @@ def test_unsuitable_configs_are_refused_by_key(ranks) -> None:
 @pytest.mark.parametrize("gas", [1, 2])
 def test_enabled_after_backward_falls_back_to_shards(ranks, gas: int) -> None:
     ranks(2).run(replicate.check_late_enable, gas)
+
+
+@pytest.mark.parametrize("stage,dtype,zero", [(1, "fp32", {}), (2, "bf16", {"reduce_scatter": False})])
+def test_keep_full_grads_reads(ranks, stage: int, dtype: str, zero: dict) -> None:
+    """Reads only: also part of the DeepSpeed 0.18.9 CI pass."""
+    ranks(2).run(replicate.check_keep_reads, stage, dtype, **zero)

@@ -121,3 +121,22 @@ def check_late_enable(gas: int) -> None:
     assert not any(g.placements[0].is_replicate() for g in grads.groups)
     micro = engine.train_micro_batch_size_per_gpu()
     assert_close(grads.full_tensors(dtype=torch.float32), reference_grads("fp32", 1, micro, gas), TOL["fp32"], "late")
+
+
+def check_keep_reads(stage: int, dtype: str, **zero: Any) -> None:
+    """Reads only (no engine.step(), so this also runs against DeepSpeed 0.18.x, whose stage-1/2 step fails)."""
+    engine = _engine(stage, dtype, 1, False, 1, zero)
+    handle = keep_full_grads(engine)
+    forward_backward(engine, 0)
+    with count_comms() as mode:
+        grads = zd.sharded_grads(engine)
+        full = grads.full_tensors(dtype=torch.float32)
+    assert mode.get_total_counts() == 0, mode.get_comm_counts()
+    assert all(g.placements[0].is_replicate() for g in grads.groups)
+    assert_close(full, reference_grads(dtype, 1, engine.train_micro_batch_size_per_gpu(), 1), TOL[dtype], "keep")
+    ds = deepspeed_storage(engine)
+    for i in range(len(grads.layout.groups)):
+        part = ds[i].reshape(-1)
+        mine = grads.local_partitions[i].narrow(0, dist.get_rank() * part.numel(), part.numel())
+        assert torch.equal(mine.to(part.dtype).cpu(), part.cpu()), i
+    handle.remove()

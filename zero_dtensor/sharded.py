@@ -94,7 +94,9 @@ class ParamGrad:
         To gather many parameters use :meth:`ShardedGrads.full_tensors` (one collective per group).
         """
         self._grads._check_current()
-        _debug.check_same_call("ParamGrad.full_tensor", (self.name, str(dtype)), [self._grads._storage.process_groups[self._param.group]], self._grads._storage.device)
+        storage = self._grads._storage
+        _debug.check_same_call("ParamGrad.full_tensor", (self.name, str(dtype)),
+                               [storage.process_groups[self._param.group]], storage.device)
         group, param = self._group, self._param
         pg = self._grads._storage.process_groups[param.group]
         local = self.to_local()
@@ -243,7 +245,8 @@ class ShardedGrads(GradOpsMixin, Mapping[str, ParamGrad]):
         (a strided unpack; with ``all_reduce`` they are views, since each rank writes its chunks in parameter order);
         replicated entries alias DeepSpeed's storage unless ``out=`` or a cast asks for copies.
         """
-        _debug.check_grads_call(self, "full_tensors", None if names is None else list(names), str(dtype), dst, async_op, strategy)
+        _debug.check_grads_call(self, "full_tensors", None if names is None else list(names), str(dtype), dst,
+                                async_op, strategy)
         return _materialize.full_tensors(
             self, names, dtype=dtype, out=out, dst=dst, async_op=async_op, strategy=strategy
         )
@@ -275,7 +278,8 @@ class ShardedGrads(GradOpsMixin, Mapping[str, ParamGrad]):
         bucket's buffer (valid as long as they are referenced); ``dtype`` casts and fp16 unscaling add one
         converted copy per yielded tensor.
         """
-        _debug.check_grads_call(self, "iter_full", None if names is None else list(names), bucket_bytes, str(dtype), strategy)
+        _debug.check_grads_call(self, "iter_full", None if names is None else list(names), bucket_bytes,
+                                str(dtype), strategy)
         return _materialize.iter_full(self, names, bucket_bytes=bucket_bytes, dtype=dtype, strategy=strategy)
 
     def set_full_(self, mapping: Mapping[str, torch.Tensor]) -> None:

@@ -290,6 +290,9 @@ def _rank_main(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # DeepSpeed's deprecated all_gather_into_tensor calls
     rank = dist.get_rank()
     show = rank == 0 and not args.no_progress
     results: dict[str, Any] = {"stages": {}, "rows": []}

@@ -86,9 +86,34 @@ _DECISIONS: dict[tuple[Any, ...], str] = {}
 _WORKSPACE: dict[tuple[Any, ...], torch.Tensor] = {}
 
 
+#: Recycle the flat buffer of ``full_tensors()`` calls without ``out=`` once every tensor of the previous result is
+#: gone (see :func:`full_tensors`). ``False`` allocates a fresh buffer on every call.
+RECYCLE = True
+_RECYCLED: dict[tuple[Any, ...], tuple[torch.Tensor, int]] = {}
+
+
 # --- allocation (one place, so tests can account for every buffer this module allocates) -----------------------------
 def _alloc(numel: int, dtype: torch.dtype, device: torch.device, *, zero: bool = False) -> torch.Tensor:
     return (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=device)
+
+
+def _storage_refs(t: torch.Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def _recycled_or_new(key: tuple[Any, ...], numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The cached buffer for ``key`` if nothing but the cache refers to its memory any more (every tensor of the
+    result it was handed out in is gone), else a new one (cached when the slot is empty)."""
+    entry = _RECYCLED.get(key)
+    if entry is not None:
+        buf, idle_refs = entry
+        if _storage_refs(buf) == idle_refs:
+            return buf
+        return _alloc(numel, dtype, device)  # still in use by a live result: do not cache a second one
+    buf = _alloc(numel, dtype, device)
+    if RECYCLE:
+        _RECYCLED[key] = (buf, _storage_refs(buf))
+    return buf
 
 
 # --- strategy ------------------------------------------------------------------------------------------------------
@@ -127,8 +152,10 @@ def clear_calibration() -> None:
 
 
 def release_workspace() -> None:
-    """Free the gather buffers kept for ``out=`` calls with user-made dicts (see :func:`full_tensors`)."""
+    """Free the buffers kept between calls: the gather buffers of ``out=`` calls with user-made dicts and the
+    recycled buffers of calls without ``out=`` (see :meth:`ShardedGrads.full_tensors`). Live results stay valid."""
     _WORKSPACE.clear()
+    _RECYCLED.clear()
 
 
 def _size_bucket(nbytes: int) -> int:
@@ -506,7 +533,11 @@ def full_tensors(
             key = b.key()
             buf = own_buffers.get(key) if reuse else None
             if buf is None:
-                buf = own_buffers[key] = _alloc(b.numel, b.dtype, b.device)
+                if reuse:
+                    buf = _alloc(b.numel, b.dtype, b.device)
+                else:  # a view, so that the returned dict itself pins the recycled memory while it lives
+                    buf = _recycled_or_new(key, b.numel, b.dtype, b.device).view(-1)
+                own_buffers[key] = buf
             buffers[n] = buf
         if b.strategy == "all_reduce":
             assert buf is not None
@@ -579,7 +610,8 @@ def _window_cost(group: GroupLayout, strategy: str, params: list[ParamLayout]) -
         numel = sum(p.numel for p in params)
         if strategy == "all_reduce":
             return numel
-        return group.world_size * sum(p.chunk_numel for p in params) + numel
+        width = params[-1].offset + params[-1].chunk_numel - params[0].offset  # includes skipped parameters
+        return group.world_size * width + numel
     start, stop = params[0].offset, params[-1].offset + params[-1].numel
     if strategy == "all_reduce":
         return stop - start

@@ -243,7 +243,10 @@ class ShardedGrads(GradOpsMixin, Mapping[str, ParamGrad]):
 
         Results: ZeRO-1/2 entries in the stored dtype are views into one gathered buffer; ZeRO-3 entries are copies
         (a strided unpack; with ``all_reduce`` they are views, since each rank writes its chunks in parameter order);
-        replicated entries alias DeepSpeed's storage unless ``out=`` or a cast asks for copies.
+        replicated entries alias DeepSpeed's storage unless ``out=`` or a cast asks for copies. Without ``out=``
+        the flat buffer is recycled from the previous call once none of that call's tensors (nor its dict) is alive,
+        so a loop that drops each step's result allocates only once; a live result is never overwritten
+        (``zero_dtensor.materialize.RECYCLE = False`` turns this off, ``release_workspace()`` frees the cache).
         """
         _debug.check_grads_call(self, "full_tensors", None if names is None else list(names), str(dtype), dst,
                                 async_op, strategy)

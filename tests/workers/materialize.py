@@ -78,6 +78,16 @@ def recording(budget: int | None = None) -> Iterator[AllocRecorder]:
         mz._alloc = original
 
 
+def _settle_recycled(timeout: float = 0.5) -> None:
+    """Wait until gloo's worker thread has dropped its reference to finished works' buffers (it may hold one a
+    moment after a synchronous collective returned); until then the library, correctly, does not recycle them."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(mz._storage_refs(buf) == idle for buf, idle in mz._RECYCLED.values()):
+            return
+        time.sleep(0.001)
+
+
 def _engine(stage: int, dtype: str, *, two_groups: bool = False, **zero: Any) -> Any:
     config = ds_config(stage, dtype, **zero)
     if not two_groups:
@@ -153,6 +163,28 @@ def check_options(stage: int, dtype: str, two_groups: bool = False) -> dict:
         assert {k: b.data_ptr() for k, b in second.buffers.items()} == buffers
         assert mode.get_total_counts() == expected, mode.get_comm_counts()
         _equal(dict(second), default, f"{strategy} out= reuse")
+
+        # without out=: the flat buffer is recycled once the previous result is gone, never while it lives
+        mz.release_workspace()
+        a = grads.full_tensors(strategy=strategy)
+        a_ptrs = sorted(t.data_ptr() for t in a.buffers.values())
+        kept = {n: t.clone() for n, t in a.items()}
+        b = grads.full_tensors(strategy=strategy)
+        assert not set(a_ptrs) & {t.data_ptr() for t in b.buffers.values()}, "a live result's memory was reused"
+        _equal(dict(a), kept, f"{strategy} live result unchanged")
+        del a, b
+        _settle_recycled()
+        c = grads.full_tensors(strategy=strategy)
+        assert sorted(t.data_ptr() for t in c.buffers.values()) == a_ptrs, "buffer not recycled"
+        _equal(dict(c), default, f"{strategy} recycled")
+        one = c[grads.names[0]]
+        del c  # a single kept tensor pins the buffer when it is a view of it (ZeRO-1/2, ZeRO-3 under all_reduce)
+        d = grads.full_tensors(strategy=strategy)
+        if one._base is not None and any(one.untyped_storage().data_ptr() == p for p in a_ptrs):
+            assert not set(a_ptrs) & {t.data_ptr() for t in d.buffers.values()}
+        assert torch.equal(one, default[grads.names[0]])
+        del one, d
+        mz.release_workspace()
 
         # out=: a user-made dict (fp32 outputs): filled in place; the workspace is allocated once
         mine = {n: torch.full(t.shape, float("nan")) for n, t in default.items()}

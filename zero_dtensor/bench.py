@@ -9,7 +9,9 @@ times (``--repeat`` times after one warm-up, every repetition starting at a barr
 slowest rank's):
 
 - ``ds safe_get_full_grad loop`` / ``ds safe_set_full_grad loop``: DeepSpeed's per-parameter API over every parameter;
-- ``full_tensors()`` (``strategy="auto"``), ``full_tensors(out=prev)`` (reused memory), the two explicit strategies,
+- ``full_tensors()`` (``strategy="auto"``; its buffer is recycled between calls once the previous result is dropped),
+  the same with a fresh buffer every call (what a first call costs), ``full_tensors(out=prev)`` (reused memory), the
+  two explicit strategies,
   ``iter_full`` (streaming), ``set_full_``, and ``clip_grad_norm_`` if this zero_dtensor has it;
 - the floor: one bare all_gather of the same partitions into a preallocated buffer (what any full read must move).
 
@@ -205,6 +207,18 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
     measure(f"full_tensors [auto={auto}]", lambda: grads.full_tensors(), repeat=args.repeat,
             bytes_per_rank=_ring_bytes(auto, stored_bytes, world), baseline="ds get loop",
             note="stored dtype")
+
+    def fresh() -> Any:
+        mz.RECYCLE = False
+        mz.release_workspace()
+        try:
+            return grads.full_tensors()
+        finally:
+            mz.RECYCLE = True
+
+    measure(f"full_tensors [auto, fresh buffer]", fresh, repeat=args.repeat,
+            bytes_per_rank=_ring_bytes(auto, stored_bytes, world), baseline="ds get loop",
+            note="no recycling: allocates S every call (like a first call)")
     state: dict[str, Any] = {"prev": grads.full_tensors()}
     measure("full_tensors out=prev", lambda: grads.full_tensors(out=state["prev"]), repeat=args.repeat,
             bytes_per_rank=_ring_bytes(auto, stored_bytes, world), baseline="ds get loop",
@@ -303,7 +317,7 @@ def _rank_main(args: argparse.Namespace) -> dict[str, Any]:
 
         progress_cm = Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                                console=Console(stderr=True), transient=True)
-    steps_per_stage = 11
+    steps_per_stage = 12
     start = time.perf_counter()
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     if progress_cm is not None:

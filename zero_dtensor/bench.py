@@ -202,7 +202,8 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
     grads = zd.sharded_grads(engine)  # DeepSpeed's writes went to the same memory; the view is still current
 
     # zero_dtensor
-    auto = mz._resolve("auto", grads._storage.process_groups[0], parts[0].device, parts[0].dtype, stored_bytes) \
+    auto = mz._resolve("auto", grads._storage.process_groups[0], parts[0].device, parts[0].dtype, stored_bytes,
+                       grads.layout.groups[0].packing is zd.Packing.CHUNKED) \
         if not grads.layout.groups[0].replicated else "none"
     measure(f"full_tensors [auto={auto}]", lambda: grads.full_tensors(), repeat=args.repeat,
             bytes_per_rank=_ring_bytes(auto, stored_bytes, world), baseline="ds get loop",

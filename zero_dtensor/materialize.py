@@ -73,9 +73,9 @@ __all__ = [
 STRATEGIES = ("auto", "all_gather", "all_reduce")
 ENV_STRATEGY = "ZERO_DTENSOR_GATHER_STRATEGY"
 DEFAULT_BUCKET_BYTES = 64 * 2**20
-#: Collectives one calibration issues: 2 timed all_gathers + 2 timed all_reduces of the bucket's size (capped at
+#: Collectives one calibration issues: 3 timed all_gathers + 3 timed all_reduces of the bucket's size (capped at
 #: ``CALIBRATION_MAX_BYTES``) + 1 ``all_reduce(MAX)`` of the two timings so that every rank takes the same decision.
-CALIBRATION_COLLECTIVES = 5
+CALIBRATION_COLLECTIVES = 7
 CALIBRATION_MAX_BYTES = 128 * 2**20
 #: Below this size ``auto`` does not calibrate and uses all_gather (fewer bytes): small transfers are latency-bound,
 #: their timings are noise, and calibrating would cost more than any choice could save.
@@ -142,7 +142,7 @@ def gather_strategy() -> str:
 
 
 def strategy_decisions() -> dict[tuple[Any, ...], str]:
-    """Calibrated ``auto`` decisions so far: ``{(process group, device type, dtype, size bucket): strategy}``."""
+    """Calibrated ``auto`` decisions so far: ``{(process group, device type, dtype, size bucket, ZeRO-3): strategy}``."""
     return dict(_DECISIONS)
 
 
@@ -169,13 +169,16 @@ def _sync(device: torch.device) -> None:
         torch.accelerator.synchronize()
 
 
-def calibrate(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, nbytes: int) -> str:
+def calibrate(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, nbytes: int,
+              unpack: bool = False) -> str:
     """Time both strategies at ``nbytes`` (capped at ``CALIBRATION_MAX_BYTES``) and return the faster.
-    **Collective** (``CALIBRATION_COLLECTIVES`` = 5 collectives).
+    **Collective** (``CALIBRATION_COLLECTIVES`` = 7 collectives).
 
-    Each rank times 2 all_gathers and 2 all_reduces on scratch buffers; the per-rank minimum of each is then
-    maximized over the group in one ``all_reduce(MAX)``, so every rank takes the same decision. Scratch memory:
-    about ``2·nbytes`` (capped), freed on return. Ties go to all_gather (fewer bytes).
+    Each rank times 3 all_gathers and 3 all_reduces (interleaved) on scratch buffers; with ``unpack`` (ZeRO-3,
+    where only all_gather results need a strided copy into parameter order) the time of one local copy of the
+    same size is added to all_gather's. The per-rank minimum of each is then maximized over the group in one
+    ``all_reduce(MAX)``, so every rank takes the same decision. Scratch memory: about ``2·nbytes`` (capped),
+    freed on return. Ties go to all_gather (fewer bytes).
     """
     world = dist.get_world_size(group)
     esize = torch.empty((), dtype=dtype).element_size()
@@ -183,7 +186,7 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype
     full = torch.zeros(per_rank * world, dtype=dtype, device=device)
     part = full.narrow(0, 0, per_rank).clone()
     timings: dict[str, float] = {"all_gather": float("inf"), "all_reduce": float("inf")}
-    for _ in range(2):
+    for _ in range(3):
         t0 = time.perf_counter()
         _all_gather_single(full, part, group=group)
         _sync(device)
@@ -193,11 +196,22 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype
         t2 = time.perf_counter()
         timings["all_gather"] = min(timings["all_gather"], t1 - t0)
         timings["all_reduce"] = min(timings["all_reduce"], t2 - t1)
+    if unpack:
+        copy = torch.empty_like(full)
+        best = float("inf")
+        for _ in range(2):
+            t0 = time.perf_counter()
+            copy.copy_(full)
+            _sync(device)
+            best = min(best, time.perf_counter() - t0)
+        timings["all_gather"] += best
+        del copy
     ag, ar = max_across([timings["all_gather"], timings["all_reduce"]], group, device)
     return "all_reduce" if ar < ag else "all_gather"
 
 
-def _resolve(strategy: str, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, nbytes: int) -> str:
+def _resolve(strategy: str, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, nbytes: int,
+             unpack: bool = False) -> str:
     if strategy != "auto":
         return strategy
     pinned = gather_strategy()
@@ -205,10 +219,10 @@ def _resolve(strategy: str, group: dist.ProcessGroup, device: torch.device, dtyp
         return pinned
     if dist.get_backend(group) != "gloo" or nbytes < CALIBRATION_MIN_BYTES:
         return "all_gather"
-    key = (group, device.type, dtype, _size_bucket(nbytes))
+    key = (group, device.type, dtype, _size_bucket(nbytes), unpack)
     decision = _DECISIONS.get(key)
     if decision is None:
-        decision = _DECISIONS[key] = calibrate(group, device, dtype, nbytes)
+        decision = _DECISIONS[key] = calibrate(group, device, dtype, nbytes, unpack)
     return decision
 
 
@@ -518,7 +532,8 @@ def full_tensors(
             pinned = gather_strategy()
             b.strategy = pinned if pinned != "auto" else "all_gather"
         else:
-            b.strategy = _resolve(strategy, b.pg, b.device, b.dtype, nbytes)
+            unpack = any(g.packing is Packing.CHUNKED for g in b.groups)
+            b.strategy = _resolve(strategy, b.pg, b.device, b.dtype, nbytes, unpack)
         b.layout(grads)
 
     reuse = out is not None

@@ -237,7 +237,7 @@ class ShardedGrads(GradOpsMixin, Mapping[str, ParamGrad]):
         ``all_gather``: one all_gather per (process group, dtype, device), coalesced over the flat groups sharing
         them, ``(N-1)/N·S`` bytes per rank. ``all_reduce``: one sum all_reduce per (process group, dtype, device)
         of a zero-filled ``S`` buffer, ``2(N-1)/N·S`` bytes per rank. ``auto`` on gloo, for buckets of at least
-        1 MiB: the first call per (process group, dtype, power-of-two size) also calibrates (5 more collectives;
+        1 MiB: the first call per (process group, dtype, power-of-two size) also calibrates (7 more collectives;
         see :func:`~zero_dtensor.materialize.calibrate`); pin it with ``ZERO_DTENSOR_GATHER_STRATEGY`` or
         :func:`~zero_dtensor.materialize.set_gather_strategy`. Replicated groups (``BF16_Optimizer``): none.
 

@@ -220,14 +220,15 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
     measure(f"full_tensors [auto, fresh buffer]", fresh, repeat=args.repeat,
             bytes_per_rank=_ring_bytes(auto, stored_bytes, world), baseline="ds get loop",
             note="no recycling: allocates S every call (like a first call)")
-    state: dict[str, Any] = {"prev": grads.full_tensors()}
-    measure("full_tensors out=prev", lambda: grads.full_tensors(out=state["prev"]), repeat=args.repeat,
-            bytes_per_rank=_ring_bytes(auto, stored_bytes, world), baseline="ds get loop",
-            note="reused memory", memory=lambda r: 0 if r is state["prev"] else new_bytes(r))
     for strategy in ("all_gather", "all_reduce"):
         measure(f"full_tensors {strategy}", lambda s=strategy: grads.full_tensors(strategy=s),
                 repeat=args.repeat, bytes_per_rank=_ring_bytes(strategy, stored_bytes, world),
                 baseline="ds get loop")
+    state: dict[str, Any] = {"prev": grads.full_tensors()}
+    measure("full_tensors out=prev", lambda: grads.full_tensors(out=state["prev"]), repeat=args.repeat,
+            bytes_per_rank=_ring_bytes(auto, stored_bytes, world), baseline="ds get loop",
+            note="reused memory", memory=lambda r: 0 if r is state["prev"] else new_bytes(r))
+    state.clear()  # drop it, so that later rows find the recycled buffer free
     bucket = int(args.bucket_mb * 2**20)
 
     class Peak:

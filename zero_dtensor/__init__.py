@@ -1,34 +1,45 @@
 """zero_dtensor: whole-model access to DeepSpeed ZeRO gradients as DTensors, between backward() and step()."""
 
 from .api import get_full_model_grads, set_full_model_grads, sharded_grads
+from .debug import set_debug
+from .errors import GradientsNotReadyError, RankDisagreementError, StaleGradientsError, UnsupportedDeepSpeedError
 from .hooks import GradHookError, GradHookHandle, attach_to_trainer, on_grads, on_grads_in_trainer
-from .errors import GradientsNotReadyError, StaleGradientsError, UnsupportedDeepSpeedError
 from .launch import RankPool, launch
 from .layout import GradLayout, GroupLayout, Packing, ParamLayout
+from .ops import GradStats, counter_normal
+from .overflow import found_inf
+from .replicate import FullGradsHandle, keep_full_grads
 from .sharded import ParamGrad, ShardedGrads
 from .stats_logger import GradStatsLogger
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "FullGradsHandle",
     "GradHookError",
     "GradHookHandle",
     "GradLayout",
+    "GradStats",
     "GradStatsLogger",
     "GradientsNotReadyError",
     "GroupLayout",
     "Packing",
     "ParamGrad",
     "ParamLayout",
+    "RankDisagreementError",
+    "RankPool",
     "ShardedGrads",
     "StaleGradientsError",
     "UnsupportedDeepSpeedError",
-    "RankPool",
-    "get_full_model_grads",
     "attach_to_trainer",
+    "counter_normal",
+    "found_inf",
+    "get_full_model_grads",
+    "keep_full_grads",
     "launch",
     "on_grads",
     "on_grads_in_trainer",
+    "set_debug",
     "set_full_model_grads",
     "sharded_grads",
 ]

@@ -277,7 +277,8 @@ class ShardedGrads(GradOpsMixin, Mapping[str, ParamGrad]):
         parameter-order buffer, ``2(N-1)/N·W``.
 
         Peak extra memory: one bucket (plus the local shard DeepSpeed already holds), provided the caller drops
-        each tensor before asking for the next bucket. Yielded tensors of the stored dtype are views into their
+        each tensor before asking for the next bucket. (On gloo the backend's worker thread can release a finished
+        collective's buffer a moment after the call returned, so two buckets may briefly coexist.) Yielded tensors of the stored dtype are views into their
         bucket's buffer (valid as long as they are referenced); ``dtype`` casts and fp16 unscaling add one
         converted copy per yielded tensor.
         """

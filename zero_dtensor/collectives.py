@@ -28,6 +28,34 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _MESHES: dict[tuple[dist.ProcessGroup, str], DeviceMesh] = {}
 
 
+_DEVICE_TYPES: dict[dist.ProcessGroup, frozenset[str]] = {}
+
+
+def comm_device_types(group: dist.ProcessGroup) -> frozenset[str]:
+    """Device types ``group``'s backends communicate on, from ``dist.get_backend_config`` (``"cpu:gloo,cuda:nccl"``
+    → ``{"cpu", "cuda"}``; a DeepSpeed NCCL group → ``{"cuda"}``). Empty when the backend does not say."""
+    types = _DEVICE_TYPES.get(group)
+    if types is None:
+        config = dist.get_backend_config(group)
+        types = _DEVICE_TYPES[group] = frozenset(item.split(":")[0] for item in config.split(",") if ":" in item)
+    return types
+
+
+def comm_device(tensor: torch.Tensor, group: dist.ProcessGroup, fallback: torch.device) -> torch.device:
+    """``tensor.device`` where ``group`` can communicate on it, else ``fallback`` (the engine's device)."""
+    types = comm_device_types(group)
+    return tensor.device if not types or tensor.device.type in types else torch.device(fallback)
+
+
+def on_comm_device(tensor: torch.Tensor, group: dist.ProcessGroup, fallback: torch.device) -> torch.Tensor:
+    """``tensor`` itself where ``group`` can communicate on its device, else a copy on ``fallback``.
+
+    CPU-offloaded gradients in a CUDA job sit on the CPU while DeepSpeed's data-parallel group is NCCL (CUDA only):
+    they travel through the engine's device (one host-to-device copy of the local partition).
+    """
+    return tensor.to(comm_device(tensor, group, fallback))
+
+
 def mesh_for(group: dist.ProcessGroup, device_type: str) -> DeviceMesh:
     """A 1-D ``DeviceMesh`` over an existing process group (creates no communicator). Cached per group."""
     key = (group, device_type)

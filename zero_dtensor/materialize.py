@@ -40,6 +40,7 @@ import torch.distributed as dist
 from .collectives import (
     _all_gather_single,
     all_gather_into,
+    comm_device,
     all_reduce_sum_work,
     gather_to,
     max_across,
@@ -239,6 +240,10 @@ class FullGrads(dict):
         super().__init__(*args, **kwargs)
         self.buffers: dict[tuple[Any, ...], torch.Tensor] = {}
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickles (e.g. to another process) as a plain dict: the gather buffers only serve reuse in this process.
+        return (dict, (dict(self),))
+
 
 class FullTensorsHandle:
     """Pending result of ``full_tensors(..., async_op=True)``. :meth:`wait` completes the collectives, unpacks and
@@ -304,9 +309,10 @@ def _plan(grads: ShardedGrads, group_indices: Sequence[int]) -> list[_Bucket]:
     storage = grads._storage
     buckets: dict[tuple[Any, ...], _Bucket] = {}
     for i in group_indices:
-        group, part = grads.layout.groups[i], storage.partitions[i]
+        group = grads.layout.groups[i]
         if group.replicated:
             continue
+        part = grads._comm_partition(i)
         pg = storage.process_groups[i]
         key = (pg, part.dtype, part.device)
         if key not in buckets:
@@ -428,7 +434,8 @@ def _validate_out(grads: ShardedGrads, params: list[ParamLayout], out: Any, dtyp
         if t is None:
             continue
         want = _target_dtype(grads, p, dtype)
-        device = grads._storage.partitions[p.group].device
+        storage = grads._storage
+        device = comm_device(storage.partitions[p.group], storage.process_groups[p.group], storage.device)
         if not isinstance(t, torch.Tensor) or t.shape != p.shape or t.dtype != want or t.device != device:
             got = f"{type(t).__name__}" if not isinstance(t, torch.Tensor) else f"{tuple(t.shape)} {t.dtype} {t.device}"
             raise ValueError(f"out[{p.name!r}] must be a tensor of shape {tuple(p.shape)}, dtype {want} on {device}; "
@@ -667,10 +674,12 @@ def _windows(grads: ShardedGrads, params: list[ParamLayout], bucket_bytes: int, 
 def _materialize_window(grads: ShardedGrads, w: _Window) -> dict[str, torch.Tensor]:
     """One collective; returns stored-dtype (still scaled) full tensors of the window's parameters."""
     storage = grads._storage
-    group, part = w.group, storage.partitions[w.group.index]
+    group = w.group
     pg, rank, world = storage.process_groups[group.index], group.rank, group.world_size
     if group.replicated:
+        part = storage.partitions[group.index]
         return {p.name: part.narrow(0, p.offset, p.numel).view(p.shape) for p in w.params}
+    part = grads._comm_partition(group.index)
     if group.packing is Packing.CHUNKED:
         if w.strategy == "all_reduce":
             buf = _alloc(sum(p.numel for p in w.params), part.dtype, part.device, zero=True)

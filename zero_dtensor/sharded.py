@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import debug as _debug
-from .collectives import _all_gather_single, all_gather_partitions, all_reduce_sum, mesh_for
+from .collectives import _all_gather_single, all_gather_partitions, all_reduce_sum, mesh_for, on_comm_device
 from .errors import StaleGradientsError
 from .layout import GradLayout, Packing, ParamLayout
 from . import materialize as _materialize
@@ -81,9 +81,8 @@ class ParamGrad:
         No communication. Under fp16 loss scaling the stored values are ``true gradient × grads.loss_scale``.
         """
         self._grads._check_current()
-        start, stop = self.local_range
-        partition = self._grads._storage.partitions[self._param.group]
-        return partition.narrow(0, self._param.local_offset(self._group, self._group.rank), stop - start)
+        start, stop, offset = self._grads._fragments[self.name]
+        return self._grads._storage.partitions[self._param.group].narrow(0, offset, stop - start)
 
     def full_tensor(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The full (true, unscaled) gradient, shape ``self.shape``. **Collective**: call on every rank of the group.
@@ -98,16 +97,17 @@ class ParamGrad:
         _debug.check_same_call("ParamGrad.full_tensor", (self.name, str(dtype)),
                                [storage.process_groups[self._param.group]], storage.device)
         group, param = self._group, self._param
-        pg = self._grads._storage.process_groups[param.group]
-        local = self.to_local()
+        pg = storage.process_groups[param.group]
         if group.replicated:
-            full = local
+            full = self.to_local()
         elif group.packing is Packing.CHUNKED:  # every rank stores a padded chunk_numel-long chunk at param.offset
-            chunk = self._grads._storage.partitions[param.group].narrow(0, param.offset, param.chunk_numel)
-            gathered = torch.empty(group.world_size * param.chunk_numel, dtype=local.dtype, device=local.device)
+            chunk = storage.partitions[param.group].narrow(0, param.offset, param.chunk_numel)
+            chunk = on_comm_device(chunk, pg, storage.device)
+            gathered = torch.empty(group.world_size * param.chunk_numel, dtype=chunk.dtype, device=chunk.device)
             _all_gather_single(gathered, chunk, group=pg)
             full = gathered.narrow(0, 0, param.numel)
         else:
+            local = on_comm_device(self.to_local(), pg, storage.device)
             full = torch.zeros(param.numel, dtype=local.dtype, device=local.device)
             start, stop = self.local_range
             full.narrow(0, start, stop - start).copy_(local)
@@ -296,18 +296,34 @@ class ShardedGrads(GradOpsMixin, Mapping[str, ParamGrad]):
         """
         self._check_current()
         checked = self._validate(mapping)
-        scale = self.loss_scale
+        scale, partitions, fragments = self.loss_scale, self._storage.partitions, self._fragments
         for param, value in checked:
-            group = self.layout.groups[param.group]
-            start, stop = param.rank_range(group, group.rank)
+            start, stop, offset = fragments[param.name]
+            if stop == start:
+                continue
             source = value.reshape(-1).narrow(0, start, stop - start)
-            target = self._views[param.name].to_local()
             if scale != 1.0:
                 source = source.to(torch.float32) * scale
-            target.copy_(source)
+            partitions[param.group].narrow(0, offset, stop - start).copy_(source)
         self._storage.after_write([p.name for p, _ in checked])
 
     # --- internals -----------------------------------------------------------------------------------------------
+    @cached_property
+    def _fragments(self) -> dict[str, tuple[int, int, int]]:
+        """``name -> (start, stop, offset in this rank's partition)`` of this rank's fragment."""
+        out = {}
+        for p in self.layout.params:
+            group = self.layout.groups[p.group]
+            start, stop = p.rank_range(group, group.rank)
+            out[p.name] = (start, stop, p.local_offset(group, group.rank))
+        return out
+
+    def _comm_partition(self, group: int) -> torch.Tensor:
+        """This rank's partition of ``group`` on a device its process group communicates on (a copy only for
+        CPU-offloaded gradients whose group cannot take CPU tensors, e.g. NCCL)."""
+        storage = self._storage
+        return on_comm_device(storage.partitions[group], storage.process_groups[group], storage.device)
+
     def _check_current(self) -> None:
         if not self._storage.is_current():
             raise StaleGradientsError(_STALE)

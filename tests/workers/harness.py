@@ -31,3 +31,9 @@ def pid() -> int:
 
 def unpicklable_result() -> object:
     return lambda: None  # a lambda cannot be pickled
+
+
+def world_device_types() -> list[str]:
+    from zero_dtensor.collectives import comm_device_types
+
+    return sorted(comm_device_types(dist.group.WORLD))

@@ -7,6 +7,8 @@ traceback; a rank that does not answer in time (e.g. stuck in a collective) is k
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import multiprocessing as mp
 import os
@@ -48,7 +50,8 @@ def _worker(rank: int, world_size: int, port: int, backend: str, tasks: Any, res
         import deepspeed
 
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+        with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints a line per rank when it loads its comm op
+            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
         results.put((rank, "ready", None))
     except BaseException:  # noqa: BLE001 - report start-up failures to the parent
         results.put((rank, "error", traceback.format_exc()))

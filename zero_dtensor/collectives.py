@@ -13,14 +13,15 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
-    "all_gather_flat",
+    "comm_device",
+    "comm_device_types",
     "all_gather_into",
-    "all_gather_partitions",
     "all_reduce_sum",
     "all_reduce_sum_work",
     "gather_to",
     "max_across",
     "mesh_for",
+    "on_comm_device",
     "reduce_sum_to",
 ]
 
@@ -65,37 +66,10 @@ def mesh_for(group: dist.ProcessGroup, device_type: str) -> DeviceMesh:
     return mesh
 
 
-def all_gather_flat(local: torch.Tensor, group: dist.ProcessGroup, out: torch.Tensor | None = None) -> torch.Tensor:
-    """One ``all_gather`` of equal-size 1-D ``local`` tensors: ``(N-1)/N·S`` bytes received per rank."""
-    world = dist.get_world_size(group)
-    if out is None:
-        out = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
-    _all_gather_single(out, local, group=group)
-    return out
-
-
 def _coalescing_device(group: dist.ProcessGroup, device: torch.device) -> torch.device | None:
     """``device`` for ``_coalescing_manager``: gloo raises "does not implement startCoalescing" when given one (its
     coalesced all_gather/all_reduce fast paths need none); other backends get it."""
     return None if dist.get_backend(group) == "gloo" else device
-
-
-def all_gather_partitions(
-    partitions: Sequence[torch.Tensor],
-    group: dist.ProcessGroup,
-) -> list[torch.Tensor]:
-    """Gather several equal-per-rank 1-D partitions of one process group in **one** coalesced collective.
-
-    All partitions must share dtype and device. Bytes received per rank: ``(N-1)/N`` of the summed full sizes.
-    """
-    if len(partitions) == 1:
-        return [all_gather_flat(partitions[0], group)]
-    world = dist.get_world_size(group)
-    outs = [torch.empty(world * p.numel(), dtype=p.dtype, device=p.device) for p in partitions]
-    with dist._coalescing_manager(group=group, device=_coalescing_device(group, partitions[0].device)):
-        for out, part in zip(outs, partitions):
-            _all_gather_single(out, part, group=group)
-    return outs
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

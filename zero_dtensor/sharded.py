@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import debug as _debug
-from .collectives import _all_gather_single, all_gather_partitions, all_reduce_sum, mesh_for, on_comm_device
+from .collectives import _all_gather_single, all_reduce_sum, mesh_for, on_comm_device
 from .errors import StaleGradientsError
 from .layout import GradLayout, Packing, ParamLayout
 from . import materialize as _materialize
@@ -337,15 +337,6 @@ class ShardedGrads(GradOpsMixin, Mapping[str, ParamGrad]):
         if unknown:
             raise KeyError(f"not trainable parameters of this engine: {unknown}; known: {_short(self.names)}")
         return [self.layout.by_name[n] for n in names]
-
-    def _gather_groups(self, wanted: list[int]) -> dict[int, torch.Tensor]:
-        """``{group index: padded global flat buffer}`` (replicated groups: the storage itself). **Collective**: one
-        all_gather per (process group, dtype, device), coalesced; see :mod:`zero_dtensor.materialize`."""
-        return _materialize.gather_flat_groups(self, wanted)
-
-    def _unpack(self, flat: torch.Tensor, param: ParamLayout) -> torch.Tensor:
-        """``param``'s full (stored, still scaled) values from its group's gathered flat buffer."""
-        return _materialize.unpack(self, flat, param)
 
     def _finish(self, full: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
         if self.loss_scale != 1.0:

@@ -225,10 +225,10 @@ def check_options(stage: int, dtype: str, two_groups: bool = False) -> dict:
         else:
             assert dict(got) == {}
 
-    # the internal helpers keep working (other modules may use them)
-    flats = grads._gather_groups(list(range(len(grads.groups))))
+    # the module-level helpers (one gather of every flat group, then unpack) agree with the default path
+    flats = mz.gather_flat_groups(grads, list(range(len(grads.groups))))
     for p in grads.layout.params:
-        assert torch.equal(grads._finish(grads._unpack(flats[p.group], p), None), default[p.name]), p.name
+        assert torch.equal(grads._finish(mz.unpack(grads, flats[p.group], p), None), default[p.name]), p.name
     return report
 
 

@@ -346,10 +346,10 @@ def _fill_for_reduce(grads: ShardedGrads, bucket: _Bucket, buf: torch.Tensor) ->
         if bucket.param_order(group):
             positions = _param_positions(grads, group)
             for p in grads.layout.params_of(group.index):
-                start, stop = p.rank_range(group, group.rank)
+                start, stop, offset = grads._fragments[p.name]
                 if stop > start:
                     buf.narrow(0, base + positions[p.name] + start, stop - start).copy_(
-                        part.narrow(0, p.offset, stop - start)
+                        part.narrow(0, offset, stop - start)
                     )
         else:
             buf.narrow(0, base + group.rank * group.partition_numel, group.partition_numel).copy_(part)
@@ -685,9 +685,9 @@ def _materialize_window(grads: ShardedGrads, w: _Window) -> dict[str, torch.Tens
             buf = _alloc(sum(p.numel for p in w.params), part.dtype, part.device, zero=True)
             views, pos = {}, 0
             for p in w.params:
-                start, stop = p.rank_range(group, rank)
+                start, stop, offset = grads._fragments[p.name]
                 if stop > start:
-                    buf.narrow(0, pos + start, stop - start).copy_(part.narrow(0, p.offset, stop - start))
+                    buf.narrow(0, pos + start, stop - start).copy_(part.narrow(0, offset, stop - start))
                 views[p.name] = buf.narrow(0, pos, p.numel).view(p.shape)
                 pos += p.numel
             all_reduce_sum_work(buf, pg)

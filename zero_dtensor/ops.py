@@ -119,7 +119,8 @@ class GradOpsMixin:
     """Operations on the local shards of a :class:`~zero_dtensor.sharded.ShardedGrads` (see the module docstring).
 
     The host class provides ``_storage`` (a :class:`~zero_dtensor.storage.GradStorage`), ``layout``,
-    ``loss_scale``, ``names`` and ``_check_current()``.
+    ``loss_scale``, ``names``, ``_check_current()``, ``_fragments`` (``name -> (start, stop, offset)`` of this rank's
+    fragment) and ``_local(param)`` (that fragment as a view of the partition).
     """
 
     # ---------------------------------------------------------------------------------------------------------
@@ -296,11 +297,10 @@ class GradOpsMixin:
         self._check_current()
         scale = self.loss_scale
         for param in selected:
-            group = self.layout.groups[param.group]
-            start, stop = param.rank_range(group, group.rank)
+            start, stop, _ = self._fragments[param.name]
             if stop == start:
                 continue
-            x = self._fragment(self._storage, param)
+            x = self._local(param)
             noise = counter_normal(int(seed), param.name, param.numel, start, stop, device=x.device)
             if isinstance(std_v, torch.Tensor):
                 x.add_(noise * (std_v * scale).to(x.device))
@@ -376,8 +376,8 @@ class GradOpsMixin:
         cols = 3 if with_norms else 1
         local = torch.zeros(len(selected), cols, dtype=torch.float32, device=self._result_device())
         for i, param in enumerate(selected):
-            a = self._fragment(self._storage, param).to(torch.float32)
-            b = self._fragment(other._storage, param).to(device=a.device, dtype=torch.float32)
+            a = self._local(param).to(torch.float32)
+            b = other._local(param).to(device=a.device, dtype=torch.float32)
             if a.numel():
                 local[i, 0] = torch.dot(a, b)
                 if with_norms:
@@ -404,7 +404,7 @@ class GradOpsMixin:
         sums = torch.zeros(len(selected), 4, dtype=torch.float64, device=device)  # sumsq, sum, nan, inf
         maxes = torch.zeros(len(selected), dtype=torch.float32, device=device)
         for i, param in enumerate(selected):
-            x = self._fragment(self._storage, param)
+            x = self._local(param)
             if not x.numel():
                 continue
             x = x.to(torch.float32)
@@ -546,12 +546,6 @@ class GradOpsMixin:
                 f"{[_shape_of(g) for g in b.groups]}"
             )
 
-    @staticmethod
-    def _fragment(storage: Any, param: Any) -> torch.Tensor:
-        group = storage.layout.groups[param.group]
-        start, stop = param.rank_range(group, group.rank)
-        return storage.partitions[param.group].narrow(0, param.local_offset(group, group.rank), stop - start)
-
     def _padding_segments(self, group_index: int) -> list[tuple[int, int]]:
         cache = self.__dict__.setdefault("_zd_padding", {})
         segments = cache.get(group_index)
@@ -559,9 +553,8 @@ class GradOpsMixin:
             group = self.layout.groups[group_index]
             covered = []
             for p in self.layout.params_of(group_index):
-                start, stop = p.rank_range(group, group.rank)
+                start, stop, off = self._fragments[p.name]
                 if stop > start:
-                    off = p.local_offset(group, group.rank)
                     covered.append((off, off + stop - start))
             covered.sort()
             segments, pos = [], 0
@@ -594,13 +587,13 @@ class GradOpsMixin:
                     x.narrow(0, off, length).zero_()
             else:
                 for p in plist:
-                    x = self._fragment(storage, p)
+                    x = self._local(p)
                     if not x.numel():
                         continue
                     if other is None:
                         op(x, _operand(per, p.name))
                     else:
-                        op(x, _operand(per, p.name), self._fragment(other._storage, p).to(x.device))
+                        op(x, _operand(per, p.name), other._local(p).to(x.device))
         storage.after_write([p.name for p in selected])
 
     def _result_device(self) -> torch.device:
@@ -649,7 +642,7 @@ class GradOpsMixin:
         local = torch.zeros(len(selected), dtype=torch.float32, device=self._result_device())
         frags, rows = [], []
         for i, p in enumerate(selected):
-            x = self._fragment(self._storage, p)
+            x = self._local(p)
             if x.numel():
                 frags.append(x)
                 rows.append(i)

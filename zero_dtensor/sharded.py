@@ -73,7 +73,8 @@ class ParamGrad:
     @property
     def local_range(self) -> tuple[int, int]:
         """``(start, stop)`` of this rank's fragment within the flattened parameter (``start == stop``: none)."""
-        return self._param.rank_range(self._group, self._group.rank)
+        start, stop, _ = self._grads._fragments[self.name]
+        return start, stop
 
     def to_local(self) -> torch.Tensor:
         """This rank's fragment, 1-D, ``local_range`` long: a writable view into DeepSpeed's storage.
@@ -81,8 +82,7 @@ class ParamGrad:
         No communication. Under fp16 loss scaling the stored values are ``true gradient × grads.loss_scale``.
         """
         self._grads._check_current()
-        start, stop, offset = self._grads._fragments[self.name]
-        return self._grads._storage.partitions[self._param.group].narrow(0, offset, stop - start)
+        return self._grads._local(self._param)
 
     def full_tensor(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The full (true, unscaled) gradient, shape ``self.shape``. **Collective**: call on every rank of the group.
@@ -99,7 +99,7 @@ class ParamGrad:
         group, param = self._group, self._param
         pg = storage.process_groups[param.group]
         if group.replicated:
-            full = self.to_local()
+            full = self._grads._local(param)
         elif group.packing is Packing.CHUNKED:  # every rank stores a padded chunk_numel-long chunk at param.offset
             chunk = storage.partitions[param.group].narrow(0, param.offset, param.chunk_numel)
             chunk = on_comm_device(chunk, pg, storage.device)
@@ -107,7 +107,7 @@ class ParamGrad:
             _all_gather_single(gathered, chunk, group=pg)
             full = gathered.narrow(0, 0, param.numel)
         else:
-            local = on_comm_device(self.to_local(), pg, storage.device)
+            local = on_comm_device(self._grads._local(param), pg, storage.device)
             full = torch.zeros(param.numel, dtype=local.dtype, device=local.device)
             start, stop = self.local_range
             full.narrow(0, start, stop - start).copy_(local)
@@ -317,6 +317,11 @@ class ShardedGrads(GradOpsMixin, Mapping[str, ParamGrad]):
             start, stop = p.rank_range(group, group.rank)
             out[p.name] = (start, stop, p.local_offset(group, group.rank))
         return out
+
+    def _local(self, param: ParamLayout) -> torch.Tensor:
+        """This rank's fragment of ``param``: a 1-D view of its partition (empty where it holds none). No check."""
+        start, stop, offset = self._fragments[param.name]
+        return self._storage.partitions[param.group].narrow(0, offset, stop - start)
 
     def _comm_partition(self, group: int) -> torch.Tensor:
         """This rank's partition of ``group`` on a device its process group communicates on (a copy only for

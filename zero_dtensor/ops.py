@@ -294,7 +294,6 @@ class GradOpsMixin:
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
             raise TypeError(f"add_noise_: seed must be an int, got {type(seed).__name__}")
         selected = self._pick(params)
-        self._check_current()
         scale = self.loss_scale
         for param in selected:
             start, stop, _ = self._fragments[param.name]
@@ -372,7 +371,6 @@ class GradOpsMixin:
             raise TypeError(f"dots takes another ShardedGrads or a clone, got {type(other).__name__}")
         self._check_same_layout(other)
         selected = self._pick(params)
-        other._check_current()
         cols = 3 if with_norms else 1
         local = torch.zeros(len(selected), cols, dtype=torch.float32, device=self._result_device())
         for i, param in enumerate(selected):
@@ -399,7 +397,6 @@ class GradOpsMixin:
         sum vector and a (k,) float32 max vector), none for replicated or single-rank groups.
         """
         selected = self._pick(params)
-        self._check_current()
         device = self._result_device()
         sums = torch.zeros(len(selected), 4, dtype=torch.float64, device=device)  # sumsq, sum, nan, inf
         maxes = torch.zeros(len(selected), dtype=torch.float32, device=device)
@@ -484,7 +481,8 @@ class GradOpsMixin:
         return isinstance(obj, GradOpsMixin)
 
     def _pick(self, params: ParamSelection) -> list:
-        """Validated selection, in layout order."""
+        """Validated selection, in layout order. Raises ``StaleGradientsError`` first: every op calls it before
+        touching the gradients, so the helpers below do not check again."""
         self._check_current()
         layout = self.layout
         if params is None:
@@ -570,7 +568,6 @@ class GradOpsMixin:
     def _elementwise(self, selected: list, op: Callable, per: Any, other: Any = None) -> None:
         """Run ``op(x, operand, other_x)`` on whole partitions where a group is fully selected with a uniform
         operand, else on each selected fragment; keep padding at zero; then notify the optimizer."""
-        self._check_current()
         storage = self._storage
         chosen: dict[int, list] = {}
         for p in selected:
@@ -626,14 +623,18 @@ class GradOpsMixin:
                 local.index_copy_(0, index, part)
         return local
 
-    def _norm_values(self, selected: list, norm_type: float) -> torch.Tensor:
-        """Per-parameter true norms, (k,) float32: one collective per process group."""
-        self._check_current()
+    def _reduced_partials(self, selected: list, norm_type: float) -> tuple[torch.Tensor, bool]:
+        """Per selected parameter, ``sum |x|^p`` (``max |x|`` for inf) over every rank, float32, stored units, and
+        whether ``norm_type`` is inf: one collective per process group."""
         if not (norm_type > 0):
             raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
-        local = self._partials(selected, norm_type)
         is_inf = math.isinf(norm_type)
-        reduced = self._reduce(selected, local, dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM)
+        local = self._partials(selected, norm_type)
+        return self._reduce(selected, local, dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM), is_inf
+
+    def _norm_values(self, selected: list, norm_type: float) -> torch.Tensor:
+        """Per-parameter true norms, (k,) float32: one collective per process group."""
+        reduced, is_inf = self._reduced_partials(selected, norm_type)
         values = reduced if is_inf else (reduced.sqrt() if norm_type == 2.0 else reduced.pow(1.0 / norm_type))
         return values / self.loss_scale
 
@@ -656,12 +657,8 @@ class GradOpsMixin:
         return local
 
     def _total_norm(self, selected: list, norm_type: float) -> torch.Tensor:
-        if not (norm_type > 0):
-            raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
-        self._check_current()
-        local = self._partials(selected, norm_type)
-        is_inf = math.isinf(norm_type)
-        reduced = self._reduce(selected, local, dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM)
+        """The true norm of all selected gradients together, a 0-d float32: one collective per process group."""
+        reduced, is_inf = self._reduced_partials(selected, norm_type)
         if not reduced.numel():
             return torch.zeros((), dtype=torch.float32, device=reduced.device)
         if is_inf:

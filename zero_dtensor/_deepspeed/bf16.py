@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from ..errors import GradientsNotReadyError
-from ..layout import GradLayout, GroupLayout, Packing, ParamLayout
+from ..layout import GroupLayout, Packing, ParamLayout
 from ..storage import GradStorage
-from ._common import WINDOW, micro_steps, model_order, name_of, param_names
+from ._common import WINDOW, micro_steps, model_layout, name_of, param_names
 
 
 def _has_gradients(opt: Any) -> bool:
@@ -51,7 +51,7 @@ def grad_storage(engine: Any, opt: Any) -> GradStorage:
             "BF16_Optimizer's gradient buffer was zeroed by engine.step()/zero_grad() and no backward() has run "
             "since; " + WINDOW
         )
-    names, order = param_names(engine), model_order(engine)
+    names = param_names(engine)
     partitions = tuple(flat.view(-1) for flat in opt.fp32_groups_gradients_flat)
     groups, params = [], []
     for i, (group_params, flat) in enumerate(zip(opt.bf16_groups, partitions)):
@@ -64,14 +64,13 @@ def grad_storage(engine: Any, opt: Any) -> GradStorage:
         for param in group_params:
             params.append(ParamLayout(name_of(names, param), torch.Size(param.shape), i, offset))
             offset += param.numel()
-    params.sort(key=lambda p: order[p.name])
     start_micro_step = micro_steps(engine)
 
     def is_current() -> bool:
         return micro_steps(engine) == start_micro_step and _has_gradients(opt)
 
     return GradStorage(
-        layout=GradLayout(groups=tuple(groups), params=tuple(params)),
+        layout=model_layout(engine, groups, params),
         partitions=partitions,
         process_groups=tuple(opt.real_dp_process_group[i] for i in range(len(partitions))),
         loss_scale=1.0,

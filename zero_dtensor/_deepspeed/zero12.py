@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ..errors import GradientsNotReadyError
 from ..layout import GradLayout, GroupLayout, Packing, ParamLayout
 from ..storage import GradStorage
-from ._common import WINDOW, micro_steps, model_order, name_of, param_names, wait_for_stream
+from ._common import WINDOW, micro_steps, model_layout, name_of, param_names, wait_for_stream
 
 
 def _param_offsets(opt: Any, group: int) -> list[int]:
@@ -115,7 +115,7 @@ def grad_storage(engine: Any, opt: Any) -> GradStorage:
             f"ZeRO-{stage} offload: engine.step() already consumed these gradients (its fp32 buffer still holds the "
             f"clipped, unscaled values of the last step); {WINDOW}"
         )
-    names, order = param_names(engine), model_order(engine)
+    names = param_names(engine)
     groups, params, by_name = [], [], {}
     for i, partition in enumerate(partitions):
         groups.append(_group_layout(opt, i, partition))
@@ -123,8 +123,7 @@ def grad_storage(engine: Any, opt: Any) -> GradStorage:
             name = name_of(names, param)
             params.append(ParamLayout(name=name, shape=torch.Size(param.shape), group=i, offset=offset))
             by_name[name] = param
-    params.sort(key=lambda p: order[p.name])
-    layout = GradLayout(groups=tuple(groups), params=tuple(params))
+    layout = model_layout(engine, groups, params)
 
     start_micro_step = micro_steps(engine)
     live = [opt.averaged_gradients.get(i) for i in range(len(partitions))] if not opt.cpu_offload else []
@@ -161,7 +160,7 @@ def grad_storage(engine: Any, opt: Any) -> GradStorage:
         device=engine.device,
         is_current=is_current,
         after_write=after_write,
-        describe=f"ZeRO-{2 if opt.partition_gradients else 1}",
+        describe=f"ZeRO-{stage}",
     )
     from .capture import active_capture
 

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from ..errors import GradientsNotReadyError, UnsupportedDeepSpeedError
-from ..layout import GradLayout, GroupLayout, Packing, ParamLayout
+from ..layout import GroupLayout, Packing, ParamLayout
 from ..storage import GradStorage
-from ._common import WINDOW, micro_steps, model_order, name_of, param_names, wait_for_stream
+from ._common import WINDOW, micro_steps, model_layout, name_of, param_names, wait_for_stream
 
 
 def _process_group(opt: Any) -> dist.ProcessGroup:
@@ -63,7 +63,7 @@ def grad_storage(engine: Any, opt: Any) -> GradStorage:
         raise GradientsNotReadyError(f"ZeRO-3 with offload_optimizer holds stale gradients mid-accumulation: {WINDOW}")
     if not getattr(opt, "_epilogue_ran_this_backward", True):  # reset by forward() and by step()
         raise GradientsNotReadyError(f"ZeRO-3 has not reduced gradients since the last forward()/step(): {WINDOW}")
-    names, order = param_names(engine), model_order(engine)
+    names = param_names(engine)
     pg = _process_group(opt)
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
     partitions = _partitions(opt)
@@ -77,8 +77,7 @@ def grad_storage(engine: Any, opt: Any) -> GradStorage:
             params.append(ParamLayout(name, torch.Size(param.ds_shape), sg, offset, chunk_numel=chunk))
             by_name[name] = param
             offset += chunk
-    params.sort(key=lambda p: order[p.name])
-    layout = GradLayout(groups=tuple(groups), params=tuple(params))
+    layout = model_layout(engine, groups, params)
     start_micro_step = micro_steps(engine)
 
     def is_current() -> bool:

@@ -211,13 +211,16 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype
     return "all_reduce" if ar < ag else "all_gather"
 
 
+def _explicit(strategy: str) -> str:
+    """``strategy`` itself unless it is ``"auto"``, else the pinned one (``"auto"`` when none is pinned)."""
+    return gather_strategy() if strategy == "auto" else strategy
+
+
 def _resolve(strategy: str, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, nbytes: int,
              unpack: bool = False) -> str:
-    if strategy != "auto":
-        return strategy
-    pinned = gather_strategy()
-    if pinned != "auto":
-        return pinned
+    chosen = _explicit(strategy)
+    if chosen != "auto":
+        return chosen
     if dist.get_backend(group) != "gloo" or nbytes < CALIBRATION_MIN_BYTES:
         return "all_gather"
     key = (group, device.type, dtype, _size_bucket(nbytes), unpack)
@@ -535,9 +538,9 @@ def full_tensors(
     buckets = _plan(grads, wanted)
     for b in buckets:
         nbytes = b.native_numel * b.partitions[0].element_size()
-        if dst is not None and strategy == "auto":
-            pinned = gather_strategy()
-            b.strategy = pinned if pinned != "auto" else "all_gather"
+        if dst is not None:  # no calibration: it times all_gather/all_reduce, while dst= uses gather/reduce
+            chosen = _explicit(strategy)
+            b.strategy = "all_gather" if chosen == "auto" else chosen
         else:
             unpack = any(g.packing is Packing.CHUNKED for g in b.groups)
             b.strategy = _resolve(strategy, b.pg, b.device, b.dtype, nbytes, unpack)
@@ -610,11 +613,9 @@ class _Window:
 
 
 def _stream_strategy(strategy: str, group: dist.ProcessGroup, packing: Packing) -> str:
-    if strategy != "auto":
-        return strategy
-    pinned = gather_strategy()
-    if pinned != "auto":
-        return pinned
+    chosen = _explicit(strategy)
+    if chosen != "auto":
+        return chosen
     if dist.get_backend(group) == "gloo":
         return "all_reduce"
     return "all_gather" if packing is Packing.CHUNKED else "all_reduce"

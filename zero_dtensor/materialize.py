@@ -603,13 +603,26 @@ def full_tensors(
 
 
 # --- streaming -------------------------------------------------------------------------------------------------------
+def _span(group: GroupLayout, params: list[ParamLayout]) -> tuple[int, int]:
+    """``[start, stop)`` of consecutive ``params``: the global flat window (contiguous packing) or the range of every
+    rank's partition (chunked packing)."""
+    last = params[-1]
+    return params[0].offset, last.offset + (last.chunk_numel if group.packing is Packing.CHUNKED else last.numel)
+
+
 @dataclass
 class _Window:
     group: GroupLayout
     params: list[ParamLayout]
     strategy: str
-    start: int = 0  # CONTIGUOUS: global flat window [start, stop); CHUNKED: local partition range [start, stop)
-    stop: int = 0
+
+    @property
+    def start(self) -> int:
+        return self.params[0].offset
+
+    @property
+    def stop(self) -> int:
+        return _span(self.group, self.params)[1]
 
 
 def _stream_strategy(strategy: str, group: dist.ProcessGroup, packing: Packing) -> str:
@@ -629,13 +642,12 @@ def _overlaps(group: GroupLayout, start: int, stop: int) -> list[tuple[int, int]
 
 def _window_cost(group: GroupLayout, strategy: str, params: list[ParamLayout]) -> int:
     """Elements this module allocates to materialize ``params`` (consecutive in the buffer) in one window."""
+    start, stop = _span(group, params)
     if group.packing is Packing.CHUNKED:
         numel = sum(p.numel for p in params)
         if strategy == "all_reduce":
             return numel
-        width = params[-1].offset + params[-1].chunk_numel - params[0].offset  # includes skipped parameters
-        return group.world_size * width + numel
-    start, stop = params[0].offset, params[-1].offset + params[-1].numel
+        return group.world_size * (stop - start) + numel  # the width includes skipped parameters
     if strategy == "all_reduce":
         return stop - start
     m = max(hi - lo for lo, hi in _overlaps(group, start, stop))
@@ -664,11 +676,6 @@ def _windows(grads: ShardedGrads, params: list[ParamLayout], bucket_bytes: int, 
             current.append(p)
         if current:
             windows.append(_Window(group, current, how))
-    for w in windows:
-        if w.group.packing is Packing.CHUNKED:
-            w.start, w.stop = w.params[0].offset, w.params[-1].offset + w.params[-1].chunk_numel
-        else:
-            w.start, w.stop = w.params[0].offset, w.params[-1].offset + w.params[-1].numel
     return windows
 
 

@@ -261,18 +261,17 @@ class GradOpsMixin:
         if not callable(fn):
             raise TypeError(f"apply_ takes a callable, got {type(fn).__name__}")
         selected = self._pick(params)
-        scale = self.loss_scale
+        storage = self._storage
 
         def op(x, _, _o=None):
-            arg = x if scale == 1.0 else x.to(torch.float32) / scale
+            arg = storage.to_true(x)
             result = fn(arg)
             if result is None:
                 result = arg
             if not isinstance(result, torch.Tensor) or result.shape != x.shape:
                 got = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
                 raise ValueError(f"apply_: fn must return None or a tensor of shape {tuple(x.shape)}, got {got}")
-            if scale != 1.0:
-                result = result.to(torch.float32) * scale
+            result = storage.to_stored(result)
             if result is not x:
                 x.copy_(result)
             return x

@@ -296,15 +296,13 @@ class ShardedGrads(GradOpsMixin, Mapping[str, ParamGrad]):
         """
         self._check_current()
         checked = self._validate(mapping)
-        scale, partitions, fragments = self.loss_scale, self._storage.partitions, self._fragments
+        storage, fragments = self._storage, self._fragments
         for param, value in checked:
             start, stop, offset = fragments[param.name]
             if stop == start:
                 continue
-            source = value.reshape(-1).narrow(0, start, stop - start)
-            if scale != 1.0:
-                source = source.to(torch.float32) * scale
-            partitions[param.group].narrow(0, offset, stop - start).copy_(source)
+            source = storage.to_stored(value.reshape(-1).narrow(0, start, stop - start))
+            storage.partitions[param.group].narrow(0, offset, stop - start).copy_(source)
         self._storage.after_write([p.name for p, _ in checked])
 
     # --- internals -----------------------------------------------------------------------------------------------
@@ -344,8 +342,7 @@ class ShardedGrads(GradOpsMixin, Mapping[str, ParamGrad]):
         return [self.layout.by_name[n] for n in names]
 
     def _finish(self, full: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-        if self.loss_scale != 1.0:
-            full = full.to(torch.float32) / self.loss_scale
+        full = self._storage.to_true(full)
         return full if dtype is None or full.dtype == dtype else full.to(dtype)
 
     def _dtensor(self, local: torch.Tensor, group: int, placement, shape: tuple[int, ...]) -> DTensor:

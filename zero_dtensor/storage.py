@@ -41,3 +41,11 @@ class GradStorage:
     is_current: Callable[[], bool]
     after_write: Callable[[Sequence[str]], None] = _no_write_hook
     describe: str = ""
+
+    def to_true(self, stored: torch.Tensor) -> torch.Tensor:
+        """Stored values in true units: ``stored`` itself without loss scaling, else an unscaled float32 tensor."""
+        return stored if self.loss_scale == 1.0 else stored.to(torch.float32) / self.loss_scale
+
+    def to_stored(self, true: torch.Tensor) -> torch.Tensor:
+        """True values in stored units: ``true`` itself without loss scaling, else a scaled float32 tensor."""
+        return true if self.loss_scale == 1.0 else true.to(torch.float32) * self.loss_scale

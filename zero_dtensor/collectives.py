@@ -16,7 +16,6 @@ __all__ = [
     "comm_device",
     "comm_device_types",
     "all_gather_into",
-    "all_reduce_sum",
     "all_reduce_sum_work",
     "gather_to",
     "max_across",
@@ -70,12 +69,6 @@ def _coalescing_device(group: dist.ProcessGroup, device: torch.device) -> torch.
     """``device`` for ``_coalescing_manager``: gloo raises "does not implement startCoalescing" when given one (its
     coalesced all_gather/all_reduce fast paths need none); other backends get it."""
     return None if dist.get_backend(group) == "gloo" else device
-
-
-def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """One in-place sum ``all_reduce``."""
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-    return tensor
 
 
 # --- building blocks of zero_dtensor.materialize (each returns the pending ``Work`` objects when async) ---------------

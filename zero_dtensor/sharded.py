@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import debug as _debug
-from .collectives import _all_gather_single, all_reduce_sum, mesh_for, on_comm_device
+from .collectives import _all_gather_single, all_reduce_sum_work, mesh_for, on_comm_device
 from .errors import StaleGradientsError
 from .layout import GradLayout, Packing, ParamLayout
 from . import materialize as _materialize
@@ -111,7 +111,7 @@ class ParamGrad:
             full = torch.zeros(param.numel, dtype=local.dtype, device=local.device)
             start, stop = self.local_range
             full.narrow(0, start, stop - start).copy_(local)
-            all_reduce_sum(full, pg)
+            all_reduce_sum_work(full, pg)
         return self._grads._finish(full.view(param.shape), dtype)
 
     def as_dtensor(self) -> DTensor:

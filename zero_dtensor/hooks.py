@@ -81,8 +81,9 @@ class GradHookHandle:
         return self.id in self._registry.hooks
 
     def remove(self) -> None:
-        """Unregister. When the engine's last hook goes, ``engine.step`` (and ``_take_model_step``) are restored to
-        DeepSpeed's own bound methods (or whatever was set on the instance before the first hook)."""
+        """Unregister (no communication). When the engine's last hook goes, ``engine.step`` (and
+        ``_take_model_step``) are restored to DeepSpeed's own bound methods (or whatever was set on the instance
+        before the first hook)."""
         self._registry.remove(self.id)
 
     def __enter__(self) -> GradHookHandle:
@@ -155,7 +156,8 @@ def attach_to_trainer(trainer: Any, factory: Callable[[Any], Any]) -> Any:
     has prepared the model, which is why this goes through a callback). ``factory`` returns anything with a
     ``remove()`` method, e.g. ``lambda engine: zd.GradStatsLogger(engine, every=10, callback=...)``. Returns the
     ``transformers.TrainerCallback`` it added to the trainer; ``callback.attached`` is the factory's current result,
-    ``callback.active`` whether it is attached. Needs ``transformers`` and a Trainer running DeepSpeed.
+    ``callback.active`` whether it is attached. Needs ``transformers`` and a Trainer running DeepSpeed. No
+    communication of its own (``factory`` and what it attaches may communicate).
     """
     from transformers import TrainerCallback
 
@@ -196,6 +198,7 @@ def on_grads_in_trainer(trainer: Any, fn: GradFn, **kwargs: Any) -> Any:
     A ``TrainerCallback`` such as ``on_pre_optimizer_step`` runs after Accelerate's ``backward()`` already called
     ``engine.step()``, too late to see or change the gradients; this registers ``fn`` on the engine itself. Returns
     the added callback (see :func:`attach_to_trainer`; ``callback.attached`` is the :class:`GradHookHandle`).
+    Registering communicates nothing; each call of ``fn`` communicates as :func:`on_grads` says.
     """
     if not callable(fn):
         raise TypeError(f"on_grads_in_trainer(trainer, fn): fn must be callable, got {type(fn).__name__}")

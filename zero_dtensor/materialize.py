@@ -127,14 +127,14 @@ def _check_strategy(strategy: str | None, *, allow_none: bool = False) -> None:
 
 def set_gather_strategy(strategy: str | None) -> None:
     """Pin what ``strategy="auto"`` means in this process (``None`` unpins; then the environment variable
-    ``ZERO_DTENSOR_GATHER_STRATEGY`` applies, then calibration). Set it identically on every rank."""
+    ``ZERO_DTENSOR_GATHER_STRATEGY`` applies, then calibration). Set it identically on every rank. No communication."""
     global _PINNED
     _check_strategy(strategy, allow_none=True)
     _PINNED = None if strategy == "auto" else strategy
 
 
 def gather_strategy() -> str:
-    """The pinned strategy (setter first, then ``ZERO_DTENSOR_GATHER_STRATEGY``), or ``"auto"``."""
+    """The pinned strategy (setter first, then ``ZERO_DTENSOR_GATHER_STRATEGY``), or ``"auto"``. No communication."""
     if _PINNED is not None:
         return _PINNED
     env = os.environ.get(ENV_STRATEGY, "").strip() or "auto"
@@ -143,18 +143,21 @@ def gather_strategy() -> str:
 
 
 def strategy_decisions() -> dict[tuple[Any, ...], str]:
-    """Calibrated ``auto`` decisions so far: ``{(process group, device type, dtype, size bucket, ZeRO-3): strategy}``."""
+    """Calibrated ``auto`` decisions so far: ``{(process group, device type, dtype, size bucket, ZeRO-3): strategy}``.
+    No communication."""
     return dict(_DECISIONS)
 
 
 def clear_calibration() -> None:
-    """Forget calibrated decisions (the next ``auto`` call on gloo measures again; call on every rank)."""
+    """Forget calibrated decisions (the next ``auto`` call on gloo measures again; call on every rank). No
+    communication."""
     _DECISIONS.clear()
 
 
 def release_workspace() -> None:
     """Free the buffers kept between calls: the gather buffers of ``out=`` calls with user-made dicts and the
-    recycled buffers of calls without ``out=`` (see :meth:`ShardedGrads.full_tensors`). Live results stay valid."""
+    recycled buffers of calls without ``out=`` (see :meth:`ShardedGrads.full_tensors`). Live results stay valid.
+    No communication."""
     _WORKSPACE.clear()
     _RECYCLED.clear()
 
@@ -258,9 +261,11 @@ class FullTensorsHandle:
         self._result: dict[str, torch.Tensor] | None = None
 
     def is_completed(self) -> bool:
+        """Whether every collective issued for this result has finished (non-blocking; no communication)."""
         return self._result is not None or all(w.is_completed() for w in self._works)
 
     def wait(self) -> dict[str, torch.Tensor]:
+        """Wait for the collectives already issued (no new ones), unpack and return the dict (idempotent)."""
         if self._result is None:
             for work in self._works:
                 work.wait()
@@ -497,7 +502,7 @@ def gather_flat_groups(grads: ShardedGrads, wanted: Sequence[int]) -> dict[int, 
 
 def unpack(grads: ShardedGrads, flat: torch.Tensor, p: ParamLayout) -> torch.Tensor:
     """Parameter ``p``'s values (stored dtype, still scaled) from its group's native-order flat buffer: a view for
-    contiguous packing, a copy (strided unpack) for ZeRO-3."""
+    contiguous packing, a copy (strided unpack) for ZeRO-3. No communication."""
     group = grads.layout.groups[p.group]
     if group.packing is Packing.CHUNKED and not group.replicated:
         rows = flat.view(group.world_size, group.partition_numel).narrow(1, p.offset, p.chunk_numel)

@@ -77,6 +77,7 @@ def counter_normal(
     full length (``min(NOISE_BLOCK, numel - b·NOISE_BLOCK)``). So any slice equals the same slice of the whole
     vector, whoever computes it: the cost is the slice plus at most two partial blocks. Values depend on the
     device type's generator (CPU and CUDA draw different numbers); on one device type they are sharding-invariant.
+    No communication.
     """
     stop = numel if stop is None else stop
     if not 0 <= start <= stop <= numel:

@@ -46,6 +46,7 @@ class FullGradsHandle:
         return sum(b.numel() * b.element_size() for b in self._capture.buffers if b is not None)
 
     def remove(self) -> None:
+        """Stop capturing: restore the optimizer's methods and free the kept buffers (idempotent). No communication."""
         if self._capture is not None:
             self._capture.remove()
 

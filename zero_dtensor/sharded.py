@@ -177,12 +177,13 @@ class ShardedGrads(GradOpsMixin, Mapping[str, ParamGrad]):
 
     @property
     def local_partitions(self) -> tuple[torch.Tensor, ...]:
-        """Per group, this rank's whole partition (1-D, padding included): the memory ``engine.step()`` reads."""
+        """Per group, this rank's whole partition (1-D, padding included): the memory ``engine.step()`` reads.
+        No communication."""
         self._check_current()
         return self._storage.partitions
 
     def is_current(self) -> bool:
-        """False once ``engine.step()`` (or a new micro-step) has consumed these gradients."""
+        """False once ``engine.step()`` (or a new micro-step) has consumed these gradients. No communication."""
         return self._storage.is_current()
 
     @cached_property

@@ -104,7 +104,7 @@ class GradStatsLogger:
         return self.handle.active
 
     def remove(self) -> None:
-        """Stop logging (removes the hook; idempotent). ``latest`` keeps the last values."""
+        """Stop logging (removes the hook; idempotent; no communication). ``latest`` keeps the last values."""
         self.handle.remove()
 
     def __enter__(self) -> GradStatsLogger:

@@ -119,5 +119,13 @@ class GradLayout:
     def names(self) -> tuple[str, ...]:
         return tuple(p.name for p in self.params)
 
+    @cached_property
+    def _by_group(self) -> dict[int, tuple[ParamLayout, ...]]:
+        grouped: dict[int, list[ParamLayout]] = {}
+        for p in self.params:
+            grouped.setdefault(p.group, []).append(p)
+        return {g: tuple(ps) for g, ps in grouped.items()}
+
     def params_of(self, group: int) -> tuple[ParamLayout, ...]:
-        return tuple(p for p in self.params if p.group == group)
+        """The parameters of flat group ``group``, in model order (computed once per layout)."""
+        return self._by_group.get(group, ())

@@ -378,8 +378,13 @@ def _source(grads: ShardedGrads, bucket: _Bucket | None, buf: torch.Tensor | Non
         return buf.narrow(0, base + positions[group.index][p.name], p.numel).view(p.shape)
     flat = buf.narrow(0, base, group.flat_numel)
     if group.packing is Packing.CHUNKED:
-        return flat.view(group.world_size, group.partition_numel).narrow(1, p.offset, p.chunk_numel)
+        return _chunk_rows(flat, group, p)
     return flat.narrow(0, p.offset, p.numel).view(p.shape)
+
+
+def _chunk_rows(flat: torch.Tensor, group: GroupLayout, p: ParamLayout) -> torch.Tensor:
+    """ZeRO-3: parameter ``p``'s ``(N, chunk)`` strided view of its group's gathered native-order flat buffer."""
+    return flat.view(group.world_size, group.partition_numel).narrow(1, p.offset, p.chunk_numel)
 
 
 def _is_rows(src: torch.Tensor, p: ParamLayout) -> bool:
@@ -505,9 +510,8 @@ def unpack(grads: ShardedGrads, flat: torch.Tensor, p: ParamLayout) -> torch.Ten
     contiguous packing, a copy (strided unpack) for ZeRO-3. No communication."""
     group = grads.layout.groups[p.group]
     if group.packing is Packing.CHUNKED and not group.replicated:
-        rows = flat.view(group.world_size, group.partition_numel).narrow(1, p.offset, p.chunk_numel)
         target = _alloc(p.numel, flat.dtype, flat.device).view(p.shape)
-        _copy_rows(target, rows, p.numel)
+        _copy_rows(target, _chunk_rows(flat, group, p), p.numel)
         return target
     return flat.narrow(0, p.offset, p.numel).view(p.shape)
 

@@ -15,6 +15,7 @@ Facts used (``deepspeed/runtime/zero/stage3.py``, DeepSpeed 0.19.8):
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,15 +47,8 @@ def _partitions(opt: Any) -> tuple[torch.Tensor, ...]:
             raise GradientsNotReadyError(f"ZeRO-3 offload has no gradient now: {WINDOW}")
         return tuple(g.view(-1).narrow(0, 0, size) for g, size in zip(grads, sizes))
     buffer = opt.grad_partitions_flat_buffer
-    return tuple(buffer.narrow(0, start, size) for start, size in zip(_starts(sizes), sizes))
-
-
-def _starts(sizes: list[int]) -> list[int]:
-    starts, total = [], 0
-    for size in sizes:
-        starts.append(total)
-        total += size
-    return starts
+    starts = itertools.accumulate(sizes, initial=0)  # one more than sizes; zip stops at the last group
+    return tuple(buffer.narrow(0, start, size) for start, size in zip(starts, sizes))
 
 
 def grad_storage(engine: Any, opt: Any) -> GradStorage:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import GradientsNotReadyError
+from ..errors import GradientsNotReadyError, UnsupportedDeepSpeedError
 from ..layout import GroupLayout, Packing, ParamLayout
 from ..storage import GradStorage
 from ._common import WINDOW, micro_steps, model_layout, name_of, param_names
@@ -32,8 +32,6 @@ from ._common import WINDOW, micro_steps, model_layout, name_of, param_names
 def _has_gradients(opt: Any) -> bool:
     flags = getattr(opt, "fp32_groups_has_gradients", None)
     if flags is None:  # an older/newer DeepSpeed without the flags: we cannot tell a zeroed buffer apart
-        from ..errors import UnsupportedDeepSpeedError
-
         raise UnsupportedDeepSpeedError(
             "BF16_Optimizer without fp32_groups_has_gradients: zero_dtensor cannot tell whether its buffer holds "
             "this step's gradient; supported DeepSpeed versions are 0.18.9 and 0.19.x"

@@ -40,6 +40,16 @@ def reference_modify(engine: Any, stage: int) -> None:
         safe_set_full_grad(p, value)
 
 
+def reference_run(theirs: Any, stage: int, gas: int) -> Any:
+    """Train ``theirs`` for STEPS boundaries on the shared data, editing gradients with DeepSpeed's safe_* loop."""
+    for micro in range(STEPS * gas):
+        forward_backward(theirs, micro)
+        if theirs.is_gradient_accumulation_boundary():
+            reference_modify(theirs, stage)
+        theirs.step()
+    return theirs
+
+
 def assert_params_equal(mine: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], exact: bool = True) -> None:
     assert mine.keys() == reference.keys()
     for name in mine:
@@ -89,12 +99,7 @@ def check_edit_reaches_optimizer(stage: int, gas: int) -> None:
             forward_backward(ours, micro)
             ours.step()
 
-    theirs = make_engine(ds_config(stage, gas=gas))
-    for micro in range(STEPS * gas):
-        forward_backward(theirs, micro)
-        if theirs.is_gradient_accumulation_boundary():
-            reference_modify(theirs, stage)
-        theirs.step()
+    theirs = reference_run(make_engine(ds_config(stage, gas=gas)), stage, gas)
     mine = params_snapshot(ours)
     assert_params_equal(mine, params_snapshot(theirs))
     assert_params_differ(mine, untouched)
@@ -271,12 +276,7 @@ def check_unmanaged(stage: int) -> None:
     assert seen == list(range(STEPS))
 
     # reference: managed accumulation, same data, the same edit made by DeepSpeed's safe_* loop
-    theirs = make_engine(ds_config(stage, gas=gas))
-    for micro in range(STEPS * gas):
-        forward_backward(theirs, micro)
-        if theirs.is_gradient_accumulation_boundary():
-            reference_modify(theirs, stage)
-        theirs.step()
+    theirs = reference_run(make_engine(ds_config(stage, gas=gas)), stage, gas)
     assert_params_equal(params_snapshot(ours), params_snapshot(theirs), exact=False)
 
     # an error inside step(): every rank raises, no update, step() state undone
@@ -355,12 +355,7 @@ def check_accelerate(stage: int, gas: int) -> dict:
     assert seen == list(range(STEPS)), seen
     assert engine.global_steps == STEPS
 
-    theirs = _plain_engine_like_accelerate(stage, gas)
-    for micro in range(STEPS * gas):
-        forward_backward(theirs, micro)
-        if theirs.is_gradient_accumulation_boundary():
-            reference_modify(theirs, stage)
-        theirs.step()
+    theirs = reference_run(_plain_engine_like_accelerate(stage, gas), stage, gas)
     assert_params_equal(params_snapshot(engine), params_snapshot(theirs))
     return {"fired": len(seen), "sync": steps_called}
 

@@ -1,7 +1,7 @@
 """zero_dtensor: whole-model access to DeepSpeed ZeRO gradients as DTensors, between backward() and step()."""
 
 from .api import get_full_model_grads, set_full_model_grads, sharded_grads
-from .debug import set_debug
+from .debug import set_debug, set_rank_checks
 from .errors import GradientsNotReadyError, RankDisagreementError, StaleGradientsError, UnsupportedDeepSpeedError
 from .hooks import GradHookError, GradHookHandle, attach_to_trainer, on_grads, on_grads_in_trainer
 from .launch import RankPool, launch
@@ -41,5 +41,6 @@ __all__ = [
     "on_grads_in_trainer",
     "set_debug",
     "set_full_model_grads",
+    "set_rank_checks",
     "sharded_grads",
 ]

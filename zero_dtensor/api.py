@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from ._deepspeed import grad_storage
+from ._deepspeed import check_engine, grad_storage
+from .debug import install_step_checkpoint, is_debug
 from .sharded import ShardedGrads
 
 __all__ = ["get_full_model_grads", "set_full_model_grads", "sharded_grads"]
@@ -22,13 +23,19 @@ def sharded_grads(engine: Any) -> ShardedGrads:
     Valid after ``engine.backward()`` at a gradient-accumulation boundary, until ``engine.step()``. Calling it again
     in the same window returns the same object (the default ZeRO-1/2 list of views is made contiguous once per step).
     Raises :class:`~zero_dtensor.errors.GradientsNotReadyError` outside the window and
-    :class:`~zero_dtensor.errors.UnsupportedDeepSpeedError` for an unknown DeepSpeed version or optimizer.
+    :class:`~zero_dtensor.errors.UnsupportedDeepSpeedError` for an unknown DeepSpeed version or optimizer (ZeRO
+    stage 0 included), ``TypeError`` for anything that is not a DeepSpeed engine. In debug mode it also installs
+    the rank-agreement checkpoint at the optimizer step (see :mod:`zero_dtensor.debug`).
     """
+    check_engine(engine)
     key = engine.optimizer
-    cached = _CURRENT.get(key) if key is not None else None
+    cached = _CURRENT.get(key)
     if cached is not None and cached.is_current():
         return cached
-    grads = ShardedGrads(grad_storage(engine))
+    storage = grad_storage(engine)
+    if is_debug():
+        install_step_checkpoint(key, storage.process_groups, storage.device)
+    grads = ShardedGrads(storage)
     _CURRENT[key] = grads
     return grads
 

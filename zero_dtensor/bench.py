@@ -59,7 +59,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed. Default 1800")
+    p.add_argument("--tensors", metavar="K,K,...", help="instead: the tensor-count sweep (zero_dtensor._bench_sweep),"
+                   " e.g. 200,2000,10000: per K a model of K tensors from Linear(32, 32) layers, a row per call, the"
+                   " floor in the same run and µs per tensor above it (uses --nproc, --stages, --repeat, --dtype,"
+                   " --json; --tiny: Linear(8, 8))")
     args = p.parse_args(argv)
+    if args.tensors is not None:
+        try:
+            args.tensors = [int(k) for k in str(args.tensors).split(",") if k.strip()]
+        except ValueError:
+            args.tensors = []
+        if not args.tensors or any(k < 2 for k in args.tensors):
+            p.error("--tensors takes comma-separated tensor counts of at least 2, e.g. 200,2000,10000")
     hidden, layers = SIZES["tiny" if args.tiny else args.size]
     args.layers = args.layers or layers
     if args.params:
@@ -401,6 +412,10 @@ def render(results: dict[str, Any], args: argparse.Namespace | None = None, cons
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    if args.tensors is not None:  # the tensor-count sweep
+        from ._bench_sweep import main as sweep
+
+        return sweep(args, argv)
     in_place = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if in_place:
         import deepspeed

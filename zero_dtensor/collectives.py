@@ -6,6 +6,7 @@ from the local data): that is what a collective is.
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Sequence
 
 import torch
@@ -16,6 +17,8 @@ __all__ = [
     "comm_device",
     "comm_device_types",
     "all_gather_into",
+    "all_gather_objects",
+    "gather_ints_within",
     "all_reduce_sum_work",
     "gather_to",
     "max_across",
@@ -137,3 +140,24 @@ def _all_reduce_op(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.Redu
     """One in-place ``all_reduce`` with reduce op ``op`` (used by the sharded reductions in :mod:`.ops`)."""
     dist.all_reduce(tensor, op=op, group=group)
     return tensor
+
+
+def gather_ints_within(value: int, group: dist.ProcessGroup, device: torch.device,
+                       timeout: datetime.timedelta) -> list[int] | None:
+    """Every rank's ``value`` (one ``all_gather`` of one int64 per rank, ``N·8`` bytes received), or ``None`` when
+    not every rank joined within ``timeout`` (the group is then unusable: a collective is left pending)."""
+    local = torch.tensor([value], dtype=torch.int64, device=device)
+    gathered = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
+    work = _all_gather_single(gathered, local, group=group, async_op=True)
+    try:
+        work.wait(timeout=timeout)
+    except RuntimeError:
+        return None
+    return gathered.tolist()
+
+
+def all_gather_objects(obj: object, group: dist.ProcessGroup) -> list[object]:
+    """Every rank's picklable ``obj`` (``all_gather_object``; for error messages, not for data)."""
+    out: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -17,15 +17,15 @@ Where it hooks (DeepSpeed 0.18.9 / 0.19.x, ``deepspeed/runtime/engine.py``):
   (stage 2/3: ``optimizer.finalize_gradient_accumulation_boundary()``; stage 0/1: ``allreduce_gradients()``) and then
   calls ``self._take_model_step(lr_kwargs)``, which runs the optimizer. The hook therefore also wraps the instance's
   ``engine._take_model_step`` and runs there (after the finalize, before ``optimizer.step()``). If the hook raises
-  there, the ``step()`` wrapper resets ``_running_engine_step`` and stops the step timers, but the gradients stay
-  finalized (reduced) and no update is applied: call ``engine.optimizer.zero_grad()`` before training on, or the
-  next ``step()`` reduces on top of them.
+  there, the ``step()`` wrapper resets ``_running_engine_step`` and stops the step timers; no update is applied and
+  the finalized gradients are discarded (``engine.optimizer.zero_grad()``), as in the managed case.
 
 Errors: hooks run in registration order. After each hook, every rank takes part in one tiny ``all_reduce`` of an
 error flag (``world_size`` int32 values on the engine's device; latency-bound, a few microseconds on NCCL, tens on
 gloo), so that an exception on some ranks makes **every** rank raise, before any rank enters the optimizer step's
 collectives: the failing rank(s) re-raise their own exception, the others raise :class:`GradHookError` naming the
-failing rank(s). The optimizer step does not run. Pass ``sync_errors=False`` to skip the collective (then a
+failing rank(s). The optimizer step does not run and the step's gradients are discarded
+(``engine.optimizer.zero_grad()`` on every rank, every stage). Pass ``sync_errors=False`` to skip the collective (then a
 rank-dependent exception hangs the job, as any rank-dependent exception in ``torch.distributed`` code does). The
 agreement cannot help a hook that raises on one rank *between* collectives the other ranks complete (e.g. before a
 ``full_tensors()`` the others enter): keep rank-dependent failures before the first or after the last collective.
@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._deepspeed import check_engine
 from .api import sharded_grads
 from .sharded import ShardedGrads
 
@@ -110,10 +111,11 @@ def on_grads(engine: Any, fn: GradFn, *, every: int = 1, sync_errors: bool = Tru
     ranks and micro-steps), unclipped (``gradient_clipping`` runs inside the step, on the edited values), and under
     fp16 possibly non-finite: the hook also runs on steps DeepSpeed will then skip for overflow.
 
-    If ``fn`` raises, ``engine.step()`` raises on every rank (see ``sync_errors``) and DeepSpeed's step has not begun
-    (managed accumulation): the gradients are still there. Calling ``engine.step()`` again runs the hooks again; to
-    discard the step instead, call ``engine.optimizer.zero_grad()`` and train on. Several hooks may be registered on one engine; they run in registration
-    order, each seeing the previous ones' changes.
+    If ``fn`` raises, ``engine.step()`` raises on every rank (see ``sync_errors``), no optimizer step runs, and the
+    step's gradients are **discarded** on every rank and stage (``engine.optimizer.zero_grad()`` is called for you,
+    after the ranks agreed): training on continues as if that batch had never been seen. (With
+    ``sync_errors=False`` only the failing ranks discard; the others' step then runs alone.) Several hooks may be
+    registered on one engine; they run in registration order, each seeing the previous ones' changes.
 
     Args:
         engine: a ``deepspeed.DeepSpeedEngine`` (what ``deepspeed.initialize`` returns, ``accelerator.prepare`` gives
@@ -143,6 +145,7 @@ def on_grads(engine: Any, fn: GradFn, *, every: int = 1, sync_errors: bool = Tru
             "on_grads does not support DeepSpeed's PipelineEngine: train_batch() runs the optimizer through "
             "_take_model_step without engine.step(), and zero_dtensor does not map pipeline-parallel gradients"
         )
+    check_engine(engine)  # ZeRO stage 0 or an unknown optimizer is refused now, not at the first step()
     registry = getattr(engine, _ATTR, None)
     if registry is None or not registry.installed:
         registry = _Registry(engine)
@@ -339,6 +342,7 @@ class _Registry:
             if sync_errors:
                 failed = _agree(error is not None, group, _device_of(self.engine))
                 if failed:
+                    self._discard()
                     if error is not None:
                         _add_note(error, f"zero_dtensor.on_grads: hook {_fn_name(fn)} raised on ranks {failed}; "
                                          "the optimizer step was not run")
@@ -349,7 +353,13 @@ class _Registry:
                         failed,
                     )
             elif error is not None:
+                self._discard()
                 raise error
+
+    def _discard(self) -> None:
+        """A hook failed: drop the step's gradients, the same on every stage (ZeRO-3 would otherwise carry them
+        into the next step, ZeRO-1/2 would not). No communication."""
+        self.engine.optimizer.zero_grad()
 
 
 def _agree(failed_here: bool, group: dist.ProcessGroup | None, device: torch.device) -> list[int]:

@@ -27,6 +27,8 @@ from functools import cached_property
 
 import torch
 
+from .placement import GroupPlacement, placement_of
+
 __all__ = ["GradLayout", "GroupLayout", "Packing", "ParamLayout"]
 
 
@@ -46,6 +48,18 @@ class GroupLayout:
     dtype: torch.dtype
     packing: Packing
     replicated: bool = False
+
+    def __post_init__(self) -> None:
+        if self.replicated and self.packing is not Packing.CONTIGUOUS:
+            raise ValueError("a replicated group holds the whole buffer in parameter order: use Packing.CONTIGUOUS")
+        if not 0 <= self.rank < self.world_size or self.partition_numel < 0:
+            raise ValueError(f"bad group geometry: rank {self.rank} of {self.world_size}, {self.partition_numel} "
+                             "elements per partition")
+
+    @property
+    def placement(self) -> GroupPlacement:
+        """How this group is spread over its ranks (:mod:`zero_dtensor.placement`): geometry and collectives."""
+        return placement_of(self)
 
     @property
     def flat_numel(self) -> int:
@@ -78,30 +92,19 @@ class ParamLayout:
 
     def rank_range(self, group: GroupLayout, rank: int) -> tuple[int, int]:
         """``(start, stop)`` of the elements of the flattened parameter that ``rank`` holds."""
-        if group.replicated:
-            return 0, self.numel
-        if group.packing is Packing.CHUNKED:
-            start = min(rank * self.chunk_numel, self.numel)
-            return start, min(start + self.chunk_numel, self.numel)
-        lo, hi = rank * group.partition_numel, (rank + 1) * group.partition_numel
-        start = min(max(lo - self.offset, 0), self.numel)
-        stop = max(min(hi - self.offset, self.numel), start)
-        return start, stop
+        return group.placement.rank_range(group, self, rank)
 
     def local_offset(self, group: GroupLayout, rank: int) -> int:
         """Where the fragment of :meth:`rank_range` starts inside ``rank``'s partition."""
-        if group.packing is Packing.CHUNKED and not group.replicated:
-            return self.offset
-        start, stop = self.rank_range(group, rank)
-        if start == stop:
-            return 0  # an empty fragment: any in-range offset
-        base = 0 if group.replicated else rank * group.partition_numel
-        return self.offset + start - base
+        return group.placement.local_offset(group, self, rank)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class GradLayout:
-    """All groups and all trainable parameters (model order) of one engine."""
+    """All groups and all trainable parameters (model order) of one engine.
+
+    Compared by identity (a layout is built once per optimizer and reused across steps; its plan is cached on it).
+    """
 
     groups: tuple[GroupLayout, ...]
     params: tuple[ParamLayout, ...]

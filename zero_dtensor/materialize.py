@@ -455,6 +455,8 @@ def _validate_out(grads: ShardedGrads, params: list[ParamLayout], out: Any, dtyp
                              f"got {got}")
         if not t.is_contiguous():
             raise ValueError(f"out[{p.name!r}] must be contiguous")
+        if t.requires_grad:
+            raise ValueError(f"out[{p.name!r}] requires grad; pass tensors that do not (e.g. t.detach())")
 
 
 def _emit(grads: ShardedGrads, params: list[ParamLayout], sources: dict[str, torch.Tensor],
@@ -472,8 +474,8 @@ def _emit(grads: ShardedGrads, params: list[ParamLayout], sources: dict[str, tor
         if existing is not None:
             _write(existing, src, p, scale)
             targets[p.name] = existing
-        elif not _is_rows(src, p) and want == src.dtype and scale == 1.0:
-            targets[p.name] = src
+        elif not _is_rows(src, p) and want == src.dtype and scale == 1.0 and not grads.layout.groups[p.group].replicated:
+            targets[p.name] = src  # a view of a gather buffer this call allocated: already the caller's memory
         else:
             fresh.setdefault((want, src.device), []).append(p)
     for (want, device), todo in fresh.items():
@@ -652,6 +654,8 @@ def _overlaps(group: GroupLayout, start: int, stop: int) -> list[tuple[int, int]
 def _window_cost(group: GroupLayout, strategy: str, params: list[ParamLayout]) -> int:
     """Elements this module allocates to materialize ``params`` (consecutive in the buffer) in one window."""
     start, stop = _span(group, params)
+    if group.replicated:
+        return stop - start  # one local copy of the window
     if group.packing is Packing.CHUNKED:
         numel = sum(p.numel for p in params)
         if strategy == "all_reduce":
@@ -671,10 +675,8 @@ def _windows(grads: ShardedGrads, params: list[ParamLayout], bucket_bytes: int, 
     for gi in sorted(by_group):
         group = grads.layout.groups[gi]
         ordered = sorted(by_group[gi], key=lambda q: q.offset)
-        if group.replicated:
-            windows.append(_Window(group, ordered, "none"))
-            continue
-        how = _stream_strategy(strategy, grads._storage.process_groups[gi], group.packing)
+        how = "none" if group.replicated else _stream_strategy(strategy, grads._storage.process_groups[gi],
+                                                                 group.packing)
         esize = grads._storage.partitions[gi].element_size()
         limit = max(1, bucket_bytes // esize)
         current: list[ParamLayout] = []
@@ -693,9 +695,10 @@ def _materialize_window(grads: ShardedGrads, w: _Window) -> dict[str, torch.Tens
     storage = grads._storage
     group = w.group
     pg, rank, world = storage.process_groups[group.index], group.rank, group.world_size
-    if group.replicated:
-        part = storage.partitions[group.index]
-        return {p.name: part.narrow(0, p.offset, p.numel).view(p.shape) for p in w.params}
+    if group.replicated:  # one local copy of the window: results never alias DeepSpeed's storage
+        start, stop = _span(group, w.params)
+        window = storage.partitions[group.index].narrow(0, start, stop - start).clone()
+        return {p.name: window.narrow(0, p.offset - start, p.numel).view(p.shape) for p in w.params}
     part = grads._comm_partition(group.index)
     if group.packing is Packing.CHUNKED:
         if w.strategy == "all_reduce":
@@ -792,7 +795,7 @@ def plan_windows(grads: ShardedGrads, names: Sequence[str] | None = None, *,
     params = grads._select(list(names) if names is not None else None)
     out = []
     for w in _windows(grads, params, bucket_bytes, strategy):
-        cost = 0 if w.group.replicated else _window_cost(w.group, w.strategy, w.params)
+        cost = _window_cost(w.group, w.strategy, w.params)
         out.append({"group": w.group.index, "strategy": w.strategy, "names": [p.name for p in w.params],
                     "elements": cost, "collectives": 0 if w.group.replicated else 1})
     return out

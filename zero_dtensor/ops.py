@@ -519,7 +519,7 @@ class GradOpsMixin:
                 raise TypeError(f"{what} must be real, got {value.dtype}")
             from torch.distributed.tensor import DTensor
 
-            return value.full_tensor() if isinstance(value, DTensor) else value
+            return (value.full_tensor() if isinstance(value, DTensor) else value).detach()
         raise TypeError(f"{what} must be a real number or a 0-d tensor, got {type(value).__name__}")
 
     def _per_param(self, value: Any, selected: list, what: str):
@@ -565,6 +565,7 @@ class GradOpsMixin:
             cache[group_index] = segments
         return segments
 
+    @torch.no_grad()  # writes never record autograd history (operands or apply_ results may require grad)
     def _elementwise(self, selected: list, op: Callable, per: Any, other: Any = None) -> None:
         """Run ``op(x, operand, other_x)`` on whole partitions where a group is fully selected with a uniform
         operand, else on each selected fragment; keep padding at zero; then notify the optimizer."""

@@ -6,8 +6,9 @@ data-parallel group, in the same order, or the job hangs (as with any ``torch.di
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from functools import cached_property
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -77,15 +78,19 @@ class ParamGrad:
         return start, stop
 
     def to_local(self) -> torch.Tensor:
-        """This rank's fragment, 1-D, ``local_range`` long: a writable view into DeepSpeed's storage.
+        """This rank's fragment, 1-D, ``local_range`` long: a **live view** of the gradient memory.
 
+        Writes to it change what ``engine.step()`` uses; it changes when the gradient does. Under
+        ``keep_full_grads`` the view is of the kept full buffer, whose slice DeepSpeed owns is copied into
+        DeepSpeed's partition at the start of ``engine.step()`` (and after every write through the API).
         No communication. Under fp16 loss scaling the stored values are ``true gradient × grads.loss_scale``.
         """
         self._grads._check_current()
         return self._grads._local(self._param)
 
     def full_tensor(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The full (true, unscaled) gradient, shape ``self.shape``. **Collective**: call on every rank of the group.
+        """The full (true, unscaled) gradient, shape ``self.shape``: a snapshot in memory the caller owns.
+        **Collective**: call on every rank of the group.
 
         Communication: none for a replicated group; ZeRO-3: one ``all_gather`` of the ``ceil(numel/N)`` chunks
         (``(N-1)/N·numel`` elements received per rank); ZeRO-1/2: one sum ``all_reduce`` of a zero-padded
@@ -93,13 +98,14 @@ class ParamGrad:
         To gather many parameters use :meth:`ShardedGrads.full_tensors` (one collective per group).
         """
         self._grads._check_current()
+        check_dtype(dtype, "ParamGrad.full_tensor")
         storage = self._grads._storage
         _debug.check_same_call("ParamGrad.full_tensor", (self.name, str(dtype)),
                                [storage.process_groups[self._param.group]], storage.device)
         group, param = self._group, self._param
         pg = storage.process_groups[param.group]
-        if group.replicated:
-            full = self._grads._local(param)
+        if group.replicated:  # a copy: the result is the caller's, never a view of DeepSpeed's storage
+            full = self._grads._local(param).clone()
         elif group.packing is Packing.CHUNKED:  # every rank stores a padded chunk_numel-long chunk at param.offset
             chunk = storage.partitions[param.group].narrow(0, param.offset, param.chunk_numel)
             chunk = on_comm_device(chunk, pg, storage.device)
@@ -244,15 +250,18 @@ class ShardedGrads(GradOpsMixin, Mapping[str, ParamGrad]):
 
         Results: ZeRO-1/2 entries in the stored dtype are views into one gathered buffer; ZeRO-3 entries are copies
         (a strided unpack; with ``all_reduce`` they are views, since each rank writes its chunks in parameter order);
-        replicated entries alias DeepSpeed's storage unless ``out=`` or a cast asks for copies. Without ``out=``
+        replicated entries are copies (one local copy, no communication). Every result is a **snapshot** the caller
+        owns: changing it does not change the gradient, and ``engine.step()`` does not change it. Without ``out=``
         the flat buffer is recycled from the previous call once none of that call's tensors (nor its dict) is alive,
         so a loop that drops each step's result allocates only once; a live result is never overwritten
         (``zero_dtensor.materialize.RECYCLE = False`` turns this off, ``release_workspace()`` frees the cache).
         """
-        _debug.check_grads_call(self, "full_tensors", None if names is None else list(names), str(dtype), dst,
-                                async_op, strategy)
+        self._check_current()
+        selected = self._select(names)
+        check_dtype(dtype, "full_tensors")
+        self._check_agreement("full_tensors", selected, str(dtype), dst, async_op, strategy)
         return _materialize.full_tensors(
-            self, names, dtype=dtype, out=out, dst=dst, async_op=async_op, strategy=strategy
+            self, [p.name for p in selected], dtype=dtype, out=out, dst=dst, async_op=async_op, strategy=strategy
         )
 
     def iter_full(
@@ -283,9 +292,12 @@ class ShardedGrads(GradOpsMixin, Mapping[str, ParamGrad]):
         bucket's buffer (valid as long as they are referenced); ``dtype`` casts and fp16 unscaling add one
         converted copy per yielded tensor.
         """
-        _debug.check_grads_call(self, "iter_full", None if names is None else list(names), bucket_bytes,
-                                str(dtype), strategy)
-        return _materialize.iter_full(self, names, bucket_bytes=bucket_bytes, dtype=dtype, strategy=strategy)
+        self._check_current()
+        selected = self._select(names)
+        check_dtype(dtype, "iter_full")
+        self._check_agreement("iter_full", selected, bucket_bytes, str(dtype), strategy)
+        return _materialize.iter_full(self, [p.name for p in selected], bucket_bytes=bucket_bytes, dtype=dtype,
+                                      strategy=strategy)
 
     def set_full_(self, mapping: Mapping[str, torch.Tensor]) -> None:
         """Overwrite the gradients of the named parameters with full tensors. **No communication**.
@@ -298,15 +310,28 @@ class ShardedGrads(GradOpsMixin, Mapping[str, ParamGrad]):
         self._check_current()
         checked = self._validate(mapping)
         storage, fragments = self._storage, self._fragments
-        for param, value in checked:
-            start, stop, offset = fragments[param.name]
-            if stop == start:
-                continue
-            source = storage.to_stored(value.reshape(-1).narrow(0, start, stop - start))
-            storage.partitions[param.group].narrow(0, offset, stop - start).copy_(source)
+        with torch.no_grad():  # a value that requires grad must not give DeepSpeed's memory an autograd history
+            for param, value in checked:
+                start, stop, offset = fragments[param.name]
+                if stop == start:
+                    continue
+                source = storage.to_stored(value.detach().reshape(-1).narrow(0, start, stop - start))
+                storage.partitions[param.group].narrow(0, offset, stop - start).copy_(source)
         self._storage.after_write([p.name for p, _ in checked])
 
     # --- internals -----------------------------------------------------------------------------------------------
+    def _check_agreement(self, what: str, selected: list[ParamLayout], *signature: Any) -> None:
+        """The always-on rank-agreement check of a bulk read (see :mod:`zero_dtensor.debug`): over the process
+        groups the call will communicate on (none for replicated or single-rank groups); in debug mode over all."""
+        storage = self._storage
+        if _debug.is_debug():
+            groups = storage.process_groups
+        else:
+            used = sorted({p.group for p in selected})
+            groups = tuple(storage.process_groups[i] for i in used
+                           if not self.layout.groups[i].replicated and self.layout.groups[i].world_size > 1)
+        _debug.check_same_call(what, ([p.name for p in selected], *signature), groups, storage.device, always=True)
+
     @cached_property
     def _fragments(self) -> dict[str, tuple[int, int, int]]:
         """``name -> (start, stop, offset in this rank's partition)`` of this rank's fragment."""
@@ -332,11 +357,23 @@ class ShardedGrads(GradOpsMixin, Mapping[str, ParamGrad]):
         if not self._storage.is_current():
             raise StaleGradientsError(_STALE)
 
-    def _select(self, names: list[str] | None) -> list[ParamLayout]:
+    def _select(self, names: Any) -> list[ParamLayout]:
+        """The requested parameters in request order (all, in model order, for ``None``); raises before anything
+        communicates: a single string, non-string entries, duplicates and unknown names are refused."""
         if names is None:
             return list(self.layout.params)
-        if isinstance(names, str):
-            raise TypeError("names must be a list of parameter names, not a single string")
+        if isinstance(names, (str, bytes)):
+            raise TypeError(f"names must be a list of parameter names, not a single string: pass [{names!r}]")
+        if isinstance(names, Mapping) or not isinstance(names, Iterable):
+            raise TypeError(f"names must be a list of parameter names or None, got {type(names).__name__}")
+        names = list(names)
+        bad = [n for n in names if not isinstance(n, str)]
+        if bad:
+            raise TypeError(f"names must be parameter names (str); got {[type(b).__name__ for b in bad[:4]]}")
+        seen: set[str] = set()
+        duplicates = sorted({n for n in names if n in seen or seen.add(n)})
+        if duplicates:
+            raise ValueError(f"names lists {duplicates} more than once; give each parameter once")
         unknown = [n for n in names if n not in self.layout.by_name]
         if unknown:
             raise KeyError(f"not trainable parameters of this engine: {unknown}; known: {_short(self.names)}")
@@ -377,6 +414,17 @@ class ShardedGrads(GradOpsMixin, Mapping[str, ParamGrad]):
                 )
             checked.append((param, value))
         return checked
+
+
+def check_dtype(dtype: Any, what: str) -> None:
+    """``dtype=`` of a read: ``None`` or a floating ``torch.dtype`` (an integer or bool cast would truncate)."""
+    if dtype is None:
+        return
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{what}: dtype must be a torch.dtype or None, got {type(dtype).__name__} ({dtype!r})")
+    if not dtype.is_floating_point:
+        raise TypeError(f"{what}: dtype must be a floating dtype (e.g. torch.float32), got {dtype}: a cast of a "
+                        "gradient to it would silently truncate")
 
 
 def _short(names: tuple[str, ...] | list[str], limit: int = 8) -> str:

@@ -14,6 +14,22 @@ from torch.distributed.tensor.debug import CommDebugMode
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+
+def rank_checks(grads: Any, names: Any = None) -> int:
+    """Collectives the always-on rank-agreement check of one ``full_tensors`` / ``iter_full`` call issues: one
+    small all_gather per distinct process group of the multi-rank sharded groups it reads (``zero_dtensor.debug``;
+    none for replicated groups or at world size 1)."""
+    wanted = set(grads.names if names is None else names)
+    groups = {grads[n].group for n in wanted}
+    pgs = []
+    for i in groups:
+        g = grads.layout.groups[i]
+        pg = grads._storage.process_groups[i]
+        if not g.replicated and g.world_size > 1 and not any(pg is q for q in pgs):
+            pgs.append(pg)
+    return len(pgs)
+
+
 class OddModel(torch.nn.Module):
     """Odd sizes so that parameters straddle ZeRO partitions; some tensors are smaller than the world size."""
 

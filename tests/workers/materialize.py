@@ -15,7 +15,7 @@ from deepspeed.utils import safe_get_full_grad
 import zero_dtensor as zd
 from zero_dtensor import materialize as mz
 
-from .common import DTYPES, OddModel, count_comms, ds_config, forward_backward, make_engine
+from .common import DTYPES, OddModel, count_comms, ds_config, forward_backward, make_engine, rank_checks
 
 
 @contextlib.contextmanager
@@ -107,13 +107,14 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) ->
 
 
 def _expected_collectives(grads: zd.ShardedGrads, strategy: str, names: list[str] | None = None) -> int:
-    """One collective per (process group, dtype, device) bucket of sharded groups holding a requested name."""
+    """One collective per (process group, dtype, device) bucket of sharded groups holding a requested name, plus the
+    always-on rank-agreement check."""
     wanted = {grads.layout.by_name[n].group for n in (names or grads.names)}
     keys = {
         (grads._storage.process_groups[i], grads.local_partitions[i].dtype)
         for i in wanted if not grads.layout.groups[i].replicated
     }
-    return len(keys)
+    return len(keys) + rank_checks(grads, names)
 
 
 def check_options(stage: int, dtype: str, two_groups: bool = False) -> dict:
@@ -140,7 +141,7 @@ def check_options(stage: int, dtype: str, two_groups: bool = False) -> dict:
         _equal(dict(got), default, strategy)
         expected = _expected_collectives(grads, strategy)
         assert mode.get_total_counts() == expected, (strategy, mode.get_comm_counts())
-        report[f"count_{strategy}"] = mode.get_total_counts()
+        report[f"count_{strategy}"] = mode.get_total_counts() - rank_checks(grads)  # the data collectives
 
         # a subset, in the caller's order
         subset = [grads.names[-1], grads.names[0]]
@@ -208,7 +209,8 @@ def check_options(stage: int, dtype: str, two_groups: bool = False) -> dict:
                 assert dict(got) == {}, (strategy, dst, list(got))
             groups = {grads.layout.by_name[n].group for n in grads.names}
             n_sharded = sum(1 for i in groups if not grads.layout.groups[i].replicated)
-            want = n_sharded if strategy == "all_gather" else expected  # gather: one per group; reduce: per bucket
+            # gather: one per group; reduce: per bucket (both + the agreement check)
+            want = n_sharded + rank_checks(grads) if strategy == "all_gather" else expected
             assert mode.get_total_counts() == want, (strategy, dst, mode.get_comm_counts())
 
         # async
@@ -256,7 +258,8 @@ def check_streaming(stage: int, dtype: str, bucket_elements: int = 512) -> dict:
                 seen[name] = tensor.sum().float()  # keep a scalar, drop the tensor
                 del tensor
         assert sorted(seen) == sorted(default)
-        assert mode.get_total_counts() == len(plan) == sum(w["collectives"] for w in plan), mode.get_comm_counts()
+        assert mode.get_total_counts() - rank_checks(grads) == len(plan) == sum(w["collectives"] for w in plan), \
+            mode.get_comm_counts()
         assert rec.peak <= budget, (strategy, rec.peak, budget, rec.sizes)
         assert rec.settled_live() == 0
         report[strategy] = {"buckets": len(plan), "bucket_bytes": bucket_bytes, "peak": rec.peak, "budget": budget, "oversized": oversized,
@@ -271,7 +274,7 @@ def check_streaming(stage: int, dtype: str, bucket_elements: int = 512) -> dict:
     # auto (pinned) and one huge bucket: one collective for the whole group
     with pinned("all_gather"), count_comms() as mode:
         got = dict(grads.iter_full(bucket_bytes=1 << 30))
-    assert mode.get_total_counts() == 1
+    assert mode.get_total_counts() == 1 + rank_checks(grads)
     assert all(torch.equal(got[n], default[n]) for n in default)
     return report
 
@@ -322,12 +325,13 @@ def check_calibration() -> dict:
     finally:
         mz.CALIBRATION_MIN_BYTES = previous_min
         mz.clear_calibration()
-    assert first.get_total_counts() == 1 + mz.CALIBRATION_COLLECTIVES, first.get_comm_counts()
-    assert second.get_total_counts() == 1, second.get_comm_counts()
+    checks = rank_checks(grads)
+    assert first.get_total_counts() == 1 + mz.CALIBRATION_COLLECTIVES + checks, first.get_comm_counts()
+    assert second.get_total_counts() == 1 + checks, second.get_comm_counts()
     # below the threshold, auto does not calibrate
     with pinned(None), count_comms() as small:
         grads.full_tensors()
-    assert small.get_total_counts() == 1 and mz.strategy_decisions() == {}
+    assert small.get_total_counts() == 1 + checks and mz.strategy_decisions() == {}
     return {"decisions": decisions}
 
 

@@ -24,7 +24,7 @@ from packaging.version import Version
 from ..errors import UnsupportedDeepSpeedError
 from ..storage import GradStorage
 
-__all__ = ["MIN_DEEPSPEED", "MAX_DEEPSPEED_EXCLUSIVE", "check_deepspeed_version", "grad_storage"]
+__all__ = ["MIN_DEEPSPEED", "MAX_DEEPSPEED_EXCLUSIVE", "check_deepspeed_version", "check_engine", "grad_storage"]
 
 MIN_DEEPSPEED = Version("0.18.9")
 MAX_DEEPSPEED_EXCLUSIVE = Version("0.20.0")
@@ -47,29 +47,45 @@ def check_deepspeed_version(version: str | None = None) -> Version:
     return parsed
 
 
-def grad_storage(engine: Any) -> GradStorage:
-    """Describe ``engine``'s reduced gradient memory. No communication."""
+def check_engine(engine: Any) -> str:
+    """The optimizer kind of a supported DeepSpeed ``engine`` (``"zero12"``, ``"zero3"`` or ``"bf16"``), else a
+    ``TypeError`` (not a DeepSpeed engine) or :class:`UnsupportedDeepSpeedError` (version, ZeRO stage 0, another
+    optimizer class). No communication; needs no gradients."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    if not isinstance(engine, DeepSpeedEngine):
+        raise TypeError(
+            f"zero_dtensor needs a DeepSpeed engine (the first value deepspeed.initialize returns), got "
+            f"{type(engine).__module__}.{type(engine).__qualname__}"
+        )
     check_deepspeed_version()
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    optimizer = getattr(engine, "optimizer", None)
-    kind = type(optimizer)
-    if kind is DeepSpeedZeroOptimizer:
-        from . import zero12
-
-        return zero12.grad_storage(engine, optimizer)
-    if kind is DeepSpeedZeroOptimizer_Stage3:
-        from . import zero3
-
-        return zero3.grad_storage(engine, optimizer)
-    if kind is BF16_Optimizer:
-        from . import bf16
-
-        return bf16.grad_storage(engine, optimizer)
+    kind = type(getattr(engine, "optimizer", None))
+    known = {DeepSpeedZeroOptimizer: "zero12", DeepSpeedZeroOptimizer_Stage3: "zero3", BF16_Optimizer: "bf16"}
+    if kind in known:
+        return known[kind]
+    stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else "?"
     raise UnsupportedDeepSpeedError(
         f"engine.optimizer is {kind.__module__}.{kind.__qualname__}; zero_dtensor supports exactly "
         f"{', '.join(SUPPORTED_OPTIMIZERS)} (ZeRO stages 1-3 without ZenFlow/SuperOffload). "
-        "Pass a DeepSpeed engine initialized with a zero_optimization stage of 1, 2 or 3."
+        f"This engine has ZeRO stage {stage}: initialize DeepSpeed with \"zero_optimization\": {{\"stage\": 1, 2 or 3}}."
     )
+
+
+def grad_storage(engine: Any) -> GradStorage:
+    """Describe ``engine``'s reduced gradient memory. No communication."""
+    kind = check_engine(engine)
+    if kind == "zero12":
+        from . import zero12
+
+        return zero12.grad_storage(engine, engine.optimizer)
+    if kind == "zero3":
+        from . import zero3
+
+        return zero3.grad_storage(engine, engine.optimizer)
+    from . import bf16
+
+    return bf16.grad_storage(engine, engine.optimizer)

@@ -28,6 +28,7 @@ time, one copy (stage 1) or add (stage 2) of each reduced bucket during backward
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -91,10 +92,15 @@ class FullGradCapture:
         self.captures = 0
         self._seen: set[int] = set()  # id(param) reduced at least once in this window
         self._current: tuple[torch.Tensor, list[tuple[int, int, int]], torch.Tensor | None] | None = None
-        self._orig_average = opt.average_tensor
-        self._orig_allreduce_bucket = opt.allreduce_bucket
-        opt.average_tensor = self._average_tensor
-        opt.allreduce_bucket = self._allreduce_bucket
+        #: set while a replicated view of this window is handed out: copies raw writes into DeepSpeed's partition
+        self.before_step: Callable[[], None] | None = None
+        self._wrapped = {"average_tensor": self._average_tensor, "allreduce_bucket": self._allreduce_bucket,
+                         "step": self._step, "zero_grad": self._zero_grad}
+        self._originals = {name: getattr(opt, name) for name in self._wrapped}
+        for name, wrapper in self._wrapped.items():
+            setattr(opt, name, wrapper)
+        self._orig_average = self._originals["average_tensor"]
+        self._orig_allreduce_bucket = self._originals["allreduce_bucket"]
         self.active = True
 
     # --- window bookkeeping --------------------------------------------------------------------------------------
@@ -183,14 +189,31 @@ class FullGradCapture:
             pos += n
         return allreduced
 
+    def _step(self, *args: Any, **kwargs: Any):
+        """DeepSpeed's step, after raw writes into the kept buffers (views handed out by ``sharded_grads``) have
+        been copied into the partitions the step reads."""
+        sync, self.before_step = self.before_step, None
+        if sync is not None and self.active:
+            sync()
+        return self._originals["step"](*args, **kwargs)
+
+    def _zero_grad(self, *args: Any, **kwargs: Any):
+        """DeepSpeed's zero_grad; the kept buffers no longer describe a window (the next reduction starts anew)."""
+        self.window, self.before_step = None, None
+        return self._originals["zero_grad"](*args, **kwargs)
+
     def remove(self) -> None:
         """Restore DeepSpeed's methods and free the buffers."""
         if not self.active:
             return
-        if self.opt.__dict__.get("average_tensor") == self._average_tensor:
-            del self.opt.__dict__["average_tensor"]
-        if self.opt.__dict__.get("allreduce_bucket") == self._allreduce_bucket:
-            del self.opt.__dict__["allreduce_bucket"]
+        for name, wrapper in self._wrapped.items():
+            if self.opt.__dict__.get(name) != wrapper:
+                continue  # wrapped again after us: that wrapper still calls ours, which now only passes through
+            if getattr(self._originals[name], "__self__", None) is self.opt:
+                del self.opt.__dict__[name]  # the class's method shows through again
+            else:  # an instance attribute set before us (another wrapper): put it back
+                self.opt.__dict__[name] = self._originals[name]
+        self.before_step = None
         self.buffers = [None] * len(self.buffers)
         self.active = False
         _CAPTURES.pop(id(self.opt), None)

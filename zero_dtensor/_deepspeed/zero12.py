@@ -176,7 +176,9 @@ def _replicated(sharded: GradStorage, capture: Any) -> GradStorage:
 
     Writes (``set_full_`` and in-place transforms, which call ``after_write``) go to the full buffer; ``after_write``
     then copies this rank's slice of every touched group into DeepSpeed's partition (the memory ``step()`` reads,
-    converting device/dtype where needed, e.g. a CPU offload buffer) and refreshes DeepSpeed's bookkeeping.
+    converting device/dtype where needed, e.g. a CPU offload buffer) and refreshes DeepSpeed's bookkeeping. Raw
+    writes into views of the full buffer (``to_local()``, ``grads.groups``, ``local_partitions``) are found by the
+    buffers' version counters and copied the same way at the start of the optimizer step (the capture wraps it).
     Every rank must therefore apply the same change (as with ``BF16_Optimizer``).
     """
     layout = sharded.layout
@@ -190,12 +192,26 @@ def _replicated(sharded: GradStorage, capture: Any) -> GradStorage:
                                   replicated=True))
     new_layout = GradLayout(groups=tuple(groups), params=layout.params)
 
-    def after_write(written: Sequence[str]) -> None:
-        touched = sorted({new_layout.by_name[n].group for n in written})
-        for i in touched:
+    versions = [full._version for full in fulls]  # bumped by any in-place write through any view of a buffer
+
+    def copy_to_partitions(groups: Sequence[int]) -> None:
+        for i in groups:
             g = layout.groups[i]
             sharded.partitions[i].copy_(fulls[i].narrow(0, g.local_start, g.partition_numel))
+            versions[i] = fulls[i]._version
+
+    def after_write(written: Sequence[str]) -> None:
+        copy_to_partitions(sorted({new_layout.by_name[n].group for n in written}))
         sharded.after_write(written)
+
+    def before_step() -> None:
+        """Raw writes (``to_local()``, ``grads.groups``, ``local_partitions``) reach the step too."""
+        dirty = [i for i, full in enumerate(fulls) if full._version != versions[i]]
+        if dirty:
+            copy_to_partitions(dirty)
+            sharded.after_write([p.name for p in layout.params if p.group in dirty])
+
+    capture.before_step = before_step
 
     return GradStorage(
         layout=new_layout,

@@ -1,0 +1,280 @@
+"""Tensor-count sweep of ``python -m zero_dtensor.bench --tensors 200,2000,10000``: does a bulk call cost more
+when the same kind of model has more tensors?
+
+For each ``K`` a model of ``K`` tensors is built from ``Linear(32, 32)`` layers (``K/2`` layers, weight and bias;
+2,000 tensors are 1.06M parameters), wrapped in a DeepSpeed engine per stage (``--stages``, fp32 unless
+``--dtype bf16``) and timed on ``--nproc`` gloo ranks (or in place under ``torchrun``), one row per call:
+
+- ``full_tensors()``, ``full_tensors(out=prev)``, ``set_full_``, ``clip_grad_norm_``, ``norms``, ``global_norm``,
+  ``stats()``;
+- ``first sharded_grads`` of a step: a fresh backward before each repetition (and a step after it); only the
+  ``zd.sharded_grads(engine)`` call is timed;
+- the floor: one bare ``all_gather_into_tensor`` of the padded flat partitions into a preallocated buffer, measured
+  in the same run.
+
+Every row: ``--repeat`` repetitions after one warm-up, each starting at a barrier; a repetition's time is the
+slowest rank's; the row's time is the median. ``÷ floor`` is that median over the floor's, ``µs/tensor`` is
+``(t - floor) / K``: the cost per tensor above the wire time. Collectives are counted in one untimed call under
+``CommDebugMode``. The layers are applied side by side (``sum(layer(x))``), not stacked, so that every gradient
+is of the same magnitude (no vanishing into denormals, which would slow the CPU arithmetic of deep layers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .bench import _fmt_bytes, _sync
+
+__all__ = ["ROWS", "main", "sweep_model"]
+
+#: the timed rows, in table order (the floor last)
+ROWS = (
+    "full_tensors()",
+    "full_tensors(out=prev)",
+    "set_full_",
+    "clip_grad_norm_",
+    "norms",
+    "global_norm",
+    "stats()",
+    "first sharded_grads",
+    "floor: bare all_gather",
+)
+FLOOR = ROWS[-1]
+
+
+def sweep_model(tensors: int, width: int = 32) -> Any:
+    """A model of ``tensors`` tensors: ``tensors // 2`` ``Linear(width, width)`` layers."""
+    import torch
+    from torch import nn
+
+    class SweepModel(nn.Module):
+        """``tensors // 2`` ``Linear(width, width)`` layers applied side by side to the same input."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(max(tensors // 2, 1)))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.layers[0](x)
+            for layer in self.layers[1:]:
+                out = out + layer(x)
+            return out
+
+    return SweepModel()
+
+
+
+def _sweep_stage(args: argparse.Namespace, stage: int, tensors: int, progress: Callable[[str], None]
+                 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import zero_dtensor as zd
+    from zero_dtensor.collectives import all_gather_into
+
+    rank = dist.get_rank()
+    use_cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    torch.manual_seed(0)
+    model = sweep_model(tensors, args.sweep_width)
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-6, "torch_adam": True}},
+        "steps_per_print": 10**9,
+    }
+    if args.dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    progress(f"ZeRO-{stage}, {tensors} tensors: building the engine")
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
+    dtype = next(engine.module.parameters()).dtype
+    x = torch.randn(2, args.sweep_width, generator=torch.Generator().manual_seed(rank)).to(device=engine.device,
+                                                                                         dtype=dtype)
+
+    def backward() -> None:
+        engine.backward(engine(x).float().pow(2).mean())
+
+    rows: list[dict[str, Any]] = []
+
+    def record(name: str, times: list[float], collectives: int) -> None:
+        t = torch.tensor(times, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a repetition takes as long as its slowest rank
+        times = t.cpu().tolist()
+        rows.append({"stage": stage, "tensors": tensors, "row": name, "median_s": statistics.median(times),
+                     "min_s": min(times), "max_s": max(times), "repeat": len(times), "collectives": collectives})
+
+    def timed(fn: Callable[[], Any]) -> float:
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        result = fn()
+        _sync(device)
+        elapsed = time.perf_counter() - t0
+        del result
+        return elapsed
+
+    # the first sharded_grads of a step: a fresh backward (untimed) before, a step after every repetition
+    progress(f"ZeRO-{stage}, {tensors} tensors: first sharded_grads")
+    firsts = []
+    for _ in range(args.repeat + 1):
+        backward()
+        firsts.append(timed(lambda: zd.sharded_grads(engine)))
+        engine.step()
+    backward()
+    with CommDebugMode() as mode:
+        grads = zd.sharded_grads(engine)
+    first_comms = int(mode.get_total_counts())
+    firsts = firsts[1:]  # the first one also built the layout (once per engine)
+
+    def measure(name: str, fn: Callable[[], Any]) -> None:
+        progress(f"ZeRO-{stage}, {tensors} tensors: {name}")
+        fn()  # warm-up (also calibrates strategy="auto" on gloo)
+        with CommDebugMode() as comm:
+            fn()
+        record(name, [timed(fn) for _ in range(args.repeat)], int(comm.get_total_counts()))
+
+    measure("full_tensors()", lambda: grads.full_tensors())
+    state: dict[str, Any] = {"prev": grads.full_tensors()}
+    measure("full_tensors(out=prev)", lambda: grads.full_tensors(out=state["prev"]))
+    state.clear()  # drop it, so that later rows find the recycled buffer free
+    full = {n: t.clone() for n, t in grads.full_tensors().items()}  # writing them back changes nothing
+    measure("set_full_", lambda: grads.set_full_(full))
+    del full
+    measure("clip_grad_norm_", lambda: grads.clip_grad_norm_(1e30))  # a coefficient of 1: values unchanged
+    measure("norms", lambda: grads.norms())
+    measure("global_norm", lambda: grads.global_norm())
+    measure("stats()", lambda: grads.stats())
+    record("first sharded_grads", firsts, first_comms)
+
+    # the floor: one bare all_gather of the same partitions into preallocated buffers
+    parts = grads.local_partitions
+    sharded = [g for g in grads.layout.groups if g.placement.is_sharded]
+    stored_bytes = sum(g.flat_numel * parts[g.index].element_size() for g in sharded)
+    if sharded:
+        pg = grads.groups[sharded[0].index].device_mesh.get_group()
+        ins = [parts[g.index] for g in sharded]
+        outs = [torch.empty(g.flat_numel, dtype=parts[g.index].dtype, device=parts[g.index].device) for g in sharded]
+        if len(ins) == 1:
+            measure(FLOOR, lambda: dist.all_gather_into_tensor(outs[0], ins[0], group=pg))
+        else:  # several flat groups: one coalesced all_gather, as full_tensors() issues
+            measure(FLOOR, lambda: all_gather_into(outs, ins, pg))
+    n_tensors = len(grads.layout.params)  # K rounded down to even: K // 2 layers
+    meta = {"stage": stage, "tensors": tensors, "model_tensors": n_tensors, "layers": len(model.layers),
+            "params": sum(p.numel for p in grads.layout.params), "groups": len(grads.layout.groups),
+            "stored_dtype": str(parts[0].dtype), "stored_bytes": stored_bytes, "optimizer": type(engine.optimizer).__name__}
+    floor = next((r["median_s"] for r in rows if r["row"] == FLOOR), None)
+    for r in rows:
+        r["ratio_to_floor"] = r["median_s"] / floor if floor else None
+        r["us_per_tensor_above_floor"] = 1e6 * (r["median_s"] - floor) / n_tensors if floor is not None else None
+    del engine, grads, parts
+    return meta, rows
+
+
+def _rank_main(args: argparse.Namespace) -> dict[str, Any]:
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # DeepSpeed's deprecated all_gather_into_tensor calls
+    show = dist.get_rank() == 0 and not args.no_progress
+    start = time.perf_counter()
+
+    def progress(msg: str) -> None:
+        if show:
+            print(f"[{time.perf_counter() - start:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    results: dict[str, Any] = {"runs": [], "rows": []}
+    for stage in args.stages:
+        for tensors in args.tensors:
+            meta, rows = _sweep_stage(args, stage, tensors, progress)
+            results["runs"].append(meta)
+            results["rows"] += rows
+    results["elapsed_s"] = time.perf_counter() - start
+    results["world_size"] = dist.get_world_size()
+    results["backend"] = dist.get_backend()
+    results["torch_threads"] = torch.get_num_threads()
+    return results
+
+
+def render(results: dict[str, Any], console: Any = None) -> None:
+    """One rich table per stage: a row per call, for each ``K`` the median ms, ÷ floor and µs per tensor."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = console or Console(width=None if sys.stdout.isatty() else 160)
+    stages = sorted({m["stage"] for m in results["runs"]})
+    for stage in stages:
+        runs = [m for m in results["runs"] if m["stage"] == stage]
+        sizes = ", ".join(f"K={m['tensors']}: {m['params'] / 1e6:.2f}M params, {_fmt_bytes(m['stored_bytes'])}"
+                          for m in runs)
+        table = Table(title=escape(f"ZeRO-{stage} ({runs[0]['optimizer']}), {results['world_size']} ranks on "
+                                   f"{results['backend']}, {runs[0]['stored_dtype']} ({sizes})"),
+                      title_justify="left")
+        table.add_column("row")
+        for m in runs:
+            k = m["tensors"]
+            table.add_column(f"K={k} ms", justify="right")
+            table.add_column("÷ floor", justify="right")
+            table.add_column("µs/tensor", justify="right")
+        by = {(r["tensors"], r["row"]): r for r in results["rows"] if r["stage"] == stage}
+        for name in ROWS:
+            cells = [escape(name)]
+            for m in runs:
+                r = by.get((m["tensors"], name))
+                if r is None:
+                    cells += ["-", "-", "-"]
+                    continue
+                cells.append(f"{1e3 * r['median_s']:.2f}")
+                cells.append(f"{r['ratio_to_floor']:.2f}" if r["ratio_to_floor"] is not None else "-")
+                us = r["us_per_tensor_above_floor"]
+                cells.append("-" if us is None or name == FLOOR else f"{us:.2f}")
+            table.add_row(*cells)
+        console.print(table)
+    console.print(
+        "[dim]Median over --repeat repetitions (after one warm-up) of the slowest rank. ÷ floor: row median / bare "
+        "all_gather_into_tensor of the same padded flat partitions, same run. µs/tensor: (row - floor) / K. "
+        "first sharded_grads: a fresh backward before every repetition, only the call timed. CPU timings on a "
+        "shared machine are noisy.[/dim]"
+    )
+
+
+def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    """Run the sweep (``args`` from ``zero_dtensor.bench._parse``): on ``--nproc`` fresh gloo ranks, or in place
+    when ``RANK`` and ``WORLD_SIZE`` are set (torchrun), like ``zero_dtensor.bench``."""
+    if not hasattr(args, "sweep_width"):
+        args.sweep_width = 8 if args.tiny else 32
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        import deepspeed
+        import torch
+        import torch.distributed as dist
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+        results = _rank_main(args)
+        if dist.get_rank() != 0:
+            return 0
+    else:
+        from .launch import launch
+
+        results = launch(_rank_main, args, nprocs=args.nproc, timeout=args.timeout)
+    results["command"] = " ".join(["python -m zero_dtensor.bench", *(sys.argv[1:] if argv is None else argv)])
+    results["config"] = {"tensors": list(args.tensors), "stages": list(args.stages), "width": args.sweep_width,
+                         "repeat": args.repeat, "dtype": args.dtype}
+    render(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2, default=str)
+    return 0

@@ -1,0 +1,147 @@
+"""Per-layout plans: everything a bulk call needs to run with a fixed number of tensor operations.
+
+A :class:`GradPlan` is built once per :class:`~zero_dtensor.layout.GradLayout` (and cached with it; adapters reuse
+a layout across steps) from the placements' geometry. It holds only Python tuples — split sizes, offsets, which
+piece is which parameter — so that executing a call is a handful of C++ calls whatever the number of parameters:
+one ``split_with_sizes`` turns a partition (or an assembled flat buffer) into every parameter's view, one
+``torch._foreach_*`` / ``segment_reduce`` / ``cat`` acts on all of them.
+
+Vocabulary: a *fragment* is the part of one parameter a rank holds (1-D, possibly empty); *pieces* are the views
+``split_with_sizes`` cuts a 1-D buffer into, parameters and padding gaps alike, tiling it exactly.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from functools import cached_property
+
+from .layout import GradLayout, GroupLayout, ParamLayout
+
+__all__ = ["GradPlan", "GroupPlan", "Tiling", "plan_for"]
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """A 1-D buffer of ``sum(sizes)`` elements cut into pieces: ``sizes`` tile it; ``piece[k]`` is the piece of
+    the group's ``k``-th parameter (buffer order); every other piece is padding (``gaps``)."""
+
+    sizes: tuple[int, ...]
+    piece: tuple[int, ...]
+    gaps: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(self.sizes)
+
+
+def _tiling(spans: list[tuple[int, int]], total: int) -> Tiling:
+    """Pieces of ``[0, total)`` for sorted, disjoint ``spans`` ``(start, length)`` (zero-length ones allowed)."""
+    sizes: list[int] = []
+    piece: list[int] = []
+    gaps: list[int] = []
+    pos = 0
+    for start, length in spans:
+        if length and start > pos:
+            gaps.append(len(sizes))
+            sizes.append(start - pos)
+            pos = start
+        piece.append(len(sizes))
+        sizes.append(length)
+        pos = max(pos, start + length) if length else pos
+    if pos < total:
+        gaps.append(len(sizes))
+        sizes.append(total - pos)
+    return Tiling(tuple(sizes), tuple(piece), tuple(gaps))
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """One flat group: its parameters in buffer order and the tilings of its buffers on this rank."""
+
+    group: GroupLayout
+    params: tuple[ParamLayout, ...]  # buffer order
+    frag_start: tuple[int, ...]  # this rank's fragment of each parameter in the flattened parameter ...
+    frag_len: tuple[int, ...]  # ... its length ...
+    frag_offset: tuple[int, ...]  # ... and where it starts in this rank's partition
+    local: Tiling  # this rank's partition: fragments and padding
+    gathered: Tiling  # ragged / replicated: the assembled flat buffer; chunked: the columns of its (N, P) rows
+    param_order: Tiling  # a parameter-order buffer: ragged/replicated as ``gathered``; chunked: N·chunk each
+
+    @property
+    def index(self) -> int:
+        return self.group.index
+
+    @cached_property
+    def numels(self) -> tuple[int, ...]:
+        return tuple(p.numel for p in self.params)
+
+    @cached_property
+    def positions(self) -> dict[str, int]:
+        """``name -> k``: a parameter's index in :attr:`params`."""
+        return {p.name: k for k, p in enumerate(self.params)}
+
+    @cached_property
+    def has_local(self) -> tuple[int, ...]:
+        """Indices (buffer order) of the parameters with a non-empty fragment on this rank."""
+        return tuple(k for k, n in enumerate(self.frag_len) if n)
+
+
+def _group_plan(group: GroupLayout, params: tuple[ParamLayout, ...]) -> GroupPlan:
+    placement = group.placement
+    ordered = tuple(sorted(params, key=lambda p: p.offset))
+    ranges = [placement.rank_range(group, p, group.rank) for p in ordered]
+    offsets = [placement.local_offset(group, p, group.rank) for p in ordered]
+    lengths = [stop - start for start, stop in ranges]
+    local = _tiling(list(zip(offsets, lengths)), group.partition_numel)
+    spans = [placement.span(p) for p in ordered]
+    if placement.param_order_gather:
+        gathered = _tiling([(a, b - a) for a, b in spans], placement.gathered_numel(group))
+        param_order = gathered
+    else:  # columns of the (N, P) rows; parameter order holds each (N, chunk) block back to back
+        gathered = _tiling([(a, b - a) for a, b in spans], group.partition_numel)
+        param_order = Tiling(tuple(group.world_size * s for s in gathered.sizes), gathered.piece, gathered.gaps)
+    return GroupPlan(
+        group=group,
+        params=ordered,
+        frag_start=tuple(start for start, _ in ranges),
+        frag_len=tuple(lengths),
+        frag_offset=tuple(offsets),
+        local=local,
+        gathered=gathered,
+        param_order=param_order,
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class GradPlan:
+    """Every group's :class:`GroupPlan` and the lookups bulk calls need, for one layout on one rank."""
+
+    layout: GradLayout
+    groups: tuple[GroupPlan, ...]
+
+    @cached_property
+    def where(self) -> dict[str, tuple[int, int]]:
+        """``name -> (group index, index in that group's plan)``."""
+        return {p.name: (g.index, k) for g in self.groups for k, p in enumerate(g.params)}
+
+    @cached_property
+    def fragments(self) -> dict[str, tuple[int, int, int]]:
+        """``name -> (start, stop, offset in this rank's partition)`` of this rank's fragment."""
+        out = {}
+        for g in self.groups:
+            for k, p in enumerate(g.params):
+                out[p.name] = (g.frag_start[k], g.frag_start[k] + g.frag_len[k], g.frag_offset[k])
+        return out
+
+
+_PLANS: weakref.WeakKeyDictionary[GradLayout, GradPlan] = weakref.WeakKeyDictionary()
+
+
+def plan_for(layout: GradLayout) -> GradPlan:
+    """The cached plan of ``layout`` (built on first use: one pass over the parameters). No communication."""
+    plan = _PLANS.get(layout)
+    if plan is None:
+        groups = tuple(_group_plan(g, layout.params_of(g.index)) for g in layout.groups)
+        plan = _PLANS[layout] = GradPlan(layout, groups)
+    return plan

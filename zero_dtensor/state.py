@@ -1,0 +1,169 @@
+"""The one internal state under a :class:`~zero_dtensor.sharded.ShardedGrads`: storage, plan, selection, staleness.
+
+Every internal module (materialization, transforms, reductions) takes a :class:`GradState` as an argument instead
+of reaching into the public object above it. Nothing here communicates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable, Mapping
+from functools import cached_property
+from typing import Any, Union
+
+import torch
+
+from .collectives import on_comm_device
+from .errors import StaleGradientsError
+from .layout import GradLayout, GroupLayout, ParamLayout
+from .plan import GradPlan, GroupPlan, plan_for
+from .storage import GradStorage
+
+__all__ = ["GradState", "ParamSelection", "Selection", "STALE", "short_names"]
+
+ParamSelection = Union[None, Collection[str], Callable[[str], bool]]
+
+STALE = (
+    "these gradients were consumed by engine.step() (or a later micro-step began); call "
+    "zero_dtensor.sharded_grads(engine) again after the next engine.backward() at an accumulation boundary"
+)
+
+
+def short_names(names: tuple[str, ...] | list[str], limit: int = 8) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return f"[{shown}{', …' if len(names) > limit else ''}] ({len(names)} in all)"
+
+
+class Selection:
+    """Selected parameters, grouped: per flat group, the indices (buffer order) into its :class:`GroupPlan`."""
+
+    __slots__ = ("params", "by_group")
+
+    def __init__(self, params: list[ParamLayout], by_group: dict[int, list[int]]) -> None:
+        self.params = params  # in the order results are returned
+        self.by_group = by_group
+
+    def whole(self, plan: GroupPlan) -> bool:
+        """Whether every parameter of the group is selected."""
+        return len(self.by_group.get(plan.index, ())) == len(plan.params)
+
+
+class GradState:
+    """Gradient memory of one engine for one step, with its cached plan and this step's partition pieces."""
+
+    def __init__(self, storage: GradStorage) -> None:
+        self.storage = storage
+        self.plan: GradPlan = plan_for(storage.layout)
+
+    # --- description ---------------------------------------------------------------------------------------------
+    @property
+    def layout(self) -> GradLayout:
+        return self.storage.layout
+
+    @property
+    def loss_scale(self) -> float:
+        return self.storage.loss_scale
+
+    @property
+    def device(self) -> torch.device:
+        return self.storage.device
+
+    def group(self, index: int) -> GroupLayout:
+        return self.storage.layout.groups[index]
+
+    def is_current(self) -> bool:
+        return self.storage.is_current()
+
+    def check_current(self) -> None:
+        if not self.storage.is_current():
+            raise StaleGradientsError(STALE)
+
+    # --- memory ----------------------------------------------------------------------------------------------------
+    @cached_property
+    def pieces(self) -> tuple[tuple[torch.Tensor, ...], ...]:
+        """Per group, its partition cut by the plan's local tiling (one ``split_with_sizes`` per group, views)."""
+        return tuple(part.split_with_sizes(list(g.local.sizes))
+                     for part, g in zip(self.storage.partitions, self.plan.groups))
+
+    def fragments_of(self, group: int, indices: Iterable[int]) -> list[torch.Tensor]:
+        """The fragments (views of the partition) of the given parameters of ``group``."""
+        plan, pieces = self.plan.groups[group], self.pieces[group]
+        return [pieces[plan.local.piece[k]] for k in indices]
+
+    def padding_of(self, group: int) -> list[torch.Tensor]:
+        plan, pieces = self.plan.groups[group], self.pieces[group]
+        return [pieces[i] for i in plan.local.gaps if plan.local.sizes[i]]
+
+    def fragment(self, param: ParamLayout) -> torch.Tensor:
+        g, k = self.plan.where[param.name]
+        return self.pieces[g][self.plan.groups[g].local.piece[k]]
+
+    def comm_partition(self, group: int) -> torch.Tensor:
+        """This rank's partition on a device its process group communicates on (a copy only for CPU-offloaded
+        gradients whose group cannot take CPU tensors, e.g. NCCL)."""
+        storage = self.storage
+        return on_comm_device(storage.partitions[group], storage.process_groups[group], storage.device)
+
+    # --- units -----------------------------------------------------------------------------------------------------
+    def to_true(self, stored: torch.Tensor) -> torch.Tensor:
+        return self.storage.to_true(stored)
+
+    def finish(self, full: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        full = self.storage.to_true(full)
+        return full if dtype is None or full.dtype == dtype else full.to(dtype)
+
+    # --- selection -------------------------------------------------------------------------------------------------
+    def select(self, names: Any) -> list[ParamLayout]:
+        """Requested parameters in request order (all, in model order, for ``None``); refuses a single string,
+        non-string entries, duplicates and unknown names before anything communicates."""
+        layout = self.layout
+        if names is None:
+            return list(layout.params)
+        if isinstance(names, (str, bytes)):
+            raise TypeError(f"names must be a list of parameter names, not a single string: pass [{names!r}]")
+        if isinstance(names, Mapping) or not isinstance(names, Iterable):
+            raise TypeError(f"names must be a list of parameter names or None, got {type(names).__name__}")
+        names = list(names)
+        bad = [n for n in names if not isinstance(n, str)]
+        if bad:
+            raise TypeError(f"names must be parameter names (str); got {[type(b).__name__ for b in bad[:4]]}")
+        seen: set[str] = set()
+        duplicates = sorted({n for n in names if n in seen or seen.add(n)})
+        if duplicates:
+            raise ValueError(f"names lists {duplicates} more than once; give each parameter once")
+        unknown = [n for n in names if n not in layout.by_name]
+        if unknown:
+            raise KeyError(f"not trainable parameters of this engine: {unknown}; known: {short_names(layout.names)}")
+        return [layout.by_name[n] for n in names]
+
+    def pick(self, params: ParamSelection) -> Selection:
+        """A transform's ``params=`` (names, a predicate or ``None``), validated, in model order. Raises
+        ``StaleGradientsError`` first: every transform calls it before touching the gradients."""
+        self.check_current()
+        layout = self.layout
+        if params is None:
+            chosen = list(layout.params)
+        elif isinstance(params, str):
+            raise TypeError(f"params must be a collection of names or a predicate, not a single string ({params!r})")
+        elif callable(params) and not isinstance(params, Collection):
+            chosen = [p for p in layout.params if params(p.name)]
+        else:
+            try:
+                wanted = set(params)
+            except TypeError:
+                raise TypeError(
+                    f"params must be None, a collection of names or a predicate name -> bool, got "
+                    f"{type(params).__name__}"
+                ) from None
+            unknown = sorted(str(n) for n in wanted if n not in layout.by_name)
+            if unknown:
+                raise KeyError(f"not trainable parameters of this engine: {unknown}")
+            chosen = [p for p in layout.params if p.name in wanted]
+        return self.selection(chosen)
+
+    def selection(self, params: list[ParamLayout]) -> Selection:
+        where = self.plan.where
+        by_group: dict[int, list[int]] = {}
+        for p in params:
+            g, k = where[p.name]
+            by_group.setdefault(g, []).append(k)
+        return Selection(params, by_group)

@@ -55,3 +55,46 @@ def test_cli_tiny_run_writes_complete_json(tmp_path) -> None:
         assert rows["floor: bare all_gather"]["ratio_to_floor"] == 1.0
         if "clip_grad_norm_" in rows:
             assert rows["clip_grad_norm_"]["collectives"] == 1
+
+
+def test_tensor_sweep_writes_every_row_per_k(tmp_path) -> None:
+    """Issue 11: ``--tensors`` sweeps the tensor count; every row for every K and stage, with sane figures."""
+    from zero_dtensor._bench_sweep import FLOOR, ROWS as SWEEP_ROWS
+
+    path = tmp_path / "sweep.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "zero_dtensor.bench", "--tensors", "20,40", "--tiny", "--nproc", "2", "--stages",
+         "1,3", "--repeat", "2", "--no-progress", "--json", str(path)],
+        capture_output=True, text=True, timeout=240, env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ZeRO-1" in proc.stdout and "ZeRO-3" in proc.stdout and "K=40" in proc.stdout
+    data = json.loads(path.read_text())
+    assert data["world_size"] == 2 and data["backend"] == "gloo"
+    assert data["config"]["tensors"] == [20, 40]
+    assert sorted((m["stage"], m["tensors"]) for m in data["runs"]) == [(1, 20), (1, 40), (3, 20), (3, 40)]
+    for m in data["runs"]:
+        assert m["model_tensors"] == m["tensors"] and m["layers"] == m["tensors"] // 2
+        assert m["params"] == m["layers"] * (8 * 8 + 8)  # --tiny: Linear(8, 8)
+        assert m["stored_bytes"] >= 4 * m["params"]
+    for stage in (1, 3):
+        for k in (20, 40):
+            rows = {r["row"]: r for r in data["rows"] if r["stage"] == stage and r["tensors"] == k}
+            assert set(rows) == set(SWEEP_ROWS), set(SWEEP_ROWS) ^ set(rows)
+            floor = rows[FLOOR]
+            assert floor["ratio_to_floor"] == 1.0 and floor["us_per_tensor_above_floor"] == 0.0
+            assert floor["collectives"] == 1
+            for r in rows.values():
+                assert 0 < r["min_s"] <= r["median_s"] <= r["max_s"], r
+                assert r["repeat"] == 2
+                assert r["ratio_to_floor"] > 0
+                expected = 1e6 * (r["median_s"] - floor["median_s"]) / k
+                assert abs(r["us_per_tensor_above_floor"] - expected) <= 1e-6 * max(1.0, abs(expected)), r
+            assert rows["set_full_"]["collectives"] == 0
+            assert rows["first sharded_grads"]["collectives"] == 0
+            for name in ("full_tensors()", "full_tensors(out=prev)"):
+                assert rows[name]["collectives"] >= 1, name
+            for name in ("clip_grad_norm_", "norms", "global_norm"):
+                assert rows[name]["collectives"] == 1, name
+            assert 1 <= rows["stats()"]["collectives"] <= 2

@@ -7,7 +7,7 @@ import torch
 
 from workers import transforms
 from workers.common import OddModel
-from zero_dtensor.ops import counter_normal
+from zero_dtensor.noise import counter_normal
 
 FP32_CASES = [(ws, stage) for ws in (1, 2, 3, 4) for stage in (1, 2, 3)]
 _NOISE: dict[tuple[int, int], dict[str, torch.Tensor]] = {}

@@ -6,8 +6,9 @@ from .errors import GradientsNotReadyError, RankDisagreementError, StaleGradient
 from .hooks import GradHookError, GradHookHandle, attach_to_trainer, on_grads, on_grads_in_trainer
 from .launch import RankPool, launch
 from .layout import GradLayout, GroupLayout, Packing, ParamLayout
-from .ops import GradStats, counter_normal
+from .noise import counter_normal
 from .overflow import found_inf
+from .reductions import GradStats
 from .replicate import FullGradsHandle, keep_full_grads
 from .sharded import ParamGrad, ShardedGrads
 from .stats_logger import GradStatsLogger

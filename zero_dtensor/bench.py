@@ -119,6 +119,7 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
     from zero_dtensor import materialize as mz
     from zero_dtensor._bench_model import TransformerLike
     from zero_dtensor.collectives import all_gather_into
+    from zero_dtensor.state import state_of
 
     world, rank = dist.get_world_size(), dist.get_rank()
     use_cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
@@ -213,20 +214,22 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
     grads = zd.sharded_grads(engine)  # DeepSpeed's writes went to the same memory; the view is still current
 
     # zero_dtensor
-    auto = mz._resolve("auto", grads._storage.process_groups[0], parts[0].device, parts[0].dtype, stored_bytes,
-                       grads.layout.groups[0].packing is zd.Packing.CHUNKED) \
-        if not grads.layout.groups[0].replicated else "none"
+    storage = state_of(grads).storage
+    first = grads.layout.groups[0]
+    auto = mz.strategy.resolve("auto", storage.process_groups[0], parts[0].device, parts[0].dtype, stored_bytes,
+                               not first.placement.param_order_gather) \
+        if first.placement.is_sharded else "none"
     measure(f"full_tensors [auto={auto}]", lambda: grads.full_tensors(), repeat=args.repeat,
             bytes_per_rank=_ring_bytes(auto, stored_bytes, world), baseline="ds get loop",
             note="stored dtype")
 
     def fresh() -> Any:
-        mz.RECYCLE = False
+        mz.BUFFERS.recycle = False
         mz.release_workspace()
         try:
             return grads.full_tensors()
         finally:
-            mz.RECYCLE = True
+            mz.BUFFERS.recycle = True
 
     measure(f"full_tensors [auto, fresh buffer]", fresh, repeat=args.repeat,
             bytes_per_rank=_ring_bytes(auto, stored_bytes, world), baseline="ds get loop",
@@ -242,36 +245,15 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
     state.clear()  # drop it, so that later rows find the recycled buffer free
     bucket = int(args.bucket_mb * 2**20)
 
-    class Peak:
-        def __init__(self) -> None:
-            self.live = self.peak = 0
-
-        def alloc(self, n: int, dt: Any, dev: Any, *, zero: bool = False) -> Any:
-            import weakref
-
-            t = (torch.zeros if zero else torch.empty)(n, dtype=dt, device=dev)
-            nbytes = t.numel() * t.element_size()
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(t, self._free, nbytes)
-            return t
-
-        def _free(self, nbytes: int) -> None:
-            self.live -= nbytes
-
-    def stream() -> "Peak":
-        peak = Peak()
-        original, mz._alloc = mz._alloc, peak.alloc
-        try:
+    def stream() -> mz.AllocationRecorder:
+        with mz.BUFFERS.observing(mz.AllocationRecorder()) as peak:  # the same recorder the tests use
             total = 0
             for _, t in grads.iter_full(bucket_bytes=bucket):
                 total += t.numel()
                 del t
-        finally:
-            mz._alloc = original
         return peak
 
-    stream_kind = mz._stream_strategy("auto", grads._storage.process_groups[0], grads.layout.groups[0].packing)
+    stream_kind = mz.strategy.stream_strategy("auto", storage.process_groups[0], first.placement.param_order_gather)
     measure(f"iter_full {args.bucket_mb:g}MiB [{stream_kind}]", stream, repeat=args.repeat,
             bytes_per_rank=_ring_bytes(stream_kind, stored_bytes, world), baseline="ds get loop",
             note="peak of live bucket buffers", memory=lambda peak: peak.peak)
@@ -284,9 +266,9 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
                 note="baseline: DS get loop + set loop")
 
     # the floor: one bare all_gather of the same partitions into preallocated buffers
-    sharded = [g for g in grads.layout.groups if not g.replicated]
+    sharded = [g for g in grads.layout.groups if g.placement.is_sharded]
     if sharded:
-        pg = grads._storage.process_groups[sharded[0].index]
+        pg = storage.process_groups[sharded[0].index]
         ins = [parts[g.index] for g in sharded]
         outs = [torch.empty(g.flat_numel, dtype=parts[g.index].dtype, device=parts[g.index].device) for g in sharded]
         measure("floor: bare all_gather", lambda: all_gather_into(outs, ins, pg), repeat=args.repeat,
@@ -308,7 +290,7 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
         r["speedup_vs_deepspeed"] = (ref / r["median_s"]) if ref and r["median_s"] > 0 else None
         r["ratio_to_floor"] = (r["median_s"] / floor["median_s"]) if floor and floor["median_s"] > 0 else None
     meta = {"stage": stage, "params": numel, "tensors": len(named), "groups": len(grads.layout.groups),
-            "stored_dtype": str(parts[0].dtype), "stored_bytes": stored_bytes, "optimizer": grads._storage.describe}
+            "stored_dtype": str(parts[0].dtype), "stored_bytes": stored_bytes, "optimizer": state_of(grads).storage.describe}
     del engine, grads
     return [{"meta": meta}] + rows
 

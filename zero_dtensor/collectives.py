@@ -17,14 +17,26 @@ __all__ = [
     "comm_device",
     "comm_device_types",
     "all_gather_into",
+    "all_gather_single",
+    "backend_of",
+    "global_rank",
+    "global_world_size",
+    "group_rank_of",
+    "world_size_of",
     "all_gather_objects",
     "gather_ints_within",
+    "all_reduce_op",
+    "all_reduce_rows",
     "all_reduce_sum_work",
     "gather_to",
     "max_across",
     "mesh_for",
     "on_comm_device",
     "reduce_sum_to",
+    # zero_dtensor.redistribute
+    "all_to_all_into",
+    "group_ranks",
+    "sum_ints",
 ]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -136,10 +148,22 @@ def max_across(values: Sequence[float], group: dist.ProcessGroup, device: torch.
     return [float(v) for v in t.cpu()]
 
 
-def _all_reduce_op(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp) -> torch.Tensor:
-    """One in-place ``all_reduce`` with reduce op ``op`` (used by the sharded reductions in :mod:`.ops`)."""
+def all_reduce_op(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp) -> torch.Tensor:
+    """One in-place ``all_reduce`` with reduce op ``op``."""
     dist.all_reduce(tensor, op=op, group=group)
     return tensor
+
+
+def all_reduce_rows(rows: torch.Tensor, which: list[int], group: dist.ProcessGroup, op: dist.ReduceOp) -> None:
+    """All-reduce rows ``which`` of ``rows`` in place: **one** collective (the whole tensor when every row takes part,
+    else one ``index_select`` / ``index_copy_`` around it)."""
+    if len(which) == rows.shape[0]:
+        dist.all_reduce(rows, op=op, group=group)
+        return
+    index = torch.tensor(which, device=rows.device)
+    part = rows.index_select(0, index)
+    dist.all_reduce(part, op=op, group=group)
+    rows.index_copy_(0, index, part)
 
 
 def gather_ints_within(value: int, group: dist.ProcessGroup, device: torch.device,
@@ -161,3 +185,75 @@ def all_gather_objects(obj: object, group: dist.ProcessGroup) -> list[object]:
     out: list[object] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+_all_reduce_op = all_reduce_op  # the former private name (kept while callers move)
+
+
+def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *,
+                      async_op: bool = False) -> dist.Work | None:
+    """One ``all_gather`` of an equal-size 1-D ``inp`` into ``out`` (``N×`` its length)."""
+    return _all_gather_single(out, inp, group=group, async_op=async_op)
+
+
+def backend_of(group: dist.ProcessGroup) -> str:
+    """The backend name of ``group`` (``"gloo"``, ``"nccl"``, ...)."""
+    return dist.get_backend(group)
+
+
+def world_size_of(group: dist.ProcessGroup) -> int:
+    return dist.get_world_size(group)
+
+
+def global_world_size() -> int:
+    return dist.get_world_size()
+
+
+def global_rank() -> int:
+    return dist.get_rank()
+
+
+def group_rank_of(group: dist.ProcessGroup, global_rank_: int) -> int:
+    """``global_rank_``'s rank in ``group``; ``ValueError`` when it is not a member."""
+    try:
+        return dist.get_group_rank(group, global_rank_)
+    except (ValueError, RuntimeError):
+        raise ValueError(f"rank {global_rank_} is not a member of the process group") from None
+
+
+# --- building blocks of zero_dtensor.redistribute -------------------------------------------------------------------
+_GROUP_RANKS: dict[dist.ProcessGroup, tuple[int, ...]] = {}
+
+
+def all_to_all_into(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    out_splits: Sequence[int],
+    in_splits: Sequence[int],
+    group: dist.ProcessGroup,
+    *,
+    async_op: bool = False,
+) -> list[dist.Work]:
+    """One ``all_to_all_single`` with uneven splits: the first ``in_splits[0]`` elements of the 1-D ``inp`` go to
+    group rank 0, the next ``in_splits[1]`` to rank 1, ...; ``out`` receives ``out_splits[s]`` elements from each
+    rank ``s``, in rank order (every rank's splits must match its peers'). Bytes per rank: sent
+    ``sum(in_splits) - in_splits[self]``, received ``sum(out_splits) - out_splits[self]`` (times the element size).
+    gloo (pairwise), NCCL and MPI implement it. Returns the pending work when async."""
+    work = dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=group, async_op=async_op)
+    return [work] if async_op and work is not None else []
+
+
+def group_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
+    """Global ranks of ``group``'s members, in group-rank order. No communication; cached per group."""
+    ranks = _GROUP_RANKS.get(group)
+    if ranks is None:
+        ranks = _GROUP_RANKS[group] = tuple(dist.get_process_group_ranks(group))
+    return ranks
+
+
+def sum_ints(values: Sequence[int], group: dist.ProcessGroup, device: torch.device) -> list[int]:
+    """Element-wise sum of a few ints over the group: one ``all_reduce(SUM)`` of ``len(values)`` int64
+    (``2(N-1)/N · 8·len`` bytes per rank). For error flags and small bookkeeping, not for data."""
+    t = torch.tensor(list(values), dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t.tolist()

@@ -157,11 +157,11 @@ def check_same_call(what: str, signature: Any, groups: Iterable[dist.ProcessGrou
 
 
 def check_grads_call(grads: Any, what: str, *signature: Any, always: bool = False) -> None:
-    """:func:`check_same_call` over the process groups of ``grads`` (a ``ShardedGrads``' storage state or anything
+    """:func:`check_same_call` over the process groups of ``grads`` (a ``GradState``, or a ``GradStorage``: anything
     with ``process_groups`` and ``device``)."""
     if not (_DEBUG or (always and _RANK_CHECKS)):
         return
-    storage = getattr(grads, "_storage", grads)
+    storage = grads.storage if hasattr(grads, "storage") else grads
     check_same_call(what, signature, storage.process_groups, storage.device, always=always)
 
 

@@ -102,7 +102,7 @@ def on_grads(engine: Any, fn: GradFn, *, every: int = 1, sync_errors: bool = Tru
     """Call ``fn(grads)`` at every gradient-accumulation boundary, after reduction and before the optimizer step.
 
     ``grads`` is ``zero_dtensor.sharded_grads(engine)``: in-place changes (``grads.set_full_(...)``, writes to
-    ``to_local()`` views or ``grads.groups``, the ``GradOpsMixin`` transforms) are what the optimizer uses. ``fn`` runs
+    ``to_local()`` views or ``grads.groups``, the transforms) are what the optimizer uses. ``fn`` runs
     on every rank and may issue collectives (same order on every rank). Its return value is ignored. Not called at
     non-boundary micro-steps.
 

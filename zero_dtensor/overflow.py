@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 
 from . import debug as _debug
+from .collectives import all_reduce_op
+from .state import state_of
 
 __all__ = ["found_inf"]
 
@@ -21,27 +23,25 @@ __all__ = ["found_inf"]
 def found_inf(grads: Any) -> bool:
     """True if any element of any gradient (on any rank) is inf or nan. **Collective** (same answer on every rank).
 
-    Communication: one ``all_reduce`` (max) of one float per distinct process group; none when every group is
-    replicated (``BF16_Optimizer``: every rank holds the same full buffer). Padding is zero and never counts.
+    Communication: one ``all_reduce`` (max) of one float per distinct process group of the sharded groups; none
+    when every group is replicated (``BF16_Optimizer``: every rank holds the same full buffer). Padding is zero and
+    never counts. Local work: one ``isfinite`` reduction per flat group, one host sync.
     """
-    grads._check_current()
-    _debug.check_grads_call(grads, "found_inf")
-    storage = grads._storage
-    flags: dict[int, tuple[Any, torch.Tensor]] = {}
-    replicated_bad = False
-    for group, part in zip(grads.layout.groups, storage.partitions):
-        bad = not bool(torch.isfinite(part).all()) if part.numel() else False
-        if group.replicated:
-            replicated_bad |= bad
-            continue
-        pg = storage.process_groups[group.index]
-        entry = flags.setdefault(id(pg), (pg, torch.zeros(1, dtype=torch.float32, device=storage.device)))
-        if bad:
-            entry[1].fill_(1.0)
-    result = replicated_bad
-    for pg, flag in flags.values():
-        if replicated_bad:
-            flag.fill_(1.0)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pg)
-        result |= bool(flag.item() > 0)
-    return result
+    state = state_of(grads)
+    state.check_current()
+    storage = state.storage
+    _debug.check_grads_call(storage, "found_inf")
+    device = storage.device
+    flags = torch.stack([torch.isfinite(p).all().logical_not().to(device) for p in storage.partitions])
+    replicated = [not g.placement.is_sharded for g in state.layout.groups]
+    pgs: list[Any] = []
+    for group, pg in zip(state.layout.groups, storage.process_groups):
+        if group.placement.is_sharded and not any(pg is q for q in pgs):
+            pgs.append(pg)
+    if not pgs:
+        return bool(flags.any())
+    flag = flags.any().to(torch.float32).reshape(1)
+    del replicated
+    for pg in pgs:  # one per distinct process group (DeepSpeed models normally have one)
+        all_reduce_op(flag, pg, dist.ReduceOp.MAX)
+    return bool(flag.item() > 0)

@@ -34,8 +34,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
+
+from .collectives import all_gather_single, all_reduce_sum_work, on_comm_device
 
 if TYPE_CHECKING:
     from .layout import GroupLayout, ParamLayout
@@ -81,6 +85,18 @@ class GroupPlacement:
         """Elements of the group's assembled buffer."""
         return group.flat_numel
 
+    @property
+    def exact_param_shards(self) -> bool:
+        """Whether one parameter's pieces form an exact per-parameter DTensor (``Shard(0)`` of the flattened
+        parameter, or ``Replicate``)."""
+        return True
+
+    def gather_param(self, group: GroupLayout, param: ParamLayout, partition: torch.Tensor,
+                     pg: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
+        """One parameter's full flat values (stored dtype, still scaled), in memory the caller owns. **Collective**
+        for sharded placements (see each kind)."""
+        raise NotImplementedError
+
 
 @dataclass(frozen=True)
 class RaggedShard(GroupPlacement):
@@ -97,6 +113,22 @@ class RaggedShard(GroupPlacement):
     def local_offset(self, group: GroupLayout, param: ParamLayout, rank: int) -> int:
         start, stop = self.rank_range(group, param, rank)
         return 0 if start == stop else param.offset + start - rank * group.partition_numel
+
+    @property
+    def exact_param_shards(self) -> bool:
+        return False
+
+    def gather_param(self, group: GroupLayout, param: ParamLayout, partition: torch.Tensor,
+                     pg: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
+        """One sum ``all_reduce`` of a zero-padded ``numel`` buffer (exact: one non-zero contributor per element),
+        ``2(N-1)/N·numel`` elements per rank."""
+        start, stop = self.rank_range(group, param, group.rank)
+        local = partition.narrow(0, self.local_offset(group, param, group.rank), stop - start)
+        local = on_comm_device(local, pg, device)
+        full = torch.zeros(param.numel, dtype=local.dtype, device=local.device)
+        full.narrow(0, start, stop - start).copy_(local)
+        all_reduce_sum_work(full, pg)
+        return full
 
 
 @dataclass(frozen=True)
@@ -120,6 +152,14 @@ class ChunkShard(GroupPlacement):
     def span(self, param: ParamLayout) -> tuple[int, int]:
         return param.offset, param.offset + param.chunk_numel
 
+    def gather_param(self, group: GroupLayout, param: ParamLayout, partition: torch.Tensor,
+                     pg: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
+        """One ``all_gather`` of the ``chunk_numel``-long (padded) chunks, ``(N-1)/N·numel`` elements per rank."""
+        chunk = on_comm_device(partition.narrow(0, param.offset, param.chunk_numel), pg, device)
+        gathered = torch.empty(group.world_size * param.chunk_numel, dtype=chunk.dtype, device=chunk.device)
+        all_gather_single(gathered, chunk, pg)
+        return gathered.narrow(0, 0, param.numel)
+
 
 @dataclass(frozen=True)
 class Replicated(GroupPlacement):
@@ -142,6 +182,11 @@ class Replicated(GroupPlacement):
 
     def gathered_numel(self, group: GroupLayout) -> int:
         return group.partition_numel
+
+    def gather_param(self, group: GroupLayout, param: ParamLayout, partition: torch.Tensor,
+                     pg: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
+        """No communication: one local copy (a snapshot, never a view of the live gradient)."""
+        return partition.narrow(0, param.offset, param.numel).clone()
 
 
 _RAGGED, _CHUNKED, _REPLICATED = RaggedShard(), ChunkShard(), Replicated()

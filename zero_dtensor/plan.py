@@ -18,7 +18,7 @@ from functools import cached_property
 
 from .layout import GradLayout, GroupLayout, ParamLayout
 
-__all__ = ["GradPlan", "GroupPlan", "Tiling", "plan_for"]
+__all__ = ["GradPlan", "GroupPlan", "Tiling", "plan_for", "tiling"]
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Tiling:
         return sum(self.sizes)
 
 
-def _tiling(spans: list[tuple[int, int]], total: int) -> Tiling:
+def tiling(spans: list[tuple[int, int]], total: int) -> Tiling:
     """Pieces of ``[0, total)`` for sorted, disjoint ``spans`` ``(start, length)`` (zero-length ones allowed)."""
     sizes: list[int] = []
     piece: list[int] = []
@@ -93,13 +93,13 @@ def _group_plan(group: GroupLayout, params: tuple[ParamLayout, ...]) -> GroupPla
     ranges = [placement.rank_range(group, p, group.rank) for p in ordered]
     offsets = [placement.local_offset(group, p, group.rank) for p in ordered]
     lengths = [stop - start for start, stop in ranges]
-    local = _tiling(list(zip(offsets, lengths)), group.partition_numel)
+    local = tiling(list(zip(offsets, lengths)), group.partition_numel)
     spans = [placement.span(p) for p in ordered]
     if placement.param_order_gather:
-        gathered = _tiling([(a, b - a) for a, b in spans], placement.gathered_numel(group))
+        gathered = tiling([(a, b - a) for a, b in spans], placement.gathered_numel(group))
         param_order = gathered
     else:  # columns of the (N, P) rows; parameter order holds each (N, chunk) block back to back
-        gathered = _tiling([(a, b - a) for a, b in spans], group.partition_numel)
+        gathered = tiling([(a, b - a) for a, b in spans], group.partition_numel)
         param_order = Tiling(tuple(group.world_size * s for s in gathered.sizes), gathered.piece, gathered.gaps)
     return GroupPlan(
         group=group,

@@ -1,34 +1,36 @@
-"""``ShardedGrads``: a live, sharded view of every reduced gradient of a DeepSpeed ZeRO engine.
+"""``ShardedGrads``: a live, sharded view of every reduced gradient of a DeepSpeed ZeRO engine (the public front).
 
 Nothing here communicates unless its docstring says so. Each collective call must run on every rank of the
-data-parallel group, in the same order, or the job hangs (as with any ``torch.distributed`` collective).
+data-parallel group, in the same order, or the job hangs (as with any ``torch.distributed`` collective); bulk reads
+check that they do (see :mod:`zero_dtensor.debug`). The work is done by modules that take the internal state
+explicitly: :mod:`~zero_dtensor.materialize` (full tensors), :mod:`~zero_dtensor.transforms` (elementwise, clone),
+:mod:`~zero_dtensor.reductions` (norms, dots, stats, clipping).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+import numbers
+from collections.abc import Callable, Iterator, Mapping
 from functools import cached_property
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from . import debug as _debug
-from .collectives import _all_gather_single, all_reduce_sum_work, mesh_for, on_comm_device
-from .errors import StaleGradientsError
-from .layout import GradLayout, Packing, ParamLayout
-from . import materialize as _materialize
-from .materialize import FullTensorsHandle
-from .ops import GradOpsMixin
+from . import reductions, transforms
+from . import redistribute as _redistribute
+from .collectives import mesh_for
+from .layout import GradLayout, ParamLayout
+from .materialize import bulk as _bulk
+from .materialize import stream as _stream
+from .materialize.results import PendingFullTensors
+from .reductions import GradStats
+from .state import GradState, ParamSelection, short_names
 from .storage import GradStorage
+from .transforms import Scalar
 
-__all__ = ["ParamGrad", "ShardedGrads"]
-
-_STALE = (
-    "these gradients were consumed by engine.step() (or a later micro-step began); call "
-    "zero_dtensor.sharded_grads(engine) again after the next engine.backward() at an accumulation boundary"
-)
+__all__ = ["ParamGrad", "ShardedGrads", "check_dtype"]
 
 
 class ParamGrad:
@@ -38,10 +40,11 @@ class ParamGrad:
     a DTensor; for ZeRO-3 (``torch.chunk`` pieces) and replicated groups :meth:`as_dtensor` gives an exact one.
     """
 
+    __slots__ = ("_grads", "_param")
+
     def __init__(self, grads: ShardedGrads, param: ParamLayout) -> None:
         self._grads = grads
         self._param = param
-        self._group = grads.layout.groups[param.group]
 
     def __repr__(self) -> str:
         return (
@@ -64,7 +67,7 @@ class ParamGrad:
     @property
     def dtype(self) -> torch.dtype:
         """The dtype DeepSpeed stores this gradient in (its gradient-accumulation dtype)."""
-        return self._group.dtype
+        return self._grads.layout.groups[self._param.group].dtype
 
     @property
     def group(self) -> int:
@@ -74,7 +77,7 @@ class ParamGrad:
     @property
     def local_range(self) -> tuple[int, int]:
         """``(start, stop)`` of this rank's fragment within the flattened parameter (``start == stop``: none)."""
-        start, stop, _ = self._grads._fragments[self.name]
+        start, stop, _ = self._grads._state.plan.fragments[self.name]
         return start, stop
 
     def to_local(self) -> torch.Tensor:
@@ -85,91 +88,99 @@ class ParamGrad:
         DeepSpeed's partition at the start of ``engine.step()`` (and after every write through the API).
         No communication. Under fp16 loss scaling the stored values are ``true gradient × grads.loss_scale``.
         """
-        self._grads._check_current()
-        return self._grads._local(self._param)
+        state = self._grads._state
+        state.check_current()
+        return state.fragment(self._param)
 
     def full_tensor(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The full (true, unscaled) gradient, shape ``self.shape``: a snapshot in memory the caller owns.
         **Collective**: call on every rank of the group.
 
-        Communication: none for a replicated group; ZeRO-3: one ``all_gather`` of the ``ceil(numel/N)`` chunks
-        (``(N-1)/N·numel`` elements received per rank); ZeRO-1/2: one sum ``all_reduce`` of a zero-padded
-        ``numel``-element buffer in the stored dtype (exact: every element has one non-zero contributor).
-        To gather many parameters use :meth:`ShardedGrads.full_tensors` (one collective per group).
+        Communication (the placement's, :mod:`zero_dtensor.placement`): none for a replicated group; ZeRO-3: one
+        ``all_gather`` of the ``ceil(numel/N)`` chunks (``(N-1)/N·numel`` elements received per rank); ZeRO-1/2: one
+        sum ``all_reduce`` of a zero-padded ``numel``-element buffer in the stored dtype (exact: every element has
+        one non-zero contributor). To gather many parameters use :meth:`ShardedGrads.full_tensors` (one collective
+        per group).
         """
-        self._grads._check_current()
+        state = self._grads._state
+        state.check_current()
         check_dtype(dtype, "ParamGrad.full_tensor")
-        storage = self._grads._storage
-        _debug.check_same_call("ParamGrad.full_tensor", (self.name, str(dtype)),
-                               [storage.process_groups[self._param.group]], storage.device)
-        group, param = self._group, self._param
+        storage = state.storage
+        param = self._param
         pg = storage.process_groups[param.group]
-        if group.replicated:  # a copy: the result is the caller's, never a view of DeepSpeed's storage
-            full = self._grads._local(param).clone()
-        elif group.packing is Packing.CHUNKED:  # every rank stores a padded chunk_numel-long chunk at param.offset
-            chunk = storage.partitions[param.group].narrow(0, param.offset, param.chunk_numel)
-            chunk = on_comm_device(chunk, pg, storage.device)
-            gathered = torch.empty(group.world_size * param.chunk_numel, dtype=chunk.dtype, device=chunk.device)
-            _all_gather_single(gathered, chunk, group=pg)
-            full = gathered.narrow(0, 0, param.numel)
-        else:
-            local = on_comm_device(self._grads._local(param), pg, storage.device)
-            full = torch.zeros(param.numel, dtype=local.dtype, device=local.device)
-            start, stop = self.local_range
-            full.narrow(0, start, stop - start).copy_(local)
-            all_reduce_sum_work(full, pg)
-        return self._grads._finish(full.view(param.shape), dtype)
+        _debug.check_same_call("ParamGrad.full_tensor", (self.name, str(dtype)), [pg], storage.device)
+        group = state.group(param.group)
+        full = group.placement.gather_param(group, param, storage.partitions[param.group], pg, storage.device)
+        return state.finish(full.view(param.shape), dtype)
 
     def as_dtensor(self) -> DTensor:
-        """This gradient as an exact DTensor of shape ``(numel,)`` aliasing DeepSpeed's storage. No communication.
+        """This gradient as an exact DTensor of shape ``(numel,)`` aliasing DeepSpeed's storage (a live view). No
+        communication.
 
         ``Shard(0)`` for ZeRO-3 (``torch.chunk`` pieces), ``Replicate()`` for replicated groups. ZeRO-1/2 pieces are
         ragged, which DTensor cannot describe: use :meth:`to_local`, :meth:`full_tensor` or ``grads.groups``.
         """
-        group = self._group
-        if group.packing is Packing.CONTIGUOUS and not group.replicated:
+        group = self._grads._state.group(self._param.group)
+        if not group.placement.exact_param_shards:
             raise TypeError(
                 f"{self.name!r}: ZeRO-1/2 stores a parameter in ragged pieces that a Shard(0) DTensor would describe "
                 "wrongly; use grads.groups[...] (an exact Shard(0) DTensor per flat group), to_local() or full_tensor()"
             )
-        placement = Replicate() if group.replicated else Shard(0)
-        return self._grads._dtensor(self.to_local(), self._param.group, placement, (self.numel,))
+        return self._grads._dtensor(self.to_local(), self._param.group, (self.numel,))
 
 
-class ShardedGrads(GradOpsMixin, Mapping[str, ParamGrad]):
+def _is_grads(obj: Any) -> bool:
+    return isinstance(obj, ShardedGrads)
+
+
+class ShardedGrads(Mapping[str, ParamGrad]):
     """Every trainable parameter's reduced gradient, sharded as DeepSpeed stores it. A mapping ``name -> ParamGrad``.
 
     Valid from ``engine.backward()`` at an accumulation boundary until ``engine.step()``; afterwards every call raises
     :class:`~zero_dtensor.errors.StaleGradientsError`. Views and group DTensors alias DeepSpeed's storage: in-place
     changes are what ``engine.step()`` uses. Frozen parameters (``requires_grad=False``) are absent; a tied
     parameter appears once, under its first name in ``named_parameters()``.
+
+    Transforms (``mul_`` … ``add_noise_``) work on the local shards with **no communication**; reductions
+    (``norms``, ``global_norm``, ``dots``, ``clip_*``) issue **one all_reduce of a (k,) vector per process group**
+    (``stats`` at most two). Every operation takes ``params=``: ``None`` (all trainable parameters), a collection of
+    names, or a predicate ``name -> bool``; unknown names raise ``KeyError`` before anything is written. Operands and
+    results are in true (unscaled) units under fp16 loss scaling. Each call runs a fixed number of tensor operations
+    whatever the number of parameters (see :mod:`zero_dtensor.plan`).
     """
 
     def __init__(self, storage: GradStorage) -> None:
-        self._storage = storage
-        self._views = {p.name: ParamGrad(self, p) for p in storage.layout.params}
+        self._state = GradState(storage)
+
+    def __zero_dtensor_state__(self) -> GradState:
+        """The internal state (for zero_dtensor's own modules)."""
+        return self._state
 
     def __repr__(self) -> str:
-        return f"ShardedGrads({self._storage.describe}, {len(self)} params, {len(self.layout.groups)} groups)"
+        storage = self._state.storage
+        return f"ShardedGrads({storage.describe}, {len(self)} params, {len(self.layout.groups)} groups)"
 
     # --- mapping -----------------------------------------------------------------------------------------------
     def __getitem__(self, name: str) -> ParamGrad:
-        self._check_current()
-        try:
-            return self._views[name]
-        except KeyError:
-            raise KeyError(f"{name!r} is not a trainable parameter of this engine; known: {_short(self.names)}") from None
+        self._state.check_current()
+        param = self.layout.by_name.get(name) if isinstance(name, str) else None
+        if param is None:
+            raise KeyError(f"{name!r} is not a trainable parameter of this engine; known: {short_names(self.names)}")
+        return ParamGrad(self, param)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._views)
+        return iter(self.layout.names)
 
     def __len__(self) -> int:
-        return len(self._views)
+        return len(self.layout.params)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self.layout.by_name
 
     # --- description -------------------------------------------------------------------------------------------
     @property
     def layout(self) -> GradLayout:
-        return self._storage.layout
+        return self._state.layout
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -179,33 +190,31 @@ class ShardedGrads(GradOpsMixin, Mapping[str, ParamGrad]):
     @property
     def loss_scale(self) -> float:
         """Stored values are ``true gradient × loss_scale`` (fp16 dynamic loss scaling; 1.0 otherwise)."""
-        return self._storage.loss_scale
+        return self._state.loss_scale
 
     @property
     def local_partitions(self) -> tuple[torch.Tensor, ...]:
-        """Per group, this rank's whole partition (1-D, padding included): the memory ``engine.step()`` reads.
-        No communication."""
-        self._check_current()
-        return self._storage.partitions
+        """Per group, this rank's whole partition (1-D, padding included): the memory ``engine.step()`` reads (live
+        views). No communication."""
+        self._state.check_current()
+        return self._state.storage.partitions
 
     def is_current(self) -> bool:
         """False once ``engine.step()`` (or a new micro-step) has consumed these gradients. No communication."""
-        return self._storage.is_current()
+        return self._state.is_current()
 
     @cached_property
     def _group_dtensors(self) -> tuple[DTensor, ...]:
-        return tuple(
-            self._dtensor(part, g.index, Replicate() if g.replicated else Shard(0), (g.flat_numel,))
-            for g, part in zip(self.layout.groups, self._storage.partitions)
-        )
+        return tuple(self._dtensor(part, g.index, (g.flat_numel,))
+                     for g, part in zip(self.layout.groups, self._state.storage.partitions))
 
     @property
     def groups(self) -> tuple[DTensor, ...]:
         """One DTensor per flat group over the padded flat buffer: ``Shard(0)`` (``Replicate()`` where every rank
-        holds the full gradient), aliasing DeepSpeed's storage. No communication to build. ZeRO-3 groups are in
-        chunk order (each rank's partition holds every parameter's chunk back to back), not parameter order.
+        holds the full gradient), aliasing DeepSpeed's storage (live views). No communication to build. ZeRO-3 groups
+        are in chunk order (each rank's partition holds every parameter's chunk back to back), not parameter order.
         """
-        self._check_current()
+        self._state.check_current()
         return self._group_dtensors
 
     # --- materialization ---------------------------------------------------------------------------------------
@@ -218,184 +227,460 @@ class ShardedGrads(GradOpsMixin, Mapping[str, ParamGrad]):
         dst: int | None = None,
         async_op: bool = False,
         strategy: str = "auto",
-    ) -> dict[str, torch.Tensor] | FullTensorsHandle:
+    ) -> dict[str, torch.Tensor] | PendingFullTensors:
         """``{name: full gradient}`` (true, unscaled values). **Collective**: call on every rank with the same arguments.
 
         Args:
             names: parameters to materialize (default: all). Only flat groups holding one of them communicate.
             dtype: output dtype (default: the stored dtype; fp32 under fp16 loss scaling). Communication always
-                uses the stored dtype; the cast happens after it.
+                uses the stored dtype; the cast happens after it, once per flat group.
             out: a dict to fill in place, e.g. the result of a previous call: zero allocation on later steps. A
-                previous result (a :class:`~zero_dtensor.materialize.FullGrads`) also carries its flat gather
-                buffers, so the collective writes straight into them and ZeRO-1/2 entries in the stored dtype are
-                views of them (no copy at all); ZeRO-3 entries get a strided copy into the existing tensors. With a
-                user-made dict, entries must have the parameter's shape and the output dtype, on the gradient's
-                device, contiguous; missing entries are created; the gather buffer is then a module-level workspace
-                kept between calls (``zero_dtensor.materialize.release_workspace()`` frees it).
+                previous result (a :class:`~zero_dtensor.materialize.GatheredGrads`) also carries its buffers, so
+                the collective writes straight into them and its entries keep their addresses. With a user-made
+                dict, entries must have the parameter's shape and the output dtype, on the gradient's device,
+                contiguous, not requiring grad; they are filled with one ``_foreach_copy_`` per flat group; missing
+                entries are created; the gather buffer is then a kept workspace
+                (``zero_dtensor.materialize.release_workspace()`` frees it).
             dst: a global rank: only it receives full tensors, every other rank gets an empty dict.
                 ``all_gather``/``auto``: one ``gather`` per flat group (gather has no coalesced form): each rank sends
                 ``S/N``, the destination receives ``(N-1)/N·S`` and only it allocates ``S``. ``all_reduce``: one
-                sum ``reduce`` per bucket of a zero-padded ``S`` buffer that every rank allocates.
-            async_op: return a :class:`~zero_dtensor.materialize.FullTensorsHandle` whose ``wait()`` gives the
+                sum ``reduce`` per transfer of a zero-padded ``S`` buffer that every rank allocates.
+            async_op: return a :class:`~zero_dtensor.materialize.PendingFullTensors` whose ``wait()`` gives the
                 dict; do not change the gradients (``engine.step()``) before ``wait()``.
-            strategy: ``"all_gather"``, ``"all_reduce"`` or ``"auto"`` (see :mod:`zero_dtensor.materialize`).
+            strategy: ``"all_gather"``, ``"all_reduce"`` or ``"auto"`` (see :mod:`zero_dtensor.materialize.strategy`).
 
-        Communication (``N`` ranks, ``S`` the padded flat bytes of the groups involved, in the stored dtype):
-        ``all_gather``: one all_gather per (process group, dtype, device), coalesced over the flat groups sharing
-        them, ``(N-1)/N·S`` bytes per rank. ``all_reduce``: one sum all_reduce per (process group, dtype, device)
-        of a zero-filled ``S`` buffer, ``2(N-1)/N·S`` bytes per rank. ``auto`` on gloo, for buckets of at least
-        1 MiB: the first call per (process group, dtype, power-of-two size) also calibrates (7 more collectives;
-        see :func:`~zero_dtensor.materialize.calibrate`); pin it with ``ZERO_DTENSOR_GATHER_STRATEGY`` or
-        :func:`~zero_dtensor.materialize.set_gather_strategy`. Replicated groups (``BF16_Optimizer``): none.
+        Communication (``N`` ranks, ``S`` the padded flat bytes of the groups involved, in the stored dtype): first
+        the rank-agreement check (one all_gather of one int64 per process group communicated on; see
+        :mod:`zero_dtensor.debug`), then ``all_gather``: one all_gather per (process group, dtype, device),
+        coalesced over the flat groups sharing them, ``(N-1)/N·S`` bytes per rank. ``all_reduce``: one sum all_reduce
+        per (process group, dtype, device) of a zero-filled ``S`` buffer, ``2(N-1)/N·S`` bytes per rank. ``auto`` on
+        gloo, for transfers of at least 1 MiB: the first call per (process group, dtype, power-of-two size) also
+        calibrates (7 more collectives); pin it with ``ZERO_DTENSOR_GATHER_STRATEGY`` or
+        :func:`~zero_dtensor.materialize.set_gather_strategy`. Replicated groups (``BF16_Optimizer``,
+        ``keep_full_grads``): none.
 
-        Results: ZeRO-1/2 entries in the stored dtype are views into one gathered buffer; ZeRO-3 entries are copies
-        (a strided unpack; with ``all_reduce`` they are views, since each rank writes its chunks in parameter order);
-        replicated entries are copies (one local copy, no communication). Every result is a **snapshot** the caller
-        owns: changing it does not change the gradient, and ``engine.step()`` does not change it. Without ``out=``
-        the flat buffer is recycled from the previous call once none of that call's tensors (nor its dict) is alive,
-        so a loop that drops each step's result allocates only once; a live result is never overwritten
-        (``zero_dtensor.materialize.RECYCLE = False`` turns this off, ``release_workspace()`` frees the cache).
+        Results are a **snapshot** the caller owns: changing them does not change the gradient, and
+        ``engine.step()`` does not change them. Entries are views of one parameter-order buffer per flat group
+        (ZeRO-1/2: the gathered buffer itself; ZeRO-3: one reordering copy after an all_gather; replicated: one
+        local copy). Without ``out=`` the buffers are recycled from the previous call once none of that call's
+        tensors (nor its dict) is alive, so a loop that drops each step's result allocates only once; a live result
+        is never overwritten (``zero_dtensor.materialize.BUFFERS.recycle = False`` turns this off).
         """
-        self._check_current()
+        self._state.check_current()
         selected = self._select(names)
         check_dtype(dtype, "full_tensors")
         self._check_agreement("full_tensors", selected, str(dtype), dst, async_op, strategy)
-        return _materialize.full_tensors(
-            self, [p.name for p in selected], dtype=dtype, out=out, dst=dst, async_op=async_op, strategy=strategy
-        )
+        return _bulk.full_tensors(self._state, selected, dtype=dtype, out=out, dst=dst, async_op=async_op,
+                                  strategy=strategy)
 
     def iter_full(
         self,
         names: list[str] | None = None,
         *,
-        bucket_bytes: int = _materialize.DEFAULT_BUCKET_BYTES,
+        bucket_bytes: int = _stream.DEFAULT_BUCKET_BYTES,
         dtype: torch.dtype | None = None,
         strategy: str = "auto",
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(name, full gradient)`` bucket by bucket, for models whose full gradient does not fit in memory.
+        """Yield ``(name, full gradient)`` window by window, for models whose full gradient does not fit in memory.
         **Collective**: every rank must iterate to the end (a rank that stops early leaves the others waiting in
-        the next bucket's collective).
+        the next window's collective).
 
-        Parameters come per flat group, in buffer order (not model order). Consecutive parameters form buckets of
+        Parameters come per flat group, in buffer order (not model order). Consecutive parameters form windows of
         at most ``bucket_bytes`` of buffers allocated here (stored dtype); a parameter larger than that gets a
-        bucket of its own (and its own, larger, buffer). One collective per bucket, nothing for replicated groups:
-        ZeRO-1/2 ``all_reduce`` (the default on gloo and NCCL): the bucket's window ``[a, b)`` of the global flat
-        buffer, zero-filled, each rank writing its overlap, ``2(N-1)/N·W`` bytes per rank; ``all_gather``: each
-        rank's overlap padded to the largest one (``m``), ``(N-1)·m`` bytes received per rank (up to ``N/2×``
-        the all_reduce when the window lies within one rank). ZeRO-3 ``all_gather`` (NCCL default): the bucket's
-        chunk range of every rank's partition, ``(N-1)/N·W``; ``all_reduce`` (gloo default): a zero-filled
-        parameter-order buffer, ``2(N-1)/N·W``.
+        window of its own. First the rank-agreement check (one small all_gather per process group, once per call),
+        then one collective per window, nothing for replicated groups (one local copy per window): ZeRO-1/2
+        ``all_reduce`` (the default on gloo and NCCL): the window ``[a, b)`` of the global flat buffer,
+        zero-filled, each rank writing its overlap, ``2(N-1)/N·W`` bytes per rank; ``all_gather``: each rank's
+        overlap padded to the largest one (``m``), ``(N-1)·m`` bytes received per rank. ZeRO-3 ``all_gather`` (NCCL
+        default): the window's chunk range of every rank's partition, ``(N-1)/N·W``, then one reordering copy;
+        ``all_reduce`` (gloo default): a zero-filled parameter-order buffer, ``2(N-1)/N·W``.
 
-        Peak extra memory: one bucket (plus the local shard DeepSpeed already holds), provided the caller drops
-        each tensor before asking for the next bucket. (On gloo the backend's worker thread can release a finished
-        collective's buffer a moment after the call returned, so two buckets may briefly coexist.) Yielded tensors of the stored dtype are views into their
-        bucket's buffer (valid as long as they are referenced); ``dtype`` casts and fp16 unscaling add one
-        converted copy per yielded tensor.
+        Peak extra memory: one window (plus the local shard DeepSpeed already holds), provided the caller drops
+        each tensor before asking for the next window. Yielded tensors are **snapshots** (views of their window's
+        buffer, valid as long as they are referenced); ``dtype`` casts and fp16 unscaling convert the window once.
         """
-        self._check_current()
+        self._state.check_current()
         selected = self._select(names)
         check_dtype(dtype, "iter_full")
         self._check_agreement("iter_full", selected, bucket_bytes, str(dtype), strategy)
-        return _materialize.iter_full(self, [p.name for p in selected], bucket_bytes=bucket_bytes, dtype=dtype,
-                                      strategy=strategy)
+        return _stream.iter_full(self._state, selected, bucket_bytes=bucket_bytes, dtype=dtype, strategy=strategy)
 
     def set_full_(self, mapping: Mapping[str, torch.Tensor]) -> None:
         """Overwrite the gradients of the named parameters with full tensors. **No communication**.
 
         Each rank copies its own fragment of each value (rescaled by ``loss_scale`` under fp16) into DeepSpeed's
-        storage; values must be equal on every rank (for replicated groups each rank writes the whole value).
-        Everything is validated before the first write: a bad entry raises and nothing is changed. Values may be
-        any floating dtype (cast on write), on the engine's device or where the gradient is stored.
+        storage: one ``_foreach_copy_`` per flat group. Values must be equal on every rank (for replicated groups
+        each rank writes the whole value). Everything is validated before the first write: a bad entry raises and
+        nothing is changed. Values may be any floating dtype (cast on write), on the engine's device or where the
+        gradient is stored; writes never record autograd history.
+        """
+        state = self._state
+        state.check_current()
+        checked = self._validate(mapping)
+        by_group: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        fragments = state.plan.fragments
+        for param, value in checked:
+            start, stop, _ = fragments[param.name]
+            if stop > start:
+                dests, sources = by_group.setdefault(param.group, ([], []))
+                dests.append(state.fragment(param))
+                sources.append(value.detach().reshape(-1).narrow(0, start, stop - start))
+        with torch.no_grad():  # a value that requires grad must not give DeepSpeed's memory an autograd history
+            for dests, sources in by_group.values():
+                _write_stored(state, dests, sources)
+        state.storage.after_write([p.name for p, _ in checked])
+
+    # --- transforms (no communication) and reductions (one collective) -----------------------------------------
+    def mul_(self, factor: Scalar | Mapping[str, Scalar], *, params: ParamSelection = None):
+        """Multiply the selected gradients by ``factor``: a number, a 0-d tensor, or a mapping ``name -> factor``
+        (per-parameter factors; it must cover every selected parameter). **No communication.** Returns ``self``."""
+        sel = self._state.pick(params)
+        transforms.mul_(self._state, sel, transforms.per_param(self._state, factor, sel, "factor"))
+        return self
+
+    def div_(self, divisor: Scalar | Mapping[str, Scalar], *, params: ParamSelection = None):
+        """Divide the selected gradients by ``divisor`` (number, 0-d tensor or per-parameter mapping).
+        **No communication.** Returns ``self``."""
+        sel = self._state.pick(params)
+        transforms.div_(self._state, sel, transforms.per_param(self._state, divisor, sel, "divisor"))
+        return self
+
+    def zero_(self, *, params: ParamSelection = None):
+        """Set the selected gradients to zero. **No communication.** Returns ``self``."""
+        transforms.zero_(self._state, self._state.pick(params))
+        return self
+
+    def add_(self, other: Any, *, alpha: Scalar | Mapping[str, Scalar] = 1.0, params: ParamSelection = None):
+        """``g += alpha * other`` in true units. **No communication.** Returns ``self``.
+
+        With a ``ShardedGrads`` operand and ``alpha != 1``, ``alpha * other`` is formed in float32 and then added
+        (one rounding to the stored dtype), so results do not depend on how fragments fall on vector boundaries.
+
+        ``other``: a number or 0-d tensor (added to every element), or another ``ShardedGrads``/clone with the same
+        layout (its own loss scale is taken into account). ``alpha``: a number, 0-d tensor, or a mapping
+        ``name -> alpha`` (per-parameter, e.g. PCGrad projection coefficients).
+        """
+        sel = self._state.pick(params)
+        per_alpha = transforms.per_param(self._state, alpha, sel, "alpha")
+        if _is_grads(other):
+            self._check_same_layout(other)
+            transforms.add_other_(self._state, other._state, sel, per_alpha)
+        else:
+            transforms.add_scalar_(self._state, sel, transforms.scalar(other, "other"), per_alpha)
+        return self
+
+    def clamp_(self, min: Scalar | None = None, max: Scalar | None = None, *, params: ParamSelection = None):
+        """Clamp the selected true gradients to ``[min, max]`` (numbers or 0-d tensors; the stored values are clamped
+        to the bounds × ``loss_scale``). **No communication.** Returns ``self``."""
+        if min is None and max is None:
+            raise ValueError("clamp_: give at least one of min, max")
+        lo = None if min is None else transforms.scalar(min, "min")
+        hi = None if max is None else transforms.scalar(max, "max")
+        transforms.clamp_(self._state, self._state.pick(params), lo, hi)
+        return self
+
+    def lerp_(self, end: Any, weight: Scalar, *, params: ParamSelection = None):
+        """``g = g + weight * (end - g)`` (``torch.lerp``) in true units, e.g. an EMA ``ema.lerp_(grads, 1 - beta)``.
+
+        ``end``: another ``ShardedGrads``/clone with the same layout, or a number/0-d tensor. **No communication.**
+        Returns ``self``.
+        """
+        w = transforms.scalar(weight, "weight")
+        sel = self._state.pick(params)
+        if _is_grads(end):
+            self._check_same_layout(end)
+            transforms.lerp_other_(self._state, end._state, sel, w)
+        else:
+            transforms.lerp_scalar_(self._state, sel, transforms.scalar(end, "end"), w)
+        return self
+
+    def copy_(self, other: Any, *, params: ParamSelection = None):
+        """Overwrite the selected gradients with those of ``other`` (a ``ShardedGrads`` or clone with the same
+        layout, e.g. a snapshot from :meth:`clone`), converting between loss scales. **No communication.**
+        Returns ``self``."""
+        if not _is_grads(other):
+            raise TypeError(
+                f"copy_ takes another ShardedGrads or a clone with the same layout, got {type(other).__name__} "
+                "(to write full tensors use set_full_)"
+            )
+        self._check_same_layout(other)
+        transforms.copy_(self._state, other._state, self._state.pick(params))
+        return self
+
+    def apply_(self, fn: Callable[[torch.Tensor], torch.Tensor | None], *, params: ParamSelection = None):
+        """Apply a user function to the selected gradients. **No communication.**
+
+        Contract for ``fn(x)``: it must be **elementwise** (each output element depends only on the input element at
+        the same position, never on its neighbours, position, length or rank) and **shape-preserving**. ``x`` is a
+        1-D tensor holding some of this rank's elements of one flat group: when every parameter of the group is
+        selected, the whole local partition including its padding (a view of the stored gradient without loss
+        scaling; the padding is reset to zero afterwards), else the selected fragments concatenated (a copy, written
+        back afterwards). ``fn`` runs once per flat group, whatever the number of parameters. Values are in true
+        units (under fp16 loss scaling ``x`` is an unscaled float32 copy). ``fn`` may modify ``x`` in place and
+        return ``None``, or return a tensor of ``x``'s shape, which is cast and written back.
+
+        The selection is validated before ``fn`` first runs; if ``fn`` raises or returns a wrong shape, groups
+        already processed stay modified (with one flat group, nothing is written). Returns ``self``.
+        """
+        if not callable(fn):
+            raise TypeError(f"apply_ takes a callable, got {type(fn).__name__}")
+        transforms.apply_(self._state, self._state.pick(params), fn)
+        return self
+
+    def add_noise_(self, std: Scalar, seed: int, *, params: ParamSelection = None):
+        """Add Gaussian noise ``std · N(0, 1)`` (true units) that does not depend on how the gradient is sharded.
+
+        Element ``j`` of the flattened parameter ``name`` receives ``std · counter_normal(seed, name, numel)[j]``
+        (see :func:`~zero_dtensor.noise.counter_normal`): the noise depends only on ``(seed, parameter name, element
+        position)``, so results are identical at every world size and ZeRO stage, and equal a single-process
+        reference built with ``counter_normal`` on the full parameter. Each rank computes only its own elements,
+        for all selected parameters at once. Under fp16 the noise is multiplied by ``loss_scale``. Use a new
+        ``seed`` per step. **No communication.** Returns ``self``.
+        """
+        std_v = transforms.scalar(std, "std")
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise TypeError(f"add_noise_: seed must be an int, got {type(seed).__name__}")
+        transforms.add_noise_(self._state, self._state.pick(params), std_v, int(seed))
+        return self
+
+    def clone(self, *, dtype: torch.dtype | None = None):
+        """A sharded copy: a new ``ShardedGrads`` with the same layout, backed by a copy of this rank's partitions.
+
+        **No communication.** The clone keeps the loss scale of the moment (its values stay ``true × that scale``),
+        is never stale (it stays valid after ``engine.step()`` and across steps), is not seen by the optimizer, and
+        supports every ``ShardedGrads`` operation: views, ``full_tensors()`` (collective), reductions, and serving as
+        the ``other`` of :meth:`add_`, :meth:`lerp_`, :meth:`copy_` and :meth:`dots` (e.g. keep the previous step's
+        gradient, or an EMA, without gathering). ``dtype`` stores the copy in another floating dtype (e.g. an fp32
+        EMA of bf16 gradients). Memory: the local partition sizes, in that dtype.
         """
         self._check_current()
-        checked = self._validate(mapping)
-        storage, fragments = self._storage, self._fragments
-        with torch.no_grad():  # a value that requires grad must not give DeepSpeed's memory an autograd history
-            for param, value in checked:
-                start, stop, offset = fragments[param.name]
-                if stop == start:
-                    continue
-                source = storage.to_stored(value.detach().reshape(-1).narrow(0, start, stop - start))
-                storage.partitions[param.group].narrow(0, offset, stop - start).copy_(source)
-        self._storage.after_write([p.name for p, _ in checked])
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"clone: dtype must be floating, got {dtype}")
+        return type(self)(transforms.clone_storage(self._state, dtype))
+
+    def norms(self, norm_type: float = 2.0, *, params: ParamSelection = None) -> dict[str, torch.Tensor]:
+        """``{name: norm of the true gradient}`` as 0-d float32 tensors (on the storage device; no host sync).
+
+        ``norm_type``: any ``p > 0`` or ``inf``. **Communication: one all_reduce of a (k,) float32 vector per process
+        group** (sum of ``|g|^p`` partials; ``max`` for inf), none for replicated or single-rank groups.
+        """
+        return reductions.norms(self._state, self._state.pick(params), float(norm_type))
+
+    def global_norm(self, norm_type: float = 2.0, *, params: ParamSelection = None) -> torch.Tensor:
+        """The norm of all selected true gradients taken together (as ``torch.nn.utils.get_total_norm``), a 0-d
+        float32 tensor. **Communication: one all_reduce of a (k,) float32 vector per process group.**"""
+        return reductions.global_norm(self._state, self._state.pick(params), float(norm_type))
+
+    def dots(self, other: Any, *, params: ParamSelection = None, with_norms: bool = False):
+        """Per-parameter dot products ``{name: <g, other_g>}`` of true gradients (0-d float32 tensors), e.g. for
+        PCGrad conflict tests. ``other``: a ``ShardedGrads``/clone with the same layout.
+
+        With ``with_norms=True`` returns ``(dots, self_norms, other_norms)`` (2-norms), still in one collective.
+        **Communication: one all_reduce of a (k,) — (3k,) with norms — float32 vector per process group.**
+        """
+        if not _is_grads(other):
+            raise TypeError(f"dots takes another ShardedGrads or a clone, got {type(other).__name__}")
+        self._check_same_layout(other)
+        return reductions.dots(self._state, other._state, self._state.pick(params), with_norms)
+
+    def stats(self, *, params: ParamSelection = None) -> dict[str, GradStats]:
+        """``{name: GradStats}``: 2-norm, max ``|g|``, mean, nan and inf counts of each true gradient, as Python
+        numbers (one host sync). **Communication: at most two all_reduces per process group** (a (k, 4) float64
+        sum vector and a (k,) float32 max vector), none for replicated or single-rank groups.
+        """
+        return reductions.stats(self._state, self._state.pick(params))
+
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        *,
+        error_if_nonfinite: bool = False,
+        params: ParamSelection = None,
+    ) -> torch.Tensor:
+        """Clip the selected gradients together, like ``torch.nn.utils.clip_grad_norm_``; returns the total (true)
+        norm before clipping as a 0-d float32 tensor.
+
+        Every selected gradient is multiplied by ``clamp(max_norm / (total_norm + 1e-6), max=1.0)`` (torch's
+        formula). **Communication: one all_reduce of a (k,) float32 vector per process group**; the multiply is
+        local.
+        """
+        return reductions.clip_grad_norm_(self._state, self._state.pick(params), max_norm, float(norm_type),
+                                          error_if_nonfinite)
+
+    def clip_per_param_(
+        self, max_norm: float, norm_type: float = 2.0, *, params: ParamSelection = None
+    ) -> dict[str, torch.Tensor]:
+        """Clip each selected gradient on its own to norm ``max_norm`` (coefficient
+        ``clamp(max_norm / (norm + 1e-6), max=1.0)`` per parameter); returns ``{name: norm before clipping}``.
+        **Communication: one all_reduce of a (k,) float32 vector per process group.**
+        """
+        return reductions.clip_per_param_(self._state, self._state.pick(params), max_norm, float(norm_type))
+
+    # --- redistribution (zero_dtensor.redistribute): Shard(0) rows and whole parameters on owners --------------
+    def to_dtensors(self, names: list[str] | None = None, *, dtype: torch.dtype | None = None) -> dict[str, DTensor]:
+        """``{name: DTensor}``: each selected gradient (true units) with the parameter's shape, placement
+        ``Shard(0)`` (rows split as ``torch.chunk`` splits them, as FSDP2 lays parameters out; a 0-d parameter,
+        which ``Shard(0)`` cannot describe, is ``Replicate()``), on a 1-D ``DeviceMesh`` over its data-parallel
+        process group. **Collective**: call on every rank with the same arguments.
+
+        Communication: the rank-agreement check (one all_gather of one int64 per process group), then one
+        ``all_to_all_single`` with uneven splits per (process group, stored dtype) for all selected parameters
+        together, in the stored dtype: each rank sends the part of its fragments that other ranks' rows cover and
+        receives the part of its rows that others store, about ``(N-1)/N · S/N`` bytes each way (``S`` the
+        selected bytes; ``full_tensors`` receives ``(N-1)/N · S``). Replicated groups: none (each rank slices its
+        own rows). Results are **snapshots** the caller owns (views into one buffer per process group), valid after
+        ``engine.step()``; ``dtype`` casts after the exchange.
+        """
+        self._check_current()
+        selected = self._select(names)
+        check_dtype(dtype, "to_dtensors")
+        self._check_agreement("to_dtensors", selected, str(dtype))
+        return _redistribute.to_dtensors(self._storage, selected, dtype=dtype)
+
+    def set_dtensors_(self, mapping: Mapping[str, DTensor]) -> None:
+        """Write ``Shard(0)`` DTensors shaped as :meth:`to_dtensors` returns them (true units, any floating dtype)
+        back into DeepSpeed's storage. **Collective**: call on every rank with the same names.
+
+        Every entry (name, DTensor type, mesh over the group's ranks, placement, global shape, dtype, this rank's
+        local shard shape, device) is checked on every rank before anything is sent or written; a bad entry on any
+        rank raises on every rank. Communication: the rank-agreement check (one all_gather of one int64), one
+        all_reduce of ``N`` int64 error codes per process group, then one ``all_to_all_single`` per (process
+        group, dtype), the reverse of the read, about ``(N-1)/N · S/N`` bytes each way per rank (replicated groups
+        too: every rank needs the whole new value, ``(N-1)/N · S`` received). Writes never record autograd history.
+        """
+        self._check_current()
+        selected = self._select(_redistribute.mapping_names(mapping, "set_dtensors_"))
+        storage = self._storage
+        _debug.check_same_call("set_dtensors_", ([p.name for p in selected], _redistribute.dtensor_signature(mapping)),
+                               _redistribute.agreement_groups(storage, selected), storage.device, always=True)
+        _redistribute.set_dtensors_(storage, selected, mapping)
+
+    def owners(self, names: list[str] | None = None, *, owners: Mapping[str, int] | None = None) -> dict[str, int]:
+        """``{name: global rank}`` that :meth:`owned` and :meth:`map_full_` give each selected parameter to. **No
+        communication**: deterministic from the layout and the selection, identical on every rank; balanced by size
+        (largest first onto the least-loaded rank of its process group; ties: selection order, then lower rank).
+        ``owners=`` (a complete mapping for the selection) is validated and returned instead.
+        """
+        self._check_current()
+        return _redistribute.owners(self._storage, self._select(names), owners)
+
+    def owned(self, names: list[str] | None = None, *, owners: Mapping[str, int] | None = None,
+              dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """``{name: whole gradient}`` (true units, the parameter's shape) of the selected parameters this rank owns
+        (:meth:`owners`; ``owners=`` overrides); other ranks' parameters are absent. **Collective**: call on every
+        rank with the same arguments.
+
+        Communication: the rank-agreement check, then one ``all_to_all_single`` per (process group, stored dtype)
+        of sharded groups: each rank sends its fragments of other owners' parameters and receives the rest of its
+        own, about ``(N-1)/N · S/N`` bytes each way for a balanced assignment. Replicated groups: none. Results are
+        **snapshots** the caller owns.
+        """
+        self._check_current()
+        selected = self._select(names)
+        check_dtype(dtype, "owned")
+        assignment = _redistribute.owners(self._storage, selected, owners)
+        self._check_agreement("owned", selected, str(dtype), tuple(assignment.values()))
+        return _redistribute.owned(self._storage, selected, assignment, dtype=dtype)
+
+    def set_owned_(self, mapping: Mapping[str, torch.Tensor], *, owners: Mapping[str, int] | None = None) -> None:
+        """Write whole gradients (true units, the parameter's shape, any floating dtype) from the ranks that hold
+        them, usually the (modified) result of :meth:`owned`: each rank passes its own, each parameter comes from
+        at most one rank; with ``owners=`` every key must be owned by the passing rank. **Collective**: call on
+        every rank (with its own mapping, possibly empty).
+
+        Every entry is checked before anything is sent or written; a bad entry on any rank raises on every rank.
+        Communication: the rank-agreement check, one all_reduce of ``N + 2k`` int64 per process group (error codes
+        and which rank passed which of its ``k`` parameters), then one ``all_to_all_single`` per (process group,
+        dtype), about ``(N-1)/N · S/N`` bytes each way per rank (replicated groups: the owner's values reach every
+        rank). Writes never record autograd history.
+        """
+        self._check_current()
+        storage = self._storage
+        signature = None if owners is None else sorted(dict(owners).items()) if isinstance(owners, Mapping) else owners
+        _debug.check_same_call("set_owned_", (repr(signature),), _redistribute.agreement_groups(storage, None),
+                               storage.device, always=True)
+        _redistribute.set_owned_(storage, mapping, assignment=owners)
+
+    def map_full_(self, fn: Callable[[str, torch.Tensor], torch.Tensor], names: list[str] | None = None, *,
+                  owners: Mapping[str, int] | None = None) -> None:
+        """Replace each selected gradient by ``fn(name, whole gradient)``, computed once in the job, on the
+        parameter's owner (:meth:`owners`): :meth:`owned`, ``fn``, then the reverse exchange. ``fn`` gets true
+        units in the stored dtype (float32 under fp16) and returns a tensor of the parameter's shape (any floating
+        dtype). **Collective**: call on every rank with the same arguments.
+
+        Communication: the rank-agreement check, one ``all_to_all_single`` per (process group, dtype) each way,
+        between them one all_reduce of ``N`` int64 error codes: about ``(N-1)/N · S/N`` bytes each way per rank per
+        exchange. An exception in ``fn`` (or a result of the wrong shape or dtype) on any rank raises on every rank
+        and nothing is written: the original exception where it happened,
+        :class:`~zero_dtensor.redistribute.RankFailedError` elsewhere.
+        """
+        self._check_current()
+        selected = self._select(names)
+        if not callable(fn):
+            raise TypeError(f"map_full_ takes a function fn(name, full_gradient) -> tensor, got {type(fn).__name__}")
+        storage = self._storage
+        assignment = _redistribute.owners(storage, selected, owners)
+        _debug.check_same_call("map_full_", ([p.name for p in selected], tuple(assignment.values())),
+                               _redistribute.agreement_groups(storage, selected), storage.device, always=True)
+        _redistribute.map_full_(storage, selected, assignment, fn)
 
     # --- internals -----------------------------------------------------------------------------------------------
     def _check_agreement(self, what: str, selected: list[ParamLayout], *signature: Any) -> None:
         """The always-on rank-agreement check of a bulk read (see :mod:`zero_dtensor.debug`): over the process
         groups the call will communicate on (none for replicated or single-rank groups); in debug mode over all."""
-        storage = self._storage
+        storage = self._state.storage
         if _debug.is_debug():
             groups = storage.process_groups
         else:
             used = sorted({p.group for p in selected})
             groups = tuple(storage.process_groups[i] for i in used
-                           if not self.layout.groups[i].replicated and self.layout.groups[i].world_size > 1)
+                           if self.layout.groups[i].placement.is_sharded and self.layout.groups[i].world_size > 1)
         _debug.check_same_call(what, ([p.name for p in selected], *signature), groups, storage.device, always=True)
 
-    @cached_property
-    def _fragments(self) -> dict[str, tuple[int, int, int]]:
-        """``name -> (start, stop, offset in this rank's partition)`` of this rank's fragment."""
-        out = {}
-        for p in self.layout.params:
-            group = self.layout.groups[p.group]
-            start, stop = p.rank_range(group, group.rank)
-            out[p.name] = (start, stop, p.local_offset(group, group.rank))
-        return out
-
-    def _local(self, param: ParamLayout) -> torch.Tensor:
-        """This rank's fragment of ``param``: a 1-D view of its partition (empty where it holds none). No check."""
-        start, stop, offset = self._fragments[param.name]
-        return self._storage.partitions[param.group].narrow(0, offset, stop - start)
-
-    def _comm_partition(self, group: int) -> torch.Tensor:
-        """This rank's partition of ``group`` on a device its process group communicates on (a copy only for
-        CPU-offloaded gradients whose group cannot take CPU tensors, e.g. NCCL)."""
-        storage = self._storage
-        return on_comm_device(storage.partitions[group], storage.process_groups[group], storage.device)
+    @property
+    def _storage(self) -> GradStorage:
+        return self._state.storage
 
     def _check_current(self) -> None:
-        if not self._storage.is_current():
-            raise StaleGradientsError(_STALE)
+        self._state.check_current()
 
     def _select(self, names: Any) -> list[ParamLayout]:
-        """The requested parameters in request order (all, in model order, for ``None``); raises before anything
-        communicates: a single string, non-string entries, duplicates and unknown names are refused."""
-        if names is None:
-            return list(self.layout.params)
-        if isinstance(names, (str, bytes)):
-            raise TypeError(f"names must be a list of parameter names, not a single string: pass [{names!r}]")
-        if isinstance(names, Mapping) or not isinstance(names, Iterable):
-            raise TypeError(f"names must be a list of parameter names or None, got {type(names).__name__}")
-        names = list(names)
-        bad = [n for n in names if not isinstance(n, str)]
-        if bad:
-            raise TypeError(f"names must be parameter names (str); got {[type(b).__name__ for b in bad[:4]]}")
-        seen: set[str] = set()
-        duplicates = sorted({n for n in names if n in seen or seen.add(n)})
-        if duplicates:
-            raise ValueError(f"names lists {duplicates} more than once; give each parameter once")
-        unknown = [n for n in names if n not in self.layout.by_name]
-        if unknown:
-            raise KeyError(f"not trainable parameters of this engine: {unknown}; known: {_short(self.names)}")
-        return [self.layout.by_name[n] for n in names]
+        return self._state.select(names)
 
     def _finish(self, full: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-        full = self._storage.to_true(full)
-        return full if dtype is None or full.dtype == dtype else full.to(dtype)
+        return self._state.finish(full, dtype)
 
-    def _dtensor(self, local: torch.Tensor, group: int, placement, shape: tuple[int, ...]) -> DTensor:
-        mesh = mesh_for(self._storage.process_groups[group], local.device.type)
+    def _check_same_layout(self, other: ShardedGrads) -> None:
+        other._state.check_current()
+        a, b = self.layout, other.layout
+        if a is b:
+            return
+        if a.params != b.params or [_shape_of(g) for g in a.groups] != [_shape_of(g) for g in b.groups]:
+            raise ValueError(
+                "the two gradient sets have different layouts (other engine, model, stage or world size): "
+                f"{len(a.params)} vs {len(b.params)} params, groups {[_shape_of(g) for g in a.groups]} vs "
+                f"{[_shape_of(g) for g in b.groups]}"
+            )
+
+    def _dtensor(self, local: torch.Tensor, group: int, shape: tuple[int, ...]) -> DTensor:
+        storage = self._state.storage
+        mesh = mesh_for(storage.process_groups[group], local.device.type)
+        placement = self.layout.groups[group].placement.dtensor_placement()
         return DTensor.from_local(local, mesh, [placement], run_check=False, shape=torch.Size(shape), stride=(1,))
 
     def _validate(self, mapping: Mapping[str, torch.Tensor]) -> list[tuple[ParamLayout, torch.Tensor]]:
         if not isinstance(mapping, Mapping):
             raise TypeError(f"set_full_ takes a mapping name -> full gradient tensor, got {type(mapping).__name__}")
-        devices = {self._storage.device, *(p.device for p in self._storage.partitions)}
+        storage = self._state.storage
+        devices = {storage.device, *(p.device for p in storage.partitions)}
+        by_name = self.layout.by_name
         checked = []
         for name, value in mapping.items():
-            param = self.layout.by_name.get(name)
+            param = by_name.get(name) if isinstance(name, str) else None
             if param is None:
-                raise KeyError(f"set_full_: {name!r} is not a trainable parameter of this engine; known: {_short(self.names)}")
+                raise KeyError(f"set_full_: {name!r} is not a trainable parameter of this engine; known: "
+                               f"{short_names(self.names)}")
             if isinstance(value, DTensor) or not isinstance(value, torch.Tensor):
                 raise TypeError(
                     f"set_full_: value for {name!r} must be a full torch.Tensor of shape {tuple(param.shape)}, "
@@ -416,6 +701,25 @@ class ShardedGrads(GradOpsMixin, Mapping[str, ParamGrad]):
         return checked
 
 
+def _write_stored(state: GradState, dests: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``dests = sources`` in stored units: one ``_foreach_copy_`` (casting), after one ``× loss_scale`` of all the
+    sources together in float32 under fp16 loss scaling."""
+    scale = state.loss_scale
+    if scale == 1.0:
+        torch._foreach_copy_(dests, sources)
+        return
+    if len({s.device for s in sources}) == 1:
+        flat = torch.cat(sources).to(torch.float32).mul_(scale)
+        torch._foreach_copy_(dests, flat.split_with_sizes([s.numel() for s in sources]))
+        return
+    for dest, source in zip(dests, sources):  # values on several devices: rare
+        dest.copy_(state.storage.to_stored(source))
+
+
+def _shape_of(group: Any) -> tuple:
+    return (group.world_size, group.rank, group.partition_numel, group.packing, group.replicated)
+
+
 def check_dtype(dtype: Any, what: str) -> None:
     """``dtype=`` of a read: ``None`` or a floating ``torch.dtype`` (an integer or bool cast would truncate)."""
     if dtype is None:
@@ -425,8 +729,3 @@ def check_dtype(dtype: Any, what: str) -> None:
     if not dtype.is_floating_point:
         raise TypeError(f"{what}: dtype must be a floating dtype (e.g. torch.float32), got {dtype}: a cast of a "
                         "gradient to it would silently truncate")
-
-
-def _short(names: tuple[str, ...] | list[str], limit: int = 8) -> str:
-    shown = ", ".join(repr(n) for n in names[:limit])
-    return f"[{shown}{', …' if len(names) > limit else ''}] ({len(names)} in all)"

@@ -18,7 +18,7 @@ from .layout import GradLayout, GroupLayout, ParamLayout
 from .plan import GradPlan, GroupPlan, plan_for
 from .storage import GradStorage
 
-__all__ = ["GradState", "ParamSelection", "Selection", "STALE", "short_names"]
+__all__ = ["GradState", "GradsLike", "ParamSelection", "Selection", "STALE", "short_names", "state_of"]
 
 ParamSelection = Union[None, Collection[str], Callable[[str], bool]]
 
@@ -167,3 +167,16 @@ class GradState:
             g, k = where[p.name]
             by_group.setdefault(g, []).append(k)
         return Selection(params, by_group)
+
+
+GradsLike = Any  # a ShardedGrads (anything with ``__zero_dtensor_state__``) or a GradState
+
+
+def state_of(grads: GradsLike) -> GradState:
+    """The :class:`GradState` of a ``ShardedGrads`` (through its ``__zero_dtensor_state__``), or ``grads`` itself."""
+    if isinstance(grads, GradState):
+        return grads
+    getter = getattr(grads, "__zero_dtensor_state__", None)
+    if getter is None:
+        raise TypeError(f"expected a zero_dtensor ShardedGrads, got {type(grads).__name__}")
+    return getter()

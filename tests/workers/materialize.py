@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,71 +19,26 @@ from .common import DTYPES, OddModel, count_comms, ds_config, forward_backward, 
 
 @contextlib.contextmanager
 def pinned(strategy: str | None) -> Iterator[None]:
-    previous = mz._PINNED
+    previous = mz.strategy.pinned()
     mz.set_gather_strategy(strategy)
     try:
         yield
     finally:
-        mz._PINNED = previous
-
-
-class AllocRecorder:
-    """Records every buffer zero_dtensor.materialize allocates (through ``_alloc``) and the peak of live bytes.
-
-    A buffer counts as live until its storage is freed (its last view is gone). Allocations made inside torch or
-    the backend (e.g. by a collective) are *not* seen.
-    """
-
-    def __init__(self, budget: int | None = None) -> None:
-        self.budget = budget
-        self.live = 0
-        self.peak = 0
-        self.sizes: list[int] = []
-
-    def settled_live(self, timeout: float = 0.2) -> int:
-        """Live bytes once the backend thread has let go of finished works (see ``alloc``)."""
-        deadline = time.monotonic() + timeout
-        while self.live and time.monotonic() < deadline:
-            time.sleep(0.001)
-        return self.live
-
-    def _free(self, nbytes: int) -> None:
-        self.live -= nbytes
-
-    def alloc(self, numel: int, dtype: torch.dtype, device: torch.device, *, zero: bool = False) -> torch.Tensor:
-        t = (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=device)
-        nbytes = t.numel() * t.element_size()
-        # A synchronous gloo collective returns once its work completed, but the backend's worker thread may hold
-        # the work (and so the previous bucket's buffer) a moment longer. Give it up to 50 ms before counting
-        # that buffer as still live; on an idle machine this never waits.
-        deadline = time.monotonic() + 0.05
-        while self.budget is not None and self.live + nbytes > self.budget and time.monotonic() < deadline:
-            time.sleep(0.001)
-        self.sizes.append(nbytes)
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(t, self._free, nbytes)
-        return t
+        mz.set_gather_strategy(previous)
 
 
 @contextlib.contextmanager
-def recording(budget: int | None = None) -> Iterator[AllocRecorder]:
-    rec = AllocRecorder(budget)
-    original = mz._alloc
-    mz._alloc = rec.alloc
-    try:
+def recording(budget: int | None = None) -> Iterator[mz.AllocationRecorder]:
+    """Every buffer zero_dtensor.materialize allocates (the pool's observer hook), and the peak of live bytes."""
+    with mz.BUFFERS.observing(mz.AllocationRecorder(budget)) as rec:
         yield rec
-    finally:
-        mz._alloc = original
 
 
 def _settle_recycled(timeout: float = 0.5) -> None:
     """Wait until gloo's worker thread has dropped its reference to finished works' buffers (it may hold one a
     moment after a synchronous collective returned); until then the library, correctly, does not recycle them."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if all(mz._storage_refs(buf) == idle for buf, idle in mz._RECYCLED.values()):
-            return
+    while time.monotonic() < deadline and not mz.BUFFERS.idle():
         time.sleep(0.001)
 
 
@@ -311,8 +265,8 @@ def check_calibration() -> dict:
     grads = zd.sharded_grads(engine)
     with pinned("all_gather"):
         default = dict(grads.full_tensors())
-    previous_min = mz.CALIBRATION_MIN_BYTES
-    mz.CALIBRATION_MIN_BYTES = 0
+    previous_min = mz.strategy.CALIBRATION_MIN_BYTES
+    mz.strategy.CALIBRATION_MIN_BYTES = 0
     mz.clear_calibration()
     try:
         with pinned(None), count_comms() as first:
@@ -323,7 +277,7 @@ def check_calibration() -> dict:
         _equal(dict(got), default, "auto (calibrated)")
         decisions = list(mz.strategy_decisions().values())
     finally:
-        mz.CALIBRATION_MIN_BYTES = previous_min
+        mz.strategy.CALIBRATION_MIN_BYTES = previous_min
         mz.clear_calibration()
     checks = rank_checks(grads)
     assert first.get_total_counts() == 1 + mz.CALIBRATION_COLLECTIVES + checks, first.get_comm_counts()

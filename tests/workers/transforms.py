@@ -17,7 +17,7 @@ import torch.distributed as dist
 from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
 
 import zero_dtensor as zd
-from zero_dtensor.ops import counter_normal
+from zero_dtensor.noise import counter_normal
 
 from .common import count_comms, ds_config, forward_backward, make_engine, params_snapshot
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+import itertools
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -49,3 +52,30 @@ def wait_for_stream(stream: Any) -> None:
 
 def micro_steps(engine: Any) -> int:
     return int(engine.micro_steps)
+
+
+T = TypeVar("T")
+_LAYOUTS: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], Any]] = weakref.WeakKeyDictionary()
+
+
+def cached_layout(opt: Any, key: tuple[Any, ...], build: Callable[[], T]) -> T:
+    """``build()`` once per optimizer and structural ``key`` (partition sizes, dtypes, parameter counts, rank):
+    later steps reuse the layout, so that its plan is reused too and the first ``sharded_grads`` of a step costs
+    no pass over the parameters."""
+    per_opt = _LAYOUTS.setdefault(opt, {})
+    value = per_opt.get(key)
+    if value is None:
+        value = per_opt[key] = build()
+    return value
+
+
+def param_offsets(opt: Any, group: int) -> list[int]:
+    """ZeRO-1/2: where each parameter of flat group ``group`` starts in the global flat buffer (DeepSpeed order)."""
+    offsets = getattr(opt, "round_robin_bit16_offsets", None)
+    if offsets is not None:
+        return [int(o) for o in offsets[group]]
+    params = opt.round_robin_bit16_groups[group]
+    paddings = getattr(opt, "round_robin_bit16_padding", None)
+    pads = paddings[group] if paddings is not None else [0] * len(params)
+    sizes = [p.numel() + int(pad) for p, pad in zip(params, pads)]
+    return [0, *itertools.accumulate(sizes)][: len(params)]

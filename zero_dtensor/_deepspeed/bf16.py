@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from ..errors import GradientsNotReadyError, UnsupportedDeepSpeedError
-from ..layout import GroupLayout, Packing, ParamLayout
+from ..layout import GradLayout, GroupLayout, Packing, ParamLayout
 from ..storage import GradStorage
-from ._common import WINDOW, micro_steps, model_layout, name_of, param_names
+from ._common import WINDOW, cached_layout, micro_steps, model_layout, name_of, param_names
 
 
 def _has_gradients(opt: Any) -> bool:
@@ -39,18 +39,8 @@ def _has_gradients(opt: Any) -> bool:
     return any(any(group) for group in flags)
 
 
-def grad_storage(engine: Any, opt: Any) -> GradStorage:
-    if not engine.is_gradient_accumulation_boundary():
-        raise GradientsNotReadyError(
-            "BF16_Optimizer holds this rank's local, unreduced gradient sums mid-accumulation; " + WINDOW
-        )
-    if not _has_gradients(opt):
-        raise GradientsNotReadyError(
-            "BF16_Optimizer's gradient buffer was zeroed by engine.step()/zero_grad() and no backward() has run "
-            "since; " + WINDOW
-        )
+def _build_layout(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]) -> GradLayout:
     names = param_names(engine)
-    partitions = tuple(flat.view(-1) for flat in opt.fp32_groups_gradients_flat)
     groups, params = [], []
     for i, (group_params, flat) in enumerate(zip(opt.bf16_groups, partitions)):
         pg = opt.real_dp_process_group[i]
@@ -62,13 +52,29 @@ def grad_storage(engine: Any, opt: Any) -> GradStorage:
         for param in group_params:
             params.append(ParamLayout(name_of(names, param), torch.Size(param.shape), i, offset))
             offset += param.numel()
+    return model_layout(engine, groups, params)
+
+
+def grad_storage(engine: Any, opt: Any) -> GradStorage:
+    if not engine.is_gradient_accumulation_boundary():
+        raise GradientsNotReadyError(
+            "BF16_Optimizer holds this rank's local, unreduced gradient sums mid-accumulation; " + WINDOW
+        )
+    if not _has_gradients(opt):
+        raise GradientsNotReadyError(
+            "BF16_Optimizer's gradient buffer was zeroed by engine.step()/zero_grad() and no backward() has run "
+            "since; " + WINDOW
+        )
+    partitions = tuple(flat.view(-1) for flat in opt.fp32_groups_gradients_flat)
+    key = (tuple(p.numel() for p in partitions), tuple(len(g) for g in opt.bf16_groups))
+    layout = cached_layout(opt, key, lambda: _build_layout(engine, opt, partitions))
     start_micro_step = micro_steps(engine)
 
     def is_current() -> bool:
         return micro_steps(engine) == start_micro_step and _has_gradients(opt)
 
     return GradStorage(
-        layout=model_layout(engine, groups, params),
+        layout=layout,
         partitions=partitions,
         process_groups=tuple(opt.real_dp_process_group[i] for i in range(len(partitions))),
         loss_scale=1.0,

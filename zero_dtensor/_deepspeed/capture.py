@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedDeepSpeedError
-from ._common import wait_for_stream
+from ._common import param_offsets, wait_for_stream
+from .version import check_deepspeed_version
 
 
 def _sum_dtype(opt: Any, group: int) -> torch.dtype:
@@ -242,8 +243,6 @@ def install(engine: Any) -> FullGradCapture | None:
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    from . import check_deepspeed_version
-    from .zero12 import _param_offsets
 
     check_deepspeed_version()
     opt = engine.optimizer
@@ -262,7 +261,7 @@ def install(engine: Any) -> FullGradCapture | None:
     check_config(engine, opt)
     offsets = {}
     for i, params in enumerate(opt.round_robin_bit16_groups):
-        for param, offset in zip(params, _param_offsets(opt, i)):
+        for param, offset in zip(params, param_offsets(opt, i)):
             offsets[id(param)] = (i, offset, param.numel())
     capture = FullGradCapture(engine, opt, offsets)
     _CAPTURES[id(opt)] = capture

@@ -15,7 +15,6 @@ Facts used (``deepspeed/runtime/zero/stage_1_and_2.py``, DeepSpeed 0.19.8; 0.18.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,18 +24,17 @@ import torch.distributed as dist
 from ..errors import GradientsNotReadyError
 from ..layout import GradLayout, GroupLayout, Packing, ParamLayout
 from ..storage import GradStorage
-from ._common import WINDOW, micro_steps, model_layout, name_of, param_names, wait_for_stream
-
-
-def _param_offsets(opt: Any, group: int) -> list[int]:
-    offsets = getattr(opt, "round_robin_bit16_offsets", None)
-    if offsets is not None:
-        return [int(o) for o in offsets[group]]
-    params = opt.round_robin_bit16_groups[group]
-    paddings = getattr(opt, "round_robin_bit16_padding", None)
-    pads = paddings[group] if paddings is not None else [0] * len(params)
-    sizes = [p.numel() + int(pad) for p, pad in zip(params, pads)]
-    return [0, *itertools.accumulate(sizes)][: len(params)]
+from ._common import (
+    WINDOW,
+    cached_layout,
+    micro_steps,
+    model_layout,
+    name_of,
+    param_names,
+    param_offsets,
+    wait_for_stream,
+)
+from .capture import active_capture
 
 
 def _contiguous_partition(opt: Any, group: int) -> torch.Tensor:
@@ -101,6 +99,18 @@ def _group_layout(opt: Any, group: int, partition: torch.Tensor) -> GroupLayout:
     )
 
 
+def _build_layout(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]) -> tuple[GradLayout, dict[str, Any]]:
+    names = param_names(engine)
+    groups, params, by_name = [], [], {}
+    for i, partition in enumerate(partitions):
+        groups.append(_group_layout(opt, i, partition))
+        for param, offset in zip(opt.round_robin_bit16_groups[i], param_offsets(opt, i)):
+            name = name_of(names, param)
+            params.append(ParamLayout(name=name, shape=torch.Size(param.shape), group=i, offset=offset))
+            by_name[name] = param
+    return model_layout(engine, groups, params), by_name
+
+
 def grad_storage(engine: Any, opt: Any) -> GradStorage:
     wait_for_stream(getattr(opt, "reduction_stream", None))
     stage = 2 if opt.partition_gradients else 1
@@ -115,15 +125,9 @@ def grad_storage(engine: Any, opt: Any) -> GradStorage:
             f"ZeRO-{stage} offload: engine.step() already consumed these gradients (its fp32 buffer still holds the "
             f"clipped, unscaled values of the last step); {WINDOW}"
         )
-    names = param_names(engine)
-    groups, params, by_name = [], [], {}
-    for i, partition in enumerate(partitions):
-        groups.append(_group_layout(opt, i, partition))
-        for param, offset in zip(opt.round_robin_bit16_groups[i], _param_offsets(opt, i)):
-            name = name_of(names, param)
-            params.append(ParamLayout(name=name, shape=torch.Size(param.shape), group=i, offset=offset))
-            by_name[name] = param
-    layout = model_layout(engine, groups, params)
+    key = (tuple(p.numel() for p in partitions), tuple(p.dtype for p in partitions),
+           tuple(len(g) for g in opt.round_robin_bit16_groups))
+    layout, by_name = cached_layout(opt, key, lambda: _build_layout(engine, opt, partitions))
 
     start_micro_step = micro_steps(engine)
     live = [opt.averaged_gradients.get(i) for i in range(len(partitions))] if not opt.cpu_offload else []
@@ -162,8 +166,6 @@ def grad_storage(engine: Any, opt: Any) -> GradStorage:
         after_write=after_write,
         describe=f"ZeRO-{stage}",
     )
-    from .capture import active_capture
-
     capture = active_capture(opt)
     if capture is not None and capture.complete():
         capture.finalize()
@@ -182,15 +184,19 @@ def _replicated(sharded: GradStorage, capture: Any) -> GradStorage:
     Every rank must therefore apply the same change (as with ``BF16_Optimizer``).
     """
     layout = sharded.layout
-    fulls, groups = [], []
+    fulls = []
     for g, part in zip(layout.groups, sharded.partitions):
         full = capture.buffers[g.index]
         if full is None:  # no parameter of this group received a gradient: DeepSpeed's partition is zeros too
             full = capture.buffers[g.index] = torch.zeros(g.flat_numel, dtype=part.dtype, device=sharded.device)
         fulls.append(full)
-        groups.append(GroupLayout(g.index, g.world_size, g.rank, g.flat_numel, full.dtype, Packing.CONTIGUOUS,
-                                  replicated=True))
-    new_layout = GradLayout(groups=tuple(groups), params=layout.params)
+
+    def build() -> GradLayout:
+        groups = tuple(GroupLayout(g.index, g.world_size, g.rank, g.flat_numel, full.dtype, Packing.CONTIGUOUS,
+                                   replicated=True) for g, full in zip(layout.groups, fulls))
+        return GradLayout(groups=groups, params=layout.params)
+
+    new_layout = cached_layout(capture.opt, ("keep_full_grads", layout, tuple(f.dtype for f in fulls)), build)
 
     versions = [full._version for full in fulls]  # bumped by any in-place write through any view of a buffer
 

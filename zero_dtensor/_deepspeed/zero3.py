@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from ..errors import GradientsNotReadyError, UnsupportedDeepSpeedError
-from ..layout import GroupLayout, Packing, ParamLayout
+from ..layout import GradLayout, GroupLayout, Packing, ParamLayout
 from ..storage import GradStorage
-from ._common import WINDOW, micro_steps, model_layout, name_of, param_names, wait_for_stream
+from ._common import WINDOW, cached_layout, micro_steps, model_layout, name_of, param_names, wait_for_stream
 
 
 def _process_group(opt: Any) -> dist.ProcessGroup:
@@ -51,16 +51,11 @@ def _partitions(opt: Any) -> tuple[torch.Tensor, ...]:
     return tuple(buffer.narrow(0, start, size) for start, size in zip(starts, sizes))
 
 
-def grad_storage(engine: Any, opt: Any) -> GradStorage:
-    wait_for_stream(getattr(opt, "reduce_and_partition_stream", None))
-    if opt.offload_optimizer and not engine.is_gradient_accumulation_boundary():
-        raise GradientsNotReadyError(f"ZeRO-3 with offload_optimizer holds stale gradients mid-accumulation: {WINDOW}")
-    if not getattr(opt, "_epilogue_ran_this_backward", True):  # reset by forward() and by step()
-        raise GradientsNotReadyError(f"ZeRO-3 has not reduced gradients since the last forward()/step(): {WINDOW}")
+def _build_layout(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]
+                  ) -> tuple[GradLayout, dict[str, Any], dist.ProcessGroup]:
     names = param_names(engine)
     pg = _process_group(opt)
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
-    partitions = _partitions(opt)
     groups, params, by_name = [], [], {}
     for sg, (group_params, partition) in enumerate(zip(opt.fp16_groups, partitions)):
         groups.append(GroupLayout(sg, world, rank, partition.numel(), partition.dtype, Packing.CHUNKED))
@@ -71,7 +66,19 @@ def grad_storage(engine: Any, opt: Any) -> GradStorage:
             params.append(ParamLayout(name, torch.Size(param.ds_shape), sg, offset, chunk_numel=chunk))
             by_name[name] = param
             offset += chunk
-    layout = model_layout(engine, groups, params)
+    return model_layout(engine, groups, params), by_name, pg
+
+
+def grad_storage(engine: Any, opt: Any) -> GradStorage:
+    wait_for_stream(getattr(opt, "reduce_and_partition_stream", None))
+    if opt.offload_optimizer and not engine.is_gradient_accumulation_boundary():
+        raise GradientsNotReadyError(f"ZeRO-3 with offload_optimizer holds stale gradients mid-accumulation: {WINDOW}")
+    if not getattr(opt, "_epilogue_ran_this_backward", True):  # reset by forward() and by step()
+        raise GradientsNotReadyError(f"ZeRO-3 has not reduced gradients since the last forward()/step(): {WINDOW}")
+    partitions = _partitions(opt)
+    key = (tuple(p.numel() for p in partitions), tuple(p.dtype for p in partitions),
+           tuple(len(g) for g in opt.fp16_groups))
+    layout, by_name, pg = cached_layout(opt, key, lambda: _build_layout(engine, opt, partitions))
     start_micro_step = micro_steps(engine)
 
     def is_current() -> bool:

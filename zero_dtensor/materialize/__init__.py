@@ -1,0 +1,78 @@
+"""Full (unsharded) gradients from ZeRO partitions: bulk (``full_tensors``) and streaming (``iter_full``).
+
+Both are reached through ``ShardedGrads.full_tensors`` / ``ShardedGrads.iter_full``. Everything here is
+**collective**: every rank of a group's data-parallel process group must make the same calls with the same arguments,
+in the same order.
+
+Notation: ``N`` ranks in a group's process group, ``S`` the bytes of the padded flat buffers being materialized, in
+the dtype DeepSpeed stores them. "Bytes per rank" follows the ring model (nccl-tests ``PERFORMANCE.md``): all_gather
+and reduce-scatter move ``(N-1)/N·S``, all_reduce ``2(N-1)/N·S``; a gather sends ``S/N`` from every rank and
+delivers ``(N-1)/N·S`` to the root.
+
+Modules, one concept each: :mod:`.strategy` (all_gather or all_reduce, calibration on gloo), :mod:`.buffers` (the
+allocator with its observers, recycling, the kept workspace), :mod:`.results` (the result dict and the pending
+handle), :mod:`.bulk` (``full_tensors``), :mod:`.stream` (``iter_full``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..state import GradsLike, state_of
+from . import buffers, bulk, results, stream, strategy
+from .buffers import BUFFERS, AllocationRecorder, BufferPool, release_workspace
+from .results import FullGrads, FullTensorsHandle, GatheredGrads, PendingFullTensors
+from .strategy import (
+    CALIBRATION_COLLECTIVES,
+    CALIBRATION_MAX_BYTES,
+    ENV_STRATEGY,
+    STRATEGIES,
+    calibrate,
+    clear_calibration,
+    gather_strategy,
+    set_gather_strategy,
+    strategy_decisions,
+)
+from .stream import DEFAULT_BUCKET_BYTES
+
+__all__ = [
+    "AllocationRecorder",
+    "BUFFERS",
+    "BufferPool",
+    "CALIBRATION_COLLECTIVES",
+    "CALIBRATION_MAX_BYTES",
+    "DEFAULT_BUCKET_BYTES",
+    "ENV_STRATEGY",
+    "FullGrads",
+    "FullTensorsHandle",
+    "GatheredGrads",
+    "PendingFullTensors",
+    "STRATEGIES",
+    "calibrate",
+    "clear_calibration",
+    "gather_flat_groups",
+    "gather_strategy",
+    "plan_windows",
+    "release_workspace",
+    "set_gather_strategy",
+    "strategy_decisions",
+    "unpack",
+]
+
+
+def gather_flat_groups(grads: GradsLike, wanted: list[int]) -> dict[int, Any]:
+    """``{group index: padded global flat buffer in native order}`` (see :func:`.bulk.gather_flat_groups`).
+    **Collective.**"""
+    return bulk.gather_flat_groups(state_of(grads), wanted)
+
+
+def unpack(grads: GradsLike, flat: Any, p: Any) -> Any:
+    """A parameter's values from its group's native-order flat buffer (see :func:`.bulk.unpack`)."""
+    return bulk.unpack(state_of(grads), flat, p)
+
+
+def plan_windows(grads: GradsLike, names: list[str] | None = None, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 strategy: str = "auto") -> list[dict[str, Any]]:
+    """The windows ``iter_full`` would use (for tests and the benchmark). No communication."""
+    state = state_of(grads)
+    return stream.plan_windows(state, state.select(names), bucket_bytes=bucket_bytes, strategy=strategy)

@@ -1,0 +1,343 @@
+"""Bulk materialization: every requested full gradient with one collective per transfer.
+
+A *transfer* is the set of sharded flat groups that share a process group, dtype and device: they travel in one
+(coalesced) collective. Per group, the assembled buffer is brought into parameter order (already so for ZeRO-1/2
+and for the zero-padded all_reduce; one ``split_with_sizes_copy`` for a ZeRO-3 all_gather), converted once if the
+output dtype or loss scale asks for it, and cut into parameters with one ``split_with_sizes``: a fixed number of
+tensor operations whatever the number of parameters. See ``ShardedGrads.full_tensors`` for the contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..collectives import (
+    all_gather_into,
+    all_reduce_sum_work,
+    comm_device,
+    gather_to,
+    global_rank,
+    global_world_size,
+    group_rank_of,
+    reduce_sum_to,
+)
+from ..layout import ParamLayout
+from ..plan import GroupPlan
+from ..state import GradState
+from .buffers import BUFFERS
+from .results import GatheredGrads, PendingFullTensors
+from .strategy import check_strategy, explicit, resolve
+
+__all__ = ["full_tensors", "gather_flat_groups", "unpack"]
+
+
+@dataclass
+class _Transfer:
+    """Sharded flat groups that share a process group, dtype and device: they travel in one collective."""
+
+    pg: dist.ProcessGroup
+    dtype: torch.dtype
+    device: torch.device
+    groups: list[int] = field(default_factory=list)
+    partitions: list[torch.Tensor] = field(default_factory=list)
+    strategy: str = ""
+    offsets: dict[int, int] = field(default_factory=dict)  # group index -> start in the transfer buffer
+    numel: int = 0
+
+    def key(self) -> tuple[Any, ...]:
+        return ("transfer", self.pg, self.dtype, self.device, self.strategy, tuple(self.groups), self.numel)
+
+
+def _transfers(state: GradState, group_indices: Sequence[int]) -> list[_Transfer]:
+    found: dict[tuple[Any, ...], _Transfer] = {}
+    for i in group_indices:
+        if not state.group(i).placement.is_sharded:
+            continue
+        part = state.comm_partition(i)
+        pg = state.storage.process_groups[i]
+        t = found.setdefault((pg, part.dtype, part.device), _Transfer(pg, part.dtype, part.device))
+        t.offsets[i] = t.numel
+        t.numel += state.group(i).flat_numel
+        t.groups.append(i)
+        t.partitions.append(part)
+    return list(found.values())
+
+
+# --- buffers -----------------------------------------------------------------------------------------------------
+class _Buffers:
+    """Where a call's buffers come from: the previous result's (``out=`` a :class:`GatheredGrads`), the kept
+    workspace (``out=`` a user dict), or the recycling pool (no ``out=``). Every buffer handed out is recorded in
+    the result's ``buffers``."""
+
+    def __init__(self, out: MutableMapping[str, torch.Tensor] | None, result: MutableMapping[str, torch.Tensor]):
+        self.reuse = out is not None
+        self.own = result.buffers if isinstance(result, GatheredGrads) else BUFFERS.workspace
+        self.result = result
+
+    def get(self, key: tuple[Any, ...], numel: int, dtype: torch.dtype, device: torch.device,
+            *, kept: bool = True) -> torch.Tensor:
+        """A buffer for ``key``; ``kept=False`` for one whose views are handed to a user-made ``out=`` dict's
+        missing entries (always fresh)."""
+        if not kept:
+            return BUFFERS.alloc(numel, dtype, device)
+        key = (*key, numel, dtype, device)
+        buf = self.own.get(key) if self.reuse else None
+        if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != device:
+            buf = BUFFERS.alloc(numel, dtype, device) if self.reuse else BUFFERS.recycled_or_new(key, numel, dtype,
+                                                                                                  device)
+            self.own[key] = buf
+        if isinstance(self.result, GatheredGrads):
+            self.result.buffers[key] = buf
+        return buf
+
+
+# --- filling and cutting -------------------------------------------------------------------------------------------
+def _fill_for_reduce(state: GradState, t: _Transfer, buf: torch.Tensor) -> None:
+    """Zero ``buf`` around this rank's values and write its partitions in parameter order (the all_reduce input)."""
+    for g, part in zip(t.groups, t.partitions):
+        group, plan = state.group(g), state.plan.groups[g]
+        region = buf.narrow(0, t.offsets[g], group.flat_numel)
+        if group.placement.param_order_gather:
+            P, r = group.partition_numel, group.rank
+            region.narrow(0, 0, r * P).zero_()
+            region.narrow(0, (r + 1) * P, group.flat_numel - (r + 1) * P).zero_()
+            region.narrow(0, r * P, P).copy_(part)
+            continue
+        region.zero_()
+        keep = plan.has_local
+        if keep:
+            order = region.split_with_sizes(list(plan.param_order.sizes))
+            targets = [order[plan.param_order.piece[k]].view(group.world_size, -1)[group.rank]
+                       .narrow(0, 0, plan.frag_len[k]) for k in keep]
+            pieces = part.split_with_sizes(list(plan.local.sizes)) if part is not state.storage.partitions[g] \
+                else state.pieces[g]
+            torch._foreach_copy_(targets, [pieces[plan.local.piece[k]] for k in keep])
+
+
+def _param_order(state: GradState, g: int, region: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """Group ``g``'s assembled values in parameter order: ``region`` itself, or one reordering copy into ``order``
+    (ZeRO-3 after an all_gather: the ``(N, P)`` rows cut into column blocks by one ``split_with_sizes_copy``)."""
+    group, plan = state.group(g), state.plan.groups[g]
+    if order is None:
+        return region
+    blocks = order.split_with_sizes(list(plan.param_order.sizes))
+    N = group.world_size
+    torch.split_with_sizes_copy(region.view(N, group.partition_numel), list(plan.gathered.sizes), dim=1,
+                                out=[b.view(N, -1) for b in blocks])
+    return order
+
+
+def _converted(state: GradState, g: int, order: torch.Tensor, want: torch.dtype, buffers: _Buffers,
+               copy: bool, kept: bool = True) -> torch.Tensor:
+    """``order`` in true units and dtype ``want``: itself when nothing changes and no copy is needed, else one
+    converted buffer (bit-identical to unscaling each parameter on its own)."""
+    scale = state.loss_scale
+    if scale == 1.0 and want == order.dtype and not copy:
+        return order
+    out = buffers.get(("converted", g, want), order.numel(), want, order.device, kept=kept)
+    if scale == 1.0:
+        out.copy_(order)
+    elif want == torch.float32:
+        out.copy_(order)
+        out.div_(scale)
+    else:
+        out.copy_(order.to(torch.float32).div_(scale))
+    return out
+
+
+def _cut(plan: GroupPlan, values: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every parameter of the group as a view of a parameter-order buffer (one ``split_with_sizes``)."""
+    pieces = values.split_with_sizes(list(plan.param_order.sizes))
+    return {p.name: pieces[plan.param_order.piece[k]].narrow(0, 0, p.numel).view(p.shape)
+            for k, p in enumerate(plan.params)}
+
+
+# --- validation ------------------------------------------------------------------------------------------------------
+def _target_dtype(state: GradState, p: ParamLayout, dtype: torch.dtype | None) -> torch.dtype:
+    if dtype is not None:
+        return dtype
+    return torch.float32 if state.loss_scale != 1.0 else state.group(p.group).dtype
+
+
+def _validate_out(state: GradState, params: list[ParamLayout], out: Any, dtype: torch.dtype | None) -> None:
+    if not isinstance(out, MutableMapping):
+        raise TypeError(f"out= must be a dict name -> tensor (e.g. a previous full_tensors result), got "
+                        f"{type(out).__name__}")
+    storage = state.storage
+    for p in params:
+        t = out.get(p.name)
+        if t is None:
+            continue
+        want = _target_dtype(state, p, dtype)
+        device = comm_device(storage.partitions[p.group], storage.process_groups[p.group], storage.device)
+        if not isinstance(t, torch.Tensor) or t.shape != p.shape or t.dtype != want or t.device != device:
+            got = f"{type(t).__name__}" if not isinstance(t, torch.Tensor) else f"{tuple(t.shape)} {t.dtype} {t.device}"
+            raise ValueError(f"out[{p.name!r}] must be a tensor of shape {tuple(p.shape)}, dtype {want} on {device}; "
+                             f"got {got}")
+        if not t.is_contiguous():
+            raise ValueError(f"out[{p.name!r}] must be contiguous")
+        if t.requires_grad:
+            raise ValueError(f"out[{p.name!r}] requires grad; pass tensors that do not (e.g. t.detach())")
+
+
+def _check_dst(state: GradState, dst: Any, wanted: list[int]) -> None:
+    world = global_world_size()
+    if not isinstance(dst, int) or isinstance(dst, bool) or not 0 <= dst < world:
+        raise ValueError(f"dst must be a global rank in [0, {world}), got {dst!r}")
+    for i in wanted:
+        try:
+            group_rank_of(state.storage.process_groups[i], dst)
+        except ValueError:
+            raise ValueError(f"dst={dst} is not a member of the process group of flat group {i}") from None
+
+
+# --- the call --------------------------------------------------------------------------------------------------------
+def full_tensors(
+    state: GradState,
+    params: list[ParamLayout],
+    *,
+    dtype: torch.dtype | None = None,
+    out: MutableMapping[str, torch.Tensor] | None = None,
+    dst: int | None = None,
+    async_op: bool = False,
+    strategy: str = "auto",
+) -> dict[str, torch.Tensor] | PendingFullTensors:
+    """See ``ShardedGrads.full_tensors`` (the documented entry point); ``params`` are already validated."""
+    state.check_current()
+    check_strategy(strategy)
+    if out is not None:
+        _validate_out(state, params, out, dtype)
+    wanted = sorted({p.group for p in params})
+    if dst is not None:
+        _check_dst(state, dst, wanted)
+    is_dst = dst is None or global_rank() == dst
+
+    transfers = _transfers(state, wanted)
+    for t in transfers:
+        if dst is not None:  # no calibration: it times all_gather/all_reduce, while dst= uses gather/reduce
+            chosen = explicit(strategy)
+            t.strategy = "all_gather" if chosen == "auto" else chosen
+        else:
+            reorder = any(not state.group(g).placement.param_order_gather for g in t.groups)
+            t.strategy = resolve(strategy, t.pg, t.device, t.dtype, t.numel * t.partitions[0].element_size(), reorder)
+
+    result: MutableMapping[str, torch.Tensor] = out if out is not None else GatheredGrads()
+    buffers = _Buffers(out, result)
+    regions: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # group -> (assembled, reorder area)
+    works: list[Any] = []
+    for t in transfers:
+        if not (is_dst or t.strategy == "all_reduce"):
+            works += _send_only(t, dst, async_op)
+            continue
+        # ZeRO-3 all_gather results are reordered into a second area of the same buffer, so that a kept result
+        # pins (and a recycled one frees) all of the call's memory at once
+        reorder = [g for g in t.groups if t.strategy == "all_gather" and not state.group(g).placement.param_order_gather]
+        extra = sum(state.group(g).flat_numel for g in reorder)
+        buf = buffers.get(t.key(), t.numel + extra, t.dtype, t.device)
+        at = t.numel
+        for g in t.groups:
+            order = None
+            if g in reorder:
+                order, at = buf.narrow(0, at, state.group(g).flat_numel), at + state.group(g).flat_numel
+            regions[g] = (buf.narrow(0, t.offsets[g], state.group(g).flat_numel), order)
+        buf = buf.narrow(0, 0, t.numel)
+        if t.strategy == "all_reduce":
+            _fill_for_reduce(state, t, buf)
+            works += (all_reduce_sum_work(buf, t.pg, async_op=async_op) if dst is None
+                      else reduce_sum_to(buf, group_rank_of(t.pg, dst), t.pg, async_op=async_op))
+        elif dst is None:
+            outs = [regions[g][0] for g in t.groups]
+            works += all_gather_into(outs, t.partitions, t.pg, async_op=async_op)
+        else:
+            for g, part in zip(t.groups, t.partitions):  # gather has no coalesced form: one per flat group
+                rows = list(regions[g][0].view(state.group(g).world_size, -1).unbind(0))
+                works += gather_to(part, rows, group_rank_of(t.pg, dst), t.pg, async_op=async_op)
+
+    def finish() -> dict[str, torch.Tensor]:
+        if not is_dst:
+            empty = GatheredGrads()
+            if isinstance(result, GatheredGrads):
+                empty.buffers = result.buffers
+            return empty
+        return _emit(state, params, regions, result, dtype, buffers, out is not None)
+
+    if async_op:
+        return PendingFullTensors(works, finish)
+    return finish()
+
+
+def _send_only(t: _Transfer, dst: int | None, async_op: bool) -> list[Any]:
+    """A non-destination rank of ``dst=`` with all_gather: send this rank's partitions (one gather per group)."""
+    works: list[Any] = []
+    for part in t.partitions:
+        works += gather_to(part, None, group_rank_of(t.pg, dst), t.pg, async_op=async_op)
+    return works
+
+
+def _emit(state: GradState, params: list[ParamLayout], regions: dict[int, tuple[torch.Tensor, torch.Tensor | None]],
+          result: MutableMapping[str, torch.Tensor], dtype: torch.dtype | None, buffers: _Buffers,
+          reuse: bool) -> dict[str, torch.Tensor]:
+    """Fill ``result`` in request order: per group one parameter-order buffer (converted once if needed), cut into
+    views; entries of a user-made ``out=`` dict are filled with one ``_foreach_copy_`` per group."""
+    user_dict = reuse and not isinstance(result, GatheredGrads)
+    by_group: dict[int, list[ParamLayout]] = {}
+    for p in params:
+        by_group.setdefault(p.group, []).append(p)
+    views: dict[str, torch.Tensor] = {}
+    for g, members in by_group.items():
+        group, plan = state.group(g), state.plan.groups[g]
+        want = _target_dtype(state, members[0], dtype)
+        if group.placement.is_sharded:
+            region, area = regions[g]
+            order = _param_order(state, g, region, area)
+            live = False
+        else:
+            order, live = state.storage.partitions[g], True  # a snapshot needs one local copy
+        existing = [p for p in members if user_dict and result.get(p.name) is not None]
+        missing = [p for p in members if not (user_dict and result.get(p.name) is not None)]
+        if existing:
+            source = _converted(state, g, order, want, buffers, copy=False)
+            cut = _cut(plan, source)
+            torch._foreach_copy_([result[p.name] for p in existing], [cut[p.name] for p in existing])
+        if missing:
+            values = _converted(state, g, order, want, buffers, copy=live or user_dict, kept=not user_dict)
+            cut = _cut(plan, values)
+            views.update((p.name, cut[p.name]) for p in missing)
+    for p in params:
+        if p.name in views:
+            result[p.name] = views[p.name]
+    if reuse:  # keep the caller's key order: request order
+        ordered = {p.name: result[p.name] for p in params}
+        for name in ordered:
+            result.pop(name)
+        result.update(ordered)
+    return result  # type: ignore[return-value]
+
+
+# --- helpers for tests and tools -------------------------------------------------------------------------------------
+def gather_flat_groups(state: GradState, wanted: Sequence[int]) -> dict[int, torch.Tensor]:
+    """``{group index: padded global flat buffer in native order}``. **Collective**: one all_gather per (process
+    group, dtype, device), coalesced over its flat groups; replicated groups return their storage (no comm)."""
+    flats: dict[int, torch.Tensor] = {i: state.storage.partitions[i] for i in wanted
+                                      if not state.group(i).placement.is_sharded}
+    for t in _transfers(state, wanted):
+        buf = BUFFERS.alloc(t.numel, t.dtype, t.device)
+        outs = [buf.narrow(0, t.offsets[g], state.group(g).flat_numel) for g in t.groups]
+        all_gather_into(outs, t.partitions, t.pg)
+        flats.update(zip(t.groups, outs))
+    return flats
+
+
+def unpack(state: GradState, flat: torch.Tensor, p: ParamLayout) -> torch.Tensor:
+    """Parameter ``p``'s values (stored dtype, still scaled) from its group's native-order flat buffer: a view for
+    parameter-order placements, a copy for ZeRO-3. No communication."""
+    group = state.group(p.group)
+    if group.placement.param_order_gather:
+        return flat.narrow(0, p.offset, p.numel).view(p.shape)
+    rows = flat.view(group.world_size, group.partition_numel).narrow(1, p.offset, p.chunk_numel)
+    return rows.reshape(-1).narrow(0, 0, p.numel).clone().view(p.shape)

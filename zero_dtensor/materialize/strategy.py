@@ -1,0 +1,180 @@
+"""How bulk materialization travels: ``all_gather`` of the partitions or a zero-padded ``all_reduce``.
+
+``"all_gather"``
+    one ``all_gather`` of the equal-size partitions per (process group, dtype, device), coalesced over the flat
+    groups that share them: ``(N-1)/N·S`` bytes per rank. The default on NCCL.
+``"all_reduce"``
+    each rank writes its partition into a zeroed full-size buffer, then one sum ``all_reduce`` of that buffer:
+    ``2(N-1)/N·S`` bytes per rank, plus a memset of ``S``. Exact (every element has exactly one non-zero
+    contributor; ``x + 0 == x`` in every float format). On gloo it is often *faster* than all_gather, and for ZeRO-3
+    it writes straight into parameter order, which skips the reordering copy.
+``"auto"``
+    the pinned strategy if one is set (:func:`set_gather_strategy` or ``ZERO_DTENSOR_GATHER_STRATEGY``), else
+    ``all_gather`` on every backend but gloo; on gloo both are measured once per (process group, device, dtype,
+    power-of-two size class) and the faster one is cached (:func:`calibrate`). Transfers under
+    ``CALIBRATION_MIN_BYTES`` (1 MiB) are not measured and use all_gather.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..collectives import all_gather_single, all_reduce_op, backend_of, max_across, world_size_of
+
+__all__ = [
+    "CALIBRATION_COLLECTIVES",
+    "CALIBRATION_MAX_BYTES",
+    "CALIBRATION_MIN_BYTES",
+    "ENV_STRATEGY",
+    "STRATEGIES",
+    "calibrate",
+    "check_strategy",
+    "clear_calibration",
+    "explicit",
+    "gather_strategy",
+    "resolve",
+    "set_gather_strategy",
+    "strategy_decisions",
+    "stream_strategy",
+]
+
+STRATEGIES = ("auto", "all_gather", "all_reduce")
+ENV_STRATEGY = "ZERO_DTENSOR_GATHER_STRATEGY"
+#: Collectives one calibration issues: 3 timed all_gathers + 3 timed all_reduces of the transfer's size (capped at
+#: ``CALIBRATION_MAX_BYTES``) + 1 ``all_reduce(MAX)`` of the two timings so that every rank takes the same decision.
+CALIBRATION_COLLECTIVES = 7
+CALIBRATION_MAX_BYTES = 128 * 2**20
+#: Below this size ``auto`` does not calibrate and uses all_gather (fewer bytes): small transfers are latency-bound.
+CALIBRATION_MIN_BYTES = 2**20
+
+_PINNED: str | None = None
+_DECISIONS: dict[tuple[Any, ...], str] = {}
+
+
+def check_strategy(strategy: str | None, *, allow_none: bool = False) -> None:
+    if strategy is None and allow_none:
+        return
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+
+
+def set_gather_strategy(strategy: str | None) -> None:
+    """Pin what ``strategy="auto"`` means in this process (``None`` unpins; then the environment variable
+    ``ZERO_DTENSOR_GATHER_STRATEGY`` applies, then calibration). Set it identically on every rank. No communication."""
+    global _PINNED
+    check_strategy(strategy, allow_none=True)
+    _PINNED = None if strategy == "auto" else strategy
+
+
+def pinned() -> str | None:
+    """What :func:`set_gather_strategy` pinned (``None``: nothing)."""
+    return _PINNED
+
+
+def gather_strategy() -> str:
+    """The pinned strategy (setter first, then ``ZERO_DTENSOR_GATHER_STRATEGY``), or ``"auto"``. No communication."""
+    if _PINNED is not None:
+        return _PINNED
+    env = os.environ.get(ENV_STRATEGY, "").strip() or "auto"
+    check_strategy(env)
+    return env
+
+
+def strategy_decisions() -> dict[tuple[Any, ...], str]:
+    """Calibrated ``auto`` decisions so far: ``{(process group, device type, dtype, size class, reorder): strategy}``.
+    No communication."""
+    return dict(_DECISIONS)
+
+
+def clear_calibration() -> None:
+    """Forget calibrated decisions (the next ``auto`` call on gloo measures again; call on every rank). No
+    communication."""
+    _DECISIONS.clear()
+
+
+def _size_class(nbytes: int) -> int:
+    return max(int(nbytes), 1).bit_length()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type != "cpu" and hasattr(torch, "accelerator"):
+        torch.accelerator.synchronize()
+
+
+def calibrate(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, nbytes: int,
+              unpack: bool = False) -> str:
+    """Time both strategies at ``nbytes`` (capped at ``CALIBRATION_MAX_BYTES``) and return the faster.
+    **Collective** (``CALIBRATION_COLLECTIVES`` = 7 collectives).
+
+    Each rank times 3 all_gathers and 3 all_reduces (interleaved) on scratch buffers; with ``unpack`` (ZeRO-3,
+    where only all_gather results need a reordering copy into parameter order) the time of one local copy of the
+    same size is added to all_gather's. The per-rank minimum of each is then maximized over the group in one
+    ``all_reduce(MAX)``, so every rank takes the same decision. Scratch memory: about ``2·nbytes`` (capped),
+    freed on return. Ties go to all_gather (fewer bytes).
+    """
+    world = world_size_of(group)
+    esize = torch.empty((), dtype=dtype).element_size()
+    per_rank = max(1, min(int(nbytes), CALIBRATION_MAX_BYTES) // esize // world)
+    full = torch.zeros(per_rank * world, dtype=dtype, device=device)
+    part = full.narrow(0, 0, per_rank).clone()
+    timings: dict[str, float] = {"all_gather": float("inf"), "all_reduce": float("inf")}
+    for _ in range(3):
+        t0 = time.perf_counter()
+        all_gather_single(full, part, group)
+        _sync(device)
+        t1 = time.perf_counter()
+        all_reduce_op(full, group, dist.ReduceOp.SUM)
+        _sync(device)
+        t2 = time.perf_counter()
+        timings["all_gather"] = min(timings["all_gather"], t1 - t0)
+        timings["all_reduce"] = min(timings["all_reduce"], t2 - t1)
+    if unpack:
+        copy = torch.empty_like(full)
+        best = float("inf")
+        for _ in range(2):
+            t0 = time.perf_counter()
+            copy.copy_(full)
+            _sync(device)
+            best = min(best, time.perf_counter() - t0)
+        timings["all_gather"] += best
+        del copy
+    ag, ar = max_across([timings["all_gather"], timings["all_reduce"]], group, device)
+    return "all_reduce" if ar < ag else "all_gather"
+
+
+def explicit(strategy: str) -> str:
+    """``strategy`` itself unless it is ``"auto"``, else the pinned one (``"auto"`` when none is pinned)."""
+    return gather_strategy() if strategy == "auto" else strategy
+
+
+def resolve(strategy: str, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, nbytes: int,
+            unpack: bool = False) -> str:
+    """The strategy a bulk transfer of ``nbytes`` uses (may calibrate: see the module docstring)."""
+    chosen = explicit(strategy)
+    if chosen != "auto":
+        return chosen
+    if backend_of(group) != "gloo" or nbytes < CALIBRATION_MIN_BYTES:
+        return "all_gather"
+    key = (group, device.type, dtype, _size_class(nbytes), unpack)
+    decision = _DECISIONS.get(key)
+    if decision is None:
+        decision = _DECISIONS[key] = calibrate(group, device, dtype, nbytes, unpack)
+    return decision
+
+
+def stream_strategy(strategy: str, group: dist.ProcessGroup, param_order_gather: bool) -> str:
+    """What ``iter_full`` uses per window: the explicit or pinned strategy, else all_reduce on gloo and for
+    parameter-order (ZeRO-1/2) windows (no stitching), all_gather for ZeRO-3 windows elsewhere."""
+    chosen = explicit(strategy)
+    if chosen != "auto":
+        return chosen
+    if backend_of(group) == "gloo":
+        return "all_reduce"
+    return "all_reduce" if param_order_gather else "all_gather"

@@ -1,0 +1,384 @@
+"""Elementwise transforms and snapshots of the local shards: **no communication**.
+
+Each works on this rank's fragments of DeepSpeed's gradient memory, batched: per flat group, either one operation
+on the whole partition (every parameter selected, one operand for all; the padding is zeroed again afterwards, with
+one ``_foreach_zero_``) or one ``torch._foreach_*`` call over the selected fragments (views from one
+``split_with_sizes`` of the partition, cached per step). The number of tensor operations does not grow with the
+number of parameters. Values are in true (unscaled) units; under fp16 loss scaling operands are scaled to the
+stored units (``x · loss_scale``) first. Writes never record autograd history.
+
+The public entry points are the ``ShardedGrads`` methods (``mul_``, ``div_``, ``add_``, ``clamp_``, ``zero_``,
+``lerp_``, ``copy_``, ``apply_``, ``add_noise_``, ``clone``); the functions here take the state they work on.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any, Union
+
+import torch
+
+from .noise import normal_from_counters, stream_key
+from .state import GradState, Selection
+from .storage import GradStorage
+
+__all__ = [
+    "PerParam",
+    "Scalar",
+    "add_",
+    "add_noise_",
+    "apply_",
+    "clamp_",
+    "clone_storage",
+    "copy_",
+    "lerp_",
+    "mul_",
+    "per_param",
+    "scalar",
+    "zero_",
+]
+
+Scalar = Union[numbers.Real, torch.Tensor]
+
+
+class PerParam:
+    """Operands for the selected parameters, one per parameter (``values[i]`` for ``Selection.params[i]``)."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: list[Any]) -> None:
+        self.values = values
+
+
+# --- operand validation ----------------------------------------------------------------------------------------------
+def scalar(value: Any, what: str) -> float | torch.Tensor:
+    """A real number (as float) or a 0-d real tensor (detached); anything else raises naming ``what``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be a real number or a 0-d tensor, got bool")
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0:
+            raise ValueError(
+                f"{what} must be a number or a 0-d tensor, got a tensor of shape {tuple(value.shape)} "
+                "(for per-element operands pass another ShardedGrads or a clone)"
+            )
+        if value.is_complex():
+            raise TypeError(f"{what} must be real, got {value.dtype}")
+        from torch.distributed.tensor import DTensor
+
+        return (value.full_tensor() if isinstance(value, DTensor) else value).detach()
+    raise TypeError(f"{what} must be a real number or a 0-d tensor, got {type(value).__name__}")
+
+
+def per_param(state: GradState, value: Any, sel: Selection, what: str) -> float | torch.Tensor | PerParam:
+    """A uniform operand, or a mapping ``name -> operand`` covering every selected parameter as :class:`PerParam`."""
+    if not isinstance(value, Mapping):
+        return scalar(value, what)
+    unknown = sorted(str(n) for n in value if n not in state.layout.by_name)
+    if unknown:
+        raise KeyError(f"{what}: not trainable parameters of this engine: {unknown}")
+    missing = [p.name for p in sel.params if p.name not in value]
+    if missing:
+        raise KeyError(f"{what}: no value for selected parameters {missing}")
+    return PerParam([scalar(value[p.name], f"{what}[{p.name!r}]") for p in sel.params])
+
+
+# --- batched execution ---------------------------------------------------------------------------------------------
+def _group_operands(sel: Selection, per: PerParam, state: GradState) -> dict[int, list[Any]]:
+    """Per group, the per-parameter operands in the group's buffer order (as :meth:`Selection.by_group` lists)."""
+    order = {p.name: i for i, p in enumerate(sel.params)}
+    out: dict[int, list[Any]] = {}
+    for g, indices in sel.by_group.items():
+        params = state.plan.groups[g].params
+        out[g] = [per.values[order[params[k].name]] for k in indices]
+    return out
+
+
+def _as_list(values: list[Any], device: torch.device) -> list[float] | list[torch.Tensor]:
+    """Operands for one ``_foreach_*`` call: all numbers (a ScalarList) or all 0-d tensors (one conversion)."""
+    if all(not isinstance(v, torch.Tensor) for v in values):
+        return values
+    numbers_at = [i for i, v in enumerate(values) if not isinstance(v, torch.Tensor)]
+    out = [v.to(device) if isinstance(v, torch.Tensor) else None for v in values]
+    if numbers_at:
+        converted = torch.tensor([values[i] for i in numbers_at], dtype=torch.float32, device=device).unbind(0)
+        for i, t in zip(numbers_at, converted):
+            out[i] = t
+    return out  # type: ignore[return-value]
+
+
+@torch.no_grad()
+def run(state: GradState, sel: Selection, whole_op: Callable[[torch.Tensor, Any], Any],
+        foreach_op: Callable[[list[torch.Tensor], Any], Any], operand: Any = None,
+        uniform: bool = True) -> None:
+    """Apply an elementwise op to the selected gradients, then tell the optimizer (``after_write``).
+
+    ``whole_op(partition, operand)`` runs where every parameter of a group is selected and the operand is uniform
+    (the padding is zeroed again afterwards); elsewhere ``foreach_op(fragments, operand)`` runs once per group,
+    with ``operand`` a list in fragment order when it is a :class:`PerParam`.
+    """
+    per = _group_operands(sel, operand, state) if isinstance(operand, PerParam) else None
+    for g, indices in sel.by_group.items():
+        plan = state.plan.groups[g]
+        if per is None and uniform and sel.whole(plan):
+            whole_op(state.storage.partitions[g], operand)
+            padding = state.padding_of(g)
+            if padding:
+                torch._foreach_zero_(padding)
+            continue
+        keep = [i for i, k in enumerate(indices) if plan.frag_len[k]]
+        if not keep:
+            continue
+        frags = state.fragments_of(g, [indices[i] for i in keep])
+        if per is not None:
+            values = [per[g][i] for i in keep]
+            foreach_op(frags, _as_list(values, frags[0].device))
+        else:
+            foreach_op(frags, operand)
+    state.storage.after_write([p.name for p in sel.params])
+
+
+def _other_fragments(state: GradState, other: GradState, g: int, frags_like: list[torch.Tensor],
+                     indices: list[int]) -> list[torch.Tensor]:
+    of = other.fragments_of(g, indices)
+    device = frags_like[0].device
+    return of if of[0].device == device else [t.to(device) for t in of]
+
+
+def _with_other(state: GradState, other: GradState, sel: Selection,
+                whole_op: Callable[[torch.Tensor, torch.Tensor, Any], Any],
+                flat_op: Callable[[torch.Tensor, torch.Tensor, Any], Any], operand: Any = None) -> None:
+    """Elementwise ops whose second operand is another gradient set with the same layout.
+
+    Whole groups (uniform operand): ``whole_op(partition, other_partition, operand)``. Otherwise per group the
+    selected fragments are concatenated (one ``cat`` each side), ``flat_op`` runs once on the concatenations (with a
+    per-element operand expanded by one ``repeat_interleave`` for a :class:`PerParam`), and the result is written
+    back with one ``_foreach_copy_``.
+    """
+    per = _group_operands(sel, operand, state) if isinstance(operand, PerParam) else None
+    with torch.no_grad():
+        for g, indices in sel.by_group.items():
+            plan = state.plan.groups[g]
+            if per is None and sel.whole(plan):
+                part = state.storage.partitions[g]
+                whole_op(part, other.storage.partitions[g].to(part.device), operand)
+                padding = state.padding_of(g)
+                if padding:
+                    torch._foreach_zero_(padding)
+                continue
+            keep = [indices[i] for i in range(len(indices)) if plan.frag_len[indices[i]]]
+            if not keep:
+                continue
+            frags = state.fragments_of(g, keep)
+            theirs = _other_fragments(state, other, g, frags, keep)
+            flat, flat_other = torch.cat(frags), torch.cat(theirs)
+            if per is not None:
+                pos = {k: i for i, k in enumerate(indices)}
+                values = _as_list([per[g][pos[k]] for k in keep], flat.device)
+                lengths = torch.tensor([plan.frag_len[k] for k in keep], device=flat.device)
+                factors = values if isinstance(values[0], torch.Tensor) else None
+                vector = (torch.stack(factors) if factors is not None
+                          else torch.tensor(values, dtype=torch.float32, device=flat.device))
+                expanded = vector.to(torch.float32).repeat_interleave(lengths)
+                flat_op(flat, flat_other, expanded)
+            else:
+                flat_op(flat, flat_other, operand)
+            torch._foreach_copy_(frags, flat.split_with_sizes([plan.frag_len[k] for k in keep]))
+        state.storage.after_write([p.name for p in sel.params])
+
+
+# --- the transforms --------------------------------------------------------------------------------------------------
+def mul_(state: GradState, sel: Selection, factor: float | torch.Tensor | PerParam) -> None:
+    run(state, sel, lambda x, f: x.mul_(f), lambda xs, f: torch._foreach_mul_(xs, f), factor)
+
+
+def div_(state: GradState, sel: Selection, divisor: float | torch.Tensor | PerParam) -> None:
+    run(state, sel, lambda x, d: x.div_(d), lambda xs, d: torch._foreach_div_(xs, d), divisor)
+
+
+def zero_(state: GradState, sel: Selection) -> None:
+    run(state, sel, lambda x, _: x.zero_(), lambda xs, _: torch._foreach_zero_(xs))
+
+
+def add_scalar_(state: GradState, sel: Selection, value: float | torch.Tensor,
+                alpha: float | torch.Tensor | PerParam) -> None:
+    """``g += value · alpha`` (true units): the stored addend is ``value · alpha · loss_scale``."""
+    scale = state.loss_scale
+    if isinstance(alpha, PerParam):
+        if any(isinstance(a, torch.Tensor) for a in alpha.values) or isinstance(value, torch.Tensor):
+            device = state.device
+            stacked = torch.stack([torch.as_tensor(a, dtype=torch.float32, device=device) if not isinstance(
+                a, torch.Tensor) else a.to(device=device, dtype=torch.float32) for a in alpha.values])
+            addends: list[Any] = list((stacked * (value * scale if not isinstance(value, torch.Tensor)
+                                                  else value.to(device) * scale)).unbind(0))
+        else:
+            addends = [value * a * scale for a in alpha.values]
+        run(state, sel, lambda x, c: x.add_(c), lambda xs, c: torch._foreach_add_(xs, c), PerParam(addends))
+        return
+    addend = value * alpha * scale
+    run(state, sel, lambda x, c: x.add_(c), lambda xs, c: torch._foreach_add_(xs, c), addend)
+
+
+def add_other_(state: GradState, other: GradState, sel: Selection, alpha: float | torch.Tensor | PerParam) -> None:
+    """``g += alpha · other`` in true units. Where ``alpha · ratio != 1`` the product is formed in float32 and then
+    added (one rounding to the stored dtype), so results do not depend on how fragments fall on vector
+    boundaries (torch's ``add_(o, alpha=)`` on 16-bit tensors rounds differently in its vectorized body and its
+    scalar tail)."""
+    ratio = state.loss_scale / other.loss_scale
+
+    def whole(x: torch.Tensor, o: torch.Tensor, a: Any) -> Any:
+        if not isinstance(a, torch.Tensor) and a * ratio == 1.0:
+            return x.add_(o)
+        factor = (a * ratio).to(o.device) if isinstance(a, torch.Tensor) else a * ratio
+        return x.add_(o.to(torch.float32) * factor)
+
+    def flat(x: torch.Tensor, o: torch.Tensor, a: Any) -> Any:
+        if isinstance(a, torch.Tensor) and a.dim() == 1:  # per element, expanded from per-parameter alphas
+            return x.add_(o.to(torch.float32) * (a * ratio))
+        return whole(x, o, a)
+
+    _with_other(state, other, sel, whole, flat, alpha)
+
+
+def clamp_(state: GradState, sel: Selection, lo: float | torch.Tensor | None, hi: float | torch.Tensor | None) -> None:
+    scale = state.loss_scale
+    lo = None if lo is None else lo * scale
+    hi = None if hi is None else hi * scale
+
+    def many(xs: list[torch.Tensor], _: Any) -> None:
+        if lo is not None:
+            torch._foreach_clamp_min_(xs, [lo] * len(xs) if isinstance(lo, torch.Tensor) else lo)
+        if hi is not None:
+            torch._foreach_clamp_max_(xs, [hi] * len(xs) if isinstance(hi, torch.Tensor) else hi)
+
+    run(state, sel, lambda x, _: x.clamp_(lo, hi), many)
+
+
+def lerp_scalar_(state: GradState, sel: Selection, end: float | torch.Tensor, weight: float | torch.Tensor) -> None:
+    scale = state.loss_scale
+
+    def target(x: torch.Tensor) -> torch.Tensor:
+        return torch.as_tensor(end * scale, dtype=x.dtype, device=x.device)
+
+    def many(xs: list[torch.Tensor], _: Any) -> None:
+        t = target(xs[0])
+        ends = [t.expand_as(x) for x in xs]
+        if isinstance(weight, torch.Tensor):
+            torch._foreach_lerp_(xs, ends, [weight.to(t.device)] * len(xs))
+        else:
+            torch._foreach_lerp_(xs, ends, weight)
+
+    run(state, sel, lambda x, _: x.lerp_(target(x).expand_as(x), weight), many)
+
+
+def lerp_other_(state: GradState, other: GradState, sel: Selection, weight: float | torch.Tensor) -> None:
+    ratio = state.loss_scale / other.loss_scale
+
+    def op(x: torch.Tensor, o: torch.Tensor, _: Any) -> Any:
+        o = o if ratio == 1.0 and o.dtype == x.dtype else (o.to(torch.float32) * ratio).to(x.dtype)
+        return x.lerp_(o, weight)
+
+    _with_other(state, other, sel, op, op)
+
+
+def copy_(state: GradState, other: GradState, sel: Selection) -> None:
+    ratio = state.loss_scale / other.loss_scale
+
+    def op(x: torch.Tensor, o: torch.Tensor, _: Any) -> Any:
+        return x.copy_(o if ratio == 1.0 else o.to(torch.float32) * ratio)
+
+    _with_other(state, other, sel, op, op)
+
+
+def apply_(state: GradState, sel: Selection, fn: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+    """``fn`` on true values: once per whole group (the partition, padding included, zeroed again afterwards),
+    else once per group on the concatenation of the selected fragments (written back with one ``_foreach_copy_``).
+    """
+    storage = state.storage
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        arg = storage.to_true(x)
+        result = fn(arg)
+        if result is None:
+            result = arg
+        if not isinstance(result, torch.Tensor) or result.shape != x.shape:
+            got = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
+            raise ValueError(f"apply_: fn must return None or a tensor of shape {tuple(x.shape)}, got {got}")
+        return storage.to_stored(result)
+
+    with torch.no_grad():
+        for g, indices in sel.by_group.items():
+            plan = state.plan.groups[g]
+            if sel.whole(plan):
+                part = storage.partitions[g]
+                result = call(part)
+                if result is not part:
+                    part.copy_(result)
+                padding = state.padding_of(g)
+                if padding:
+                    torch._foreach_zero_(padding)
+                continue
+            keep = [k for k in indices if plan.frag_len[k]]
+            if not keep:
+                continue
+            frags = state.fragments_of(g, keep)
+            result = call(torch.cat(frags))
+            torch._foreach_copy_(frags, result.split_with_sizes([plan.frag_len[k] for k in keep]))
+        storage.after_write([p.name for p in sel.params])
+
+
+def add_noise_(state: GradState, sel: Selection, std: float | torch.Tensor, seed: int) -> None:
+    """``g += std · counter_normal(seed, name, numel)[j]`` for every local element ``j`` (true units): per group one
+    counter tensor for all selected fragments, one noise draw, one ``_foreach_add_``."""
+    scale = state.loss_scale
+    with torch.no_grad():
+        for g, indices in sel.by_group.items():
+            plan = state.plan.groups[g]
+            keep = [k for k in indices if plan.frag_len[k]]
+            if not keep:
+                continue
+            frags = state.fragments_of(g, keep)
+            device = frags[0].device
+            lengths = [plan.frag_len[k] for k in keep]
+            total = sum(lengths)
+            starts = torch.tensor([plan.frag_start[k] for k in keep], dtype=torch.int64, device=device)
+            streams = torch.tensor([stream_key(seed, plan.params[k].name) for k in keep], dtype=torch.int64,
+                                   device=device)
+            counts = torch.tensor(lengths, dtype=torch.int64, device=device)
+            firsts = torch.cumsum(counts, 0) - counts  # where each fragment starts in the batch
+            counters = torch.arange(total, dtype=torch.int64, device=device) + (starts - firsts).repeat_interleave(
+                counts, output_size=total)
+            noise = normal_from_counters(streams.repeat_interleave(counts, output_size=total), counters)
+            if isinstance(std, torch.Tensor):
+                noise = noise * (std * scale).to(device)
+                torch._foreach_add_(frags, noise.split_with_sizes(lengths))
+            else:  # as x.add_(noise, alpha=std·scale) on each fragment: one fused multiply-add per element
+                torch._foreach_add_(frags, noise.split_with_sizes(lengths), alpha=std * scale)
+        state.storage.after_write([p.name for p in sel.params])
+
+
+def _always_current() -> bool:
+    return True
+
+
+def clone_storage(state: GradState, dtype: torch.dtype | None) -> GradStorage:
+    """A copy of this rank's partitions with the same layout (one copy per group), valid across steps."""
+    storage = state.storage
+    partitions = tuple(p.detach().to(dtype=dtype or p.dtype, copy=True) for p in storage.partitions)
+    if all(part.dtype == g.dtype for g, part in zip(storage.layout.groups, partitions)):
+        layout = storage.layout  # the same plan serves the clone
+    else:
+        groups = tuple(replace(g, dtype=part.dtype) for g, part in zip(storage.layout.groups, partitions))
+        layout = replace(storage.layout, groups=groups)
+    return GradStorage(
+        layout=layout,
+        partitions=partitions,
+        process_groups=storage.process_groups,
+        loss_scale=storage.loss_scale,
+        device=storage.device,
+        is_current=_always_current,
+        describe=f"clone of {storage.describe}",
+    )

@@ -56,7 +56,7 @@ class GroupLayout:
             raise ValueError(f"bad group geometry: rank {self.rank} of {self.world_size}, {self.partition_numel} "
                              "elements per partition")
 
-    @property
+    @cached_property
     def placement(self) -> GroupPlacement:
         """How this group is spread over its ranks (:mod:`zero_dtensor.placement`): geometry and collectives."""
         return placement_of(self)
@@ -86,7 +86,7 @@ class ParamLayout:
     offset: int
     chunk_numel: int = 0
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return self.shape.numel()
 

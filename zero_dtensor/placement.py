@@ -43,6 +43,7 @@ from .collectives import all_gather_single, all_reduce_sum_work, on_comm_device
 
 if TYPE_CHECKING:
     from .layout import GroupLayout, ParamLayout
+    from .plan import GroupPlan
 
 __all__ = ["ChunkShard", "GroupPlacement", "RaggedShard", "Replicated", "placement_of"]
 
@@ -97,6 +98,21 @@ class GroupPlacement:
         for sharded placements (see each kind)."""
         raise NotImplementedError
 
+    def fill_for_reduce(self, region: torch.Tensor, group: GroupLayout, plan: GroupPlan,
+                        pieces: tuple[torch.Tensor, ...]) -> None:
+        """Write this rank's values into ``region`` (``flat_numel`` elements) in parameter order, zeros elsewhere:
+        the input of the zero-padded sum all_reduce. ``pieces`` is the partition cut by ``plan.local``."""
+        raise NotImplementedError
+
+    def to_param_order(self, gathered: torch.Tensor, group: GroupLayout, plan: GroupPlan,
+                       area: torch.Tensor | None) -> torch.Tensor:
+        """An all_gather's result in parameter order: ``gathered`` itself, or reordered into ``area``."""
+        return gathered
+
+    def reorder_area(self, group: GroupLayout) -> int:
+        """Elements of the extra buffer :meth:`to_param_order` needs after an all_gather (0: none)."""
+        return 0
+
 
 @dataclass(frozen=True)
 class RaggedShard(GroupPlacement):
@@ -130,6 +146,15 @@ class RaggedShard(GroupPlacement):
         all_reduce_sum_work(full, pg)
         return full
 
+    def fill_for_reduce(self, region: torch.Tensor, group: GroupLayout, plan: GroupPlan,
+                        pieces: tuple[torch.Tensor, ...]) -> None:
+        P, r = group.partition_numel, group.rank
+        region.narrow(0, 0, r * P).zero_()
+        region.narrow(0, (r + 1) * P, group.flat_numel - (r + 1) * P).zero_()
+        mine = region.narrow(0, r * P, P)
+        if pieces:
+            torch.cat(pieces, out=mine)
+
 
 @dataclass(frozen=True)
 class ChunkShard(GroupPlacement):
@@ -159,6 +184,31 @@ class ChunkShard(GroupPlacement):
         gathered = torch.empty(group.world_size * param.chunk_numel, dtype=chunk.dtype, device=chunk.device)
         all_gather_single(gathered, chunk, pg)
         return gathered.narrow(0, 0, param.numel)
+
+    def fill_for_reduce(self, region: torch.Tensor, group: GroupLayout, plan: GroupPlan,
+                        pieces: tuple[torch.Tensor, ...]) -> None:
+        """Rank ``r``'s chunk of parameter ``p`` goes to row ``r`` of ``p``'s ``(N, chunk)`` block: one zero fill,
+        one ``_foreach_copy_``."""
+        region.zero_()
+        keep = plan.has_local
+        if keep:
+            blocks = region.split_with_sizes(list(plan.param_order.sizes))
+            targets = [blocks[plan.param_order.piece[k]].view(group.world_size, -1)[group.rank]
+                       .narrow(0, 0, plan.frag_len[k]) for k in keep]
+            torch._foreach_copy_(targets, [pieces[plan.local.piece[k]] for k in keep])
+
+    def to_param_order(self, gathered: torch.Tensor, group: GroupLayout, plan: GroupPlan,
+                       area: torch.Tensor | None) -> torch.Tensor:
+        """The ``(N, P)`` rows cut into column blocks by one ``split_with_sizes_copy`` into ``area``."""
+        assert area is not None
+        blocks = area.split_with_sizes(list(plan.param_order.sizes))
+        N = group.world_size
+        torch.split_with_sizes_copy(gathered.view(N, group.partition_numel), list(plan.gathered.sizes), dim=1,
+                                    out=[b.view(N, -1) for b in blocks])
+        return area
+
+    def reorder_area(self, group: GroupLayout) -> int:
+        return group.flat_numel
 
 
 @dataclass(frozen=True)

@@ -66,15 +66,18 @@ def _reduce(state: GradState, sel: Selection, local: torch.Tensor, op: Any) -> t
     check_grads_call(state.storage, "reduce", [p.name for p in sel.params], str(op), tuple(local.shape[1:]))
     storage = state.storage
     local = local.to(storage.device)  # where the process group communicates (offloaded partitions are host memory)
-    rows_by_group: dict[int, tuple[Any, list[int]]] = {}
-    for i, p in enumerate(sel.params):
-        group = state.group(p.group)
-        if not group.placement.is_sharded or group.world_size == 1:
-            continue
-        pg = storage.process_groups[p.group]
-        rows_by_group.setdefault(id(pg), (pg, []))[1].append(i)
-    for pg, rows in rows_by_group.values():
-        all_reduce_rows(local, rows, pg, op)
+    communicating = [i for i, g in enumerate(state.layout.groups) if g.placement.is_sharded and g.world_size > 1]
+    by_pg: dict[int, tuple[Any, set[int]]] = {}
+    for i in communicating:
+        pg = storage.process_groups[i]
+        by_pg.setdefault(id(pg), (pg, set()))[1].add(i)
+    for pg, members in by_pg.values():
+        if len(members) == len(state.layout.groups):  # every row takes part (the usual case): no row lookup
+            rows = list(range(len(sel.params)))
+        else:
+            rows = [i for i, p in enumerate(sel.params) if p.group in members]
+        if rows:
+            all_reduce_rows(local, rows, pg, op)
     return local
 
 
@@ -164,18 +167,34 @@ def dots(state: GradState, other: GradState, sel: Selection, with_norms: bool) -
 
 def stats(state: GradState, sel: Selection) -> dict[str, GradStats]:
     """Per parameter 2-norm, max |g|, mean, nan and inf counts: a (k, 4) float64 sum and a (k,) float32 max, each
-    one collective per process group; one host sync."""
+    one collective per process group; one host sync. Local work: one ``_foreach_norm`` each for the sum of squares
+    and the max, one ``segment_reduce`` for the sums; nan/inf counts only when some value is not finite."""
     device = _result_device(state)
-    x, lengths = _flat(_selected_fragments(state, sel), device)
-    nan, inf = torch.isnan(x), torch.isinf(x)
-    wide = x.to(torch.float64)
-    sums = torch.stack([
-        _segment_sum(x * x, lengths).to(torch.float64),
-        _segment_sum(wide, lengths),
-        _segment_sum(nan.to(torch.float64), lengths),
-        _segment_sum(inf.to(torch.float64), lengths),
-    ], dim=1)
-    maxes = torch.segment_reduce(x.abs().masked_fill_(nan, 0), "max", lengths=lengths, unsafe=True, initial=0.0)
+    frags = _selected_fragments(state, sel)
+    rows = [i for i, f in enumerate(frags) if f.numel()]
+    k = len(frags)
+    sums = torch.zeros(k, 4, dtype=torch.float64, device=device)
+    maxes = torch.zeros(k, dtype=torch.float32, device=device)
+    if rows:
+        present = [frags[i] for i in rows]
+        flat, lengths = _flat(present, device)
+        index = torch.tensor(rows, device=device) if len(rows) != k else None
+        sq = torch.stack(torch._foreach_norm(present, 2, dtype=torch.float32)).to(device=device, dtype=torch.float64)
+        columns = [sq * sq, _segment_sum(flat.to(torch.float64), lengths)]
+        if bool(torch.isfinite(flat).all()):
+            columns += [torch.zeros_like(sq), torch.zeros_like(sq)]
+            top = torch.stack(torch._foreach_norm(present, float("inf"), dtype=torch.float32)).to(device)
+        else:  # count them (rare): the 2-norm and the max are nan/inf then, as before
+            nan, inf = torch.isnan(flat), torch.isinf(flat)
+            columns += [_segment_sum(nan.to(torch.float64), lengths), _segment_sum(inf.to(torch.float64), lengths)]
+            top = torch.segment_reduce(flat.abs().masked_fill_(nan, 0), "max", lengths=lengths, unsafe=True,
+                                       initial=0.0)
+        local = torch.stack(columns, dim=1)
+        if index is None:
+            sums, maxes = local, top
+        else:
+            sums.index_copy_(0, index, local)
+            maxes.index_copy_(0, index, top)
     sums = _reduce(state, sel, sums, dist.ReduceOp.SUM)
     maxes = _reduce(state, sel, maxes, dist.ReduceOp.MAX)
     scale = state.loss_scale

@@ -319,13 +319,14 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         checked = self._validate(mapping)
         by_group: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         fragments = state.plan.fragments
-        for param, value in checked:
-            start, stop, _ = fragments[param.name]
-            if stop > start:
-                dests, sources = by_group.setdefault(param.group, ([], []))
-                dests.append(state.fragment(param))
-                sources.append(value.detach().reshape(-1).narrow(0, start, stop - start))
         with torch.no_grad():  # a value that requires grad must not give DeepSpeed's memory an autograd history
+            for param, value in checked:
+                start, stop, _ = fragments[param.name]
+                if stop > start:
+                    dests, sources = by_group.setdefault(param.group, ([], []))
+                    dests.append(state.fragment(param))
+                    flat = value if value.dim() == 1 else value.reshape(-1)
+                    sources.append(flat if stop - start == param.numel else flat.narrow(0, start, stop - start))
             for dests, sources in by_group.values():
                 _write_stored(state, dests, sources)
         state.storage.after_write([p.name for p, _ in checked])
@@ -597,8 +598,8 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         """
         self._check_current()
         storage = self._storage
-        signature = None if owners is None else sorted(dict(owners).items()) if isinstance(owners, Mapping) else owners
-        _debug.check_same_call("set_owned_", (repr(signature),), _redistribute.agreement_groups(storage, None),
+        signature = repr(sorted(owners.items(), key=repr)) if isinstance(owners, Mapping) else repr(owners)
+        _debug.check_same_call("set_owned_", (signature,), _redistribute.agreement_groups(storage, None),
                                storage.device, always=True)
         _redistribute.set_owned_(storage, mapping, assignment=owners)
 
@@ -636,7 +637,12 @@ class ShardedGrads(Mapping[str, ParamGrad]):
             used = sorted({p.group for p in selected})
             groups = tuple(storage.process_groups[i] for i in used
                            if self.layout.groups[i].placement.is_sharded and self.layout.groups[i].world_size > 1)
-        _debug.check_same_call(what, ([p.name for p in selected], *signature), groups, storage.device, always=True)
+        if not groups:
+            return
+        everything = len(selected) == len(self.layout.params) and selected[:1] == list(self.layout.params[:1]) \
+            and selected[-1:] == list(self.layout.params[-1:]) and _is_everything(selected, self.layout.params)
+        names = "<all, model order>" if everything else [p.name for p in selected]
+        _debug.check_same_call(what, (names, *signature), groups, storage.device, always=True)
 
     @property
     def _storage(self) -> GradStorage:
@@ -699,6 +705,11 @@ class ShardedGrads(Mapping[str, ParamGrad]):
                 )
             checked.append((param, value))
         return checked
+
+
+def _is_everything(selected: list[ParamLayout], params: tuple[ParamLayout, ...]) -> bool:
+    """Whether ``selected`` is every parameter in model order (then the signature need not list the names)."""
+    return all(a is b for a, b in zip(selected, params))
 
 
 def _write_stored(state: GradState, dests: list[torch.Tensor], sources: list[torch.Tensor]) -> None:

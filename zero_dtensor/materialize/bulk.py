@@ -98,38 +98,12 @@ class _Buffers:
 
 # --- filling and cutting -------------------------------------------------------------------------------------------
 def _fill_for_reduce(state: GradState, t: _Transfer, buf: torch.Tensor) -> None:
-    """Zero ``buf`` around this rank's values and write its partitions in parameter order (the all_reduce input)."""
+    """Every group's all_reduce input: this rank's values in parameter order, zeros elsewhere (the placement's)."""
     for g, part in zip(t.groups, t.partitions):
         group, plan = state.group(g), state.plan.groups[g]
-        region = buf.narrow(0, t.offsets[g], group.flat_numel)
-        if group.placement.param_order_gather:
-            P, r = group.partition_numel, group.rank
-            region.narrow(0, 0, r * P).zero_()
-            region.narrow(0, (r + 1) * P, group.flat_numel - (r + 1) * P).zero_()
-            region.narrow(0, r * P, P).copy_(part)
-            continue
-        region.zero_()
-        keep = plan.has_local
-        if keep:
-            order = region.split_with_sizes(list(plan.param_order.sizes))
-            targets = [order[plan.param_order.piece[k]].view(group.world_size, -1)[group.rank]
-                       .narrow(0, 0, plan.frag_len[k]) for k in keep]
-            pieces = part.split_with_sizes(list(plan.local.sizes)) if part is not state.storage.partitions[g] \
-                else state.pieces[g]
-            torch._foreach_copy_(targets, [pieces[plan.local.piece[k]] for k in keep])
-
-
-def _param_order(state: GradState, g: int, region: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
-    """Group ``g``'s assembled values in parameter order: ``region`` itself, or one reordering copy into ``order``
-    (ZeRO-3 after an all_gather: the ``(N, P)`` rows cut into column blocks by one ``split_with_sizes_copy``)."""
-    group, plan = state.group(g), state.plan.groups[g]
-    if order is None:
-        return region
-    blocks = order.split_with_sizes(list(plan.param_order.sizes))
-    N = group.world_size
-    torch.split_with_sizes_copy(region.view(N, group.partition_numel), list(plan.gathered.sizes), dim=1,
-                                out=[b.view(N, -1) for b in blocks])
-    return order
+        pieces = state.pieces[g] if part is state.storage.partitions[g] else part.split_with_sizes(
+            list(plan.local.sizes))
+        group.placement.fill_for_reduce(buf.narrow(0, t.offsets[g], group.flat_numel), group, plan, pieces)
 
 
 def _converted(state: GradState, g: int, order: torch.Tensor, want: torch.dtype, buffers: _Buffers,
@@ -153,8 +127,13 @@ def _converted(state: GradState, g: int, order: torch.Tensor, want: torch.dtype,
 def _cut(plan: GroupPlan, values: torch.Tensor) -> dict[str, torch.Tensor]:
     """Every parameter of the group as a view of a parameter-order buffer (one ``split_with_sizes``)."""
     pieces = values.split_with_sizes(list(plan.param_order.sizes))
-    return {p.name: pieces[plan.param_order.piece[k]].narrow(0, 0, p.numel).view(p.shape)
-            for k, p in enumerate(plan.params)}
+    out = {}
+    for k, p in enumerate(plan.params):
+        piece = pieces[plan.param_order.piece[k]]
+        if piece.numel() != p.numel:  # ZeRO-3: the (N, chunk) block is padded past the parameter
+            piece = piece.narrow(0, 0, p.numel)
+        out[p.name] = piece if len(p.shape) == 1 else piece.view(p.shape)
+    return out
 
 
 # --- validation ------------------------------------------------------------------------------------------------------
@@ -223,7 +202,7 @@ def full_tensors(
             chosen = explicit(strategy)
             t.strategy = "all_gather" if chosen == "auto" else chosen
         else:
-            reorder = any(not state.group(g).placement.param_order_gather for g in t.groups)
+            reorder = any(state.group(g).placement.reorder_area(state.group(g)) for g in t.groups)
             t.strategy = resolve(strategy, t.pg, t.device, t.dtype, t.numel * t.partitions[0].element_size(), reorder)
 
     result: MutableMapping[str, torch.Tensor] = out if out is not None else GatheredGrads()
@@ -236,15 +215,14 @@ def full_tensors(
             continue
         # ZeRO-3 all_gather results are reordered into a second area of the same buffer, so that a kept result
         # pins (and a recycled one frees) all of the call's memory at once
-        reorder = [g for g in t.groups if t.strategy == "all_gather" and not state.group(g).placement.param_order_gather]
-        extra = sum(state.group(g).flat_numel for g in reorder)
-        buf = buffers.get(t.key(), t.numel + extra, t.dtype, t.device)
+        areas = {g: state.group(g).placement.reorder_area(state.group(g)) if t.strategy == "all_gather" else 0
+                 for g in t.groups}
+        buf = buffers.get(t.key(), t.numel + sum(areas.values()), t.dtype, t.device)
         at = t.numel
         for g in t.groups:
-            order = None
-            if g in reorder:
-                order, at = buf.narrow(0, at, state.group(g).flat_numel), at + state.group(g).flat_numel
-            regions[g] = (buf.narrow(0, t.offsets[g], state.group(g).flat_numel), order)
+            area = buf.narrow(0, at, areas[g]) if areas[g] else None
+            at += areas[g]
+            regions[g] = (buf.narrow(0, t.offsets[g], state.group(g).flat_numel), area)
         buf = buf.narrow(0, 0, t.numel)
         if t.strategy == "all_reduce":
             _fill_for_reduce(state, t, buf)
@@ -294,7 +272,7 @@ def _emit(state: GradState, params: list[ParamLayout], regions: dict[int, tuple[
         want = _target_dtype(state, members[0], dtype)
         if group.placement.is_sharded:
             region, area = regions[g]
-            order = _param_order(state, g, region, area)
+            order = region if area is None else group.placement.to_param_order(region, group, plan, area)
             live = False
         else:
             order, live = state.storage.partitions[g], True  # a snapshot needs one local copy

@@ -5,21 +5,21 @@ from __future__ import annotations
 import pytest
 
 from workers import bad_input
+from workers.common import EngineCase
 
 WRITE_CASES = [
-    (1, "fp32", False, False),
-    (2, "fp16", False, False),
-    (3, "fp32", False, False),
-    (2, "fp32", True, False),
-    (3, "bf16", True, False),
-    (1, "bf16", False, True),  # BF16_Optimizer
+    EngineCase(1, "fp32"),
+    EngineCase(2, "fp16"),
+    EngineCase(3, "fp32"),
+    EngineCase(2, "fp32", offload=True),
+    EngineCase(3, "bf16", offload=True),
+    EngineCase(1, "bf16", bf16_optimizer=True),
 ]
 
 
-@pytest.mark.parametrize("stage,dtype,offload,bf16_optimizer", WRITE_CASES,
-                         ids=[f"z{s}-{d}{'-offload' if o else ''}{'-bf16opt' if b else ''}" for s, d, o, b in WRITE_CASES])
-def test_bad_writes_change_nothing(ranks, stage: int, dtype: str, offload: bool, bf16_optimizer: bool) -> None:
-    assert ranks(2).run(bad_input.bad_writes, stage, dtype, offload, bf16_optimizer)[0] == 8
+@pytest.mark.parametrize("case", WRITE_CASES, ids=lambda c: c.id)
+def test_bad_writes_change_nothing(ranks, case: EngineCase) -> None:
+    assert ranks(case.world).run(bad_input.bad_writes, case)[0] == 8
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -55,6 +55,25 @@ def test_cli_tiny_run_writes_complete_json(tmp_path) -> None:
         assert rows["floor: bare all_gather"]["ratio_to_floor"] == 1.0
         if "clip_grad_norm_" in rows:
             assert rows["clip_grad_norm_"]["collectives"] == 1
+        # issue 12: redistribution rows (one all_to_all per exchange + the agreement check; writes + error codes)
+        from zero_dtensor._bench_redistribute import DS_NS, FULL_NS, NS, ROWS as REDISTRIBUTION_ROWS
+
+        assert set(REDISTRIBUTION_ROWS) <= names, set(REDISTRIBUTION_ROWS) - names
+        a2a = {n: rows[n]["collective_ops"].get("alltoall_base", 0) for n in REDISTRIBUTION_ROWS}
+        assert a2a["owned"] == a2a["set_owned_"] == 1 and a2a[NS] == 2, a2a
+        # ZeRO-3 on 2 ranks (even row counts): every chunk already is whole rows, nothing crosses ranks
+        assert a2a["to_dtensors"] == a2a["set_dtensors_"] == (1 if stage == 1 else 0), a2a
+        assert rows["to_dtensors"]["collectives"] == 1 + a2a["to_dtensors"] and rows["owned"]["collectives"] == 2
+        assert rows["set_dtensors_"]["collectives"] == 2 + a2a["set_dtensors_"]
+        assert rows["set_owned_"]["collectives"] == 3
+        assert rows[NS]["collectives"] == 4 and rows[FULL_NS]["collectives"] == 2
+        n_matrices = rows[DS_NS]["collectives"]
+        assert 0 < n_matrices < n_tensors
+        assert rows["owned"]["bytes_per_rank"] < rows["full_tensors all_gather"]["bytes_per_rank"]
+        for name in ("to_dtensors", "owned", NS):
+            relative = rows[name]["relative"]
+            assert relative["ratio"] > 0 and relative["to"] in names, relative
+        assert rows[NS]["relative"]["to"] == FULL_NS and rows[NS]["relative_ds"]["to"] == DS_NS
 
 
 def test_tensor_sweep_writes_every_row_per_k(tmp_path) -> None:

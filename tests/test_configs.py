@@ -12,61 +12,55 @@ from __future__ import annotations
 import pytest
 
 from workers import configs
+from workers.common import EngineCase
 
-# (world, stage, dtype, gas, offload, groups)
 MATRIX = [
-    (2, 1, "fp32", 1, False, 1),
-    (3, 1, "bf16", 2, True, 2),
-    (4, 1, "fp16", 2, False, 2),
-    (2, 1, "fp16", 1, True, 1),
-    (2, 2, "fp32", 2, True, 2),
-    (4, 2, "bf16", 1, False, 2),
-    (3, 2, "fp16", 1, True, 1),
-    (2, 2, "bf16", 2, False, 1),
-    (3, 3, "fp32", 2, False, 2),
-    (2, 3, "bf16", 1, True, 1),
-    (4, 3, "fp16", 2, True, 2),
-    (2, 3, "fp16", 2, False, 1),
-    (4, 3, "fp32", 1, True, 1),
+    EngineCase(1, "fp32", world=2, gas=1, offload=False, groups=1),
+    EngineCase(1, "bf16", world=3, gas=2, offload=True, groups=2),
+    EngineCase(1, "fp16", world=4, gas=2, offload=False, groups=2),
+    EngineCase(1, "fp16", world=2, gas=1, offload=True, groups=1),
+    EngineCase(2, "fp32", world=2, gas=2, offload=True, groups=2),
+    EngineCase(2, "bf16", world=4, gas=1, offload=False, groups=2),
+    EngineCase(2, "fp16", world=3, gas=1, offload=True, groups=1),
+    EngineCase(2, "bf16", world=2, gas=2, offload=False, groups=1),
+    EngineCase(3, "fp32", world=3, gas=2, offload=False, groups=2),
+    EngineCase(3, "bf16", world=2, gas=1, offload=True, groups=1),
+    EngineCase(3, "fp16", world=4, gas=2, offload=True, groups=2),
+    EngineCase(3, "fp16", world=2, gas=2, offload=False, groups=1),
+    EngineCase(3, "fp32", world=4, gas=1, offload=True, groups=1),
 ]
 
 
-def _id(case: tuple) -> str:
-    world, stage, dtype, gas, offload, groups = case
-    return f"ws{world}-z{stage}-{dtype}-gas{gas}-{'offload' if offload else 'dev'}-{groups}g"
+@pytest.mark.parametrize("case", MATRIX, ids=lambda c: c.id)
+def test_matrix_matches_reference(ranks, case: EngineCase) -> None:
+    result = ranks(case.world).run(configs.run_case, case)
+    assert result[0]["groups"] == case.groups
+    assert result[0]["params"] == (8 if case.groups == 1 else 6)
 
 
-@pytest.mark.parametrize("case", MATRIX, ids=[_id(c) for c in MATRIX])
-def test_matrix_matches_reference(ranks, case: tuple) -> None:
-    world, stage, dtype, gas, offload, groups = case
-    result = ranks(world).run(configs.run_case, stage, dtype, gas=gas, offload=offload, groups=groups)
-    assert result[0]["groups"] == groups
-    assert result[0]["params"] == (8 if groups == 1 else 6)
-
-
-# ZeRO options that change DeepSpeed's flat layout or reduction path (world 2)
+# ZeRO options that change DeepSpeed's flat layout or reduction path (world 2, accumulation 2)
 OPTIONS = [
-    (1, "fp32", {"round_robin_gradients": True}),
-    (2, "fp32", {"round_robin_gradients": True}),
-    (2, "bf16", {"round_robin_gradients": True, "parameter_alignment": True}),
-    (1, "fp32", {"parameter_alignment": True}),
-    (2, "fp16", {"reduce_bucket_size": 100}),
-    (1, "bf16", {"reduce_bucket_size": 100, "overlap_comm": True}),
-    (2, "fp32", {"overlap_comm": True}),
-    (1, "fp32", {"contiguous_gradients": False}),
-    (2, "fp32", {"contiguous_gradients": False, "reduce_scatter": False}),
-    (3, "fp32", {"reduce_bucket_size": 100, "reduce_scatter": False}),
+    EngineCase(1, "fp32", gas=2, zero={"round_robin_gradients": True}),
+    EngineCase(2, "fp32", gas=2, zero={"round_robin_gradients": True}),
+    EngineCase(2, "bf16", gas=2, zero={"round_robin_gradients": True, "parameter_alignment": True}),
+    EngineCase(1, "fp32", gas=2, zero={"parameter_alignment": True}),
+    EngineCase(2, "fp16", gas=2, zero={"reduce_bucket_size": 100}),
+    EngineCase(1, "bf16", gas=2, zero={"reduce_bucket_size": 100, "overlap_comm": True}),
+    EngineCase(2, "fp32", gas=2, zero={"overlap_comm": True}),
+    EngineCase(1, "fp32", gas=2, zero={"contiguous_gradients": False}),
+    EngineCase(2, "fp32", gas=2, zero={"contiguous_gradients": False, "reduce_scatter": False}),
+    EngineCase(3, "fp32", gas=2, zero={"reduce_bucket_size": 100, "reduce_scatter": False}),
 ]
 
 
-@pytest.mark.parametrize("stage,dtype,zero", OPTIONS, ids=[f"z{s}-{d}-{'-'.join(z)}" for s, d, z in OPTIONS])
-def test_zero_options_match_reference(ranks, stage: int, dtype: str, zero: dict) -> None:
-    ranks(2).run(configs.run_case, stage, dtype, gas=2, **zero)
+@pytest.mark.parametrize("case", OPTIONS, ids=lambda c: c.id)
+def test_zero_options_match_reference(ranks, case: EngineCase) -> None:
+    ranks(case.world).run(configs.run_case, case)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_tied_parameter_appears_once(ranks, stage: int) -> None:
-    result = ranks(2).run(configs.run_case, stage, "fp32", model="tied")
+@pytest.mark.parametrize("case", [EngineCase(stage, model="tied") for stage in (1, 2, 3)], ids=lambda c: c.id)
+def test_tied_parameter_appears_once(ranks, case: EngineCase) -> None:
+    result = ranks(case.world).run(configs.run_case, case)
     assert result[0]["params"] == 7  # fc1 (2), mid (2, weight shared with mid2), mid2.bias, fc3 (2)
 
 
@@ -91,10 +85,11 @@ def test_offload_clip_norm_sees_written_values(ranks, stage: int) -> None:
     assert abs(result[True] - result[False]) <= 1e-5 * result[False]
 
 
-@pytest.mark.parametrize("stage,dtype,gas", [(1, "fp32", 1), (2, "bf16", 2), (3, "fp32", 2)])
-def test_data_parallel_group_smaller_than_world(ranks, stage: int, dtype: str, gas: int) -> None:
+@pytest.mark.parametrize("case", [EngineCase(1, world=4), EngineCase(2, "bf16", world=4, gas=2),
+                                  EngineCase(3, world=4, gas=2)], ids=lambda c: c.id)
+def test_data_parallel_group_smaller_than_world(ranks, case: EngineCase) -> None:
     """4 ranks as 2 (DP, via deepspeed.initialize(mpu=...)) x 2: meshes and averages follow DeepSpeed's DP group."""
-    results = ranks(4).run(configs.check_sub_world_dp, stage, dtype, gas)
+    results = ranks(case.world).run(configs.check_sub_world_dp, case)
     assert [r["dp_ranks"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
 
 

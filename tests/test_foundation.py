@@ -5,18 +5,20 @@ from __future__ import annotations
 import pytest
 
 from workers import foundation
+from workers.common import EngineCase
 
-CASES = [(ws, stage, dtype) for ws in (1, 2, 3, 4) for stage in (1, 2, 3) for dtype in ("fp32", "bf16")]
+CASES = [EngineCase(stage, dtype, world=ws)
+         for ws in (1, 2, 3, 4) for stage in (1, 2, 3) for dtype in ("fp32", "bf16")]
 
 
-@pytest.mark.parametrize("world_size,stage,dtype", CASES)
-def test_reads_match_deepspeed(ranks, world_size: int, stage: int, dtype: str) -> None:
-    results = ranks(world_size).run(foundation.check_reads, stage, dtype)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_reads_match_deepspeed(ranks, case: EngineCase) -> None:
+    results = ranks(case.world).run(foundation.check_reads, case)
     assert results[0] == {"groups": 1, "params": 8}
 
 
-@pytest.mark.parametrize("world_size,stage,dtype", CASES)
-def test_set_then_step_matches_deepspeed(ranks, world_size: int, stage: int, dtype: str) -> None:
-    skipped = ranks(world_size).run(foundation.check_writes, stage, dtype)[0]
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_set_then_step_matches_deepspeed(ranks, case: EngineCase) -> None:
+    skipped = ranks(case.world).run(foundation.check_writes, case)[0]
     if skipped:
         pytest.skip(skipped)

@@ -13,6 +13,7 @@ import pytest
 from packaging.version import Version
 
 from workers import hooks
+from workers.common import EngineCase
 
 pytest.importorskip("deepspeed")
 DS_018 = Version(version("deepspeed").split("+")[0]) < Version("0.19")
@@ -30,16 +31,18 @@ def needs_unmanaged() -> None:
         pytest.skip("managed_gradient_accumulation is new in DeepSpeed 0.19")
 
 
-@pytest.mark.parametrize("stage,gas", [(1, 1), (1, 2), (2, 1), (2, 2), (3, 1), (3, 2)])
-def test_fires_once_per_boundary_with_reduced_grads(ranks, stage: int, gas: int) -> None:
-    needs_step(stage)
-    assert ranks(2).run(hooks.check_fires_once_per_boundary, stage, gas)[0] == {"fired": hooks.STEPS}
+@pytest.mark.parametrize("case", [EngineCase(stage, gas=gas) for stage in (1, 2, 3) for gas in (1, 2)],
+                         ids=lambda c: c.id)
+def test_fires_once_per_boundary_with_reduced_grads(ranks, case: EngineCase) -> None:
+    needs_step(case.stage)
+    assert ranks(case.world).run(hooks.check_fires_once_per_boundary, case)[0] == {"fired": hooks.STEPS}
 
 
-@pytest.mark.parametrize("stage,gas", [(1, 2), (2, 1), (2, 2), (3, 2)])
-def test_edit_reaches_optimizer_like_safe_set_full_grad(ranks, stage: int, gas: int) -> None:
-    needs_step(stage)
-    ranks(2).run(hooks.check_edit_reaches_optimizer, stage, gas)
+@pytest.mark.parametrize("case", [EngineCase(1, gas=2), EngineCase(2), EngineCase(2, gas=2), EngineCase(3, gas=2)],
+                         ids=lambda c: c.id)
+def test_edit_reaches_optimizer_like_safe_set_full_grad(ranks, case: EngineCase) -> None:
+    needs_step(case.stage)
+    ranks(case.world).run(hooks.check_edit_reaches_optimizer, case)
 
 
 def test_several_hooks_run_in_order(ranks) -> None:
@@ -93,22 +96,23 @@ def test_unmanaged_discard_after_error(ranks, stage: int) -> None:
     ranks(2).run(hooks.check_unmanaged_discard_after_error, stage)
 
 
-@pytest.mark.parametrize("stage,gas", [(2, 1), (2, 2), (3, 2)])
-def test_accelerate_deepspeed_plugin(ranks, stage: int, gas: int) -> None:
-    needs_step(stage)
+@pytest.mark.parametrize("case", [EngineCase(2), EngineCase(2, gas=2), EngineCase(3, gas=2)], ids=lambda c: c.id)
+def test_accelerate_deepspeed_plugin(ranks, case: EngineCase) -> None:
+    needs_step(case.stage)
     pytest.importorskip("accelerate")
-    result = ranks(2).run(hooks.check_accelerate, stage, gas)[0]
+    result = ranks(case.world).run(hooks.check_accelerate, case)[0]
     assert result["fired"] == hooks.STEPS
-    assert result["sync"] == ([False] * (gas - 1) + [True]) * hooks.STEPS
+    assert result["sync"] == ([False] * (case.gas - 1) + [True]) * hooks.STEPS
 
 
-@pytest.mark.parametrize("stage,gas,every,dtype", [(1, 2, 1, "fp32"), (2, 1, 2, "fp32"), (3, 2, 1, "fp32"),
-                                                     (1, 1, 1, "bf16")])
-def test_stats_logger_matches_safe_get_full_grad(ranks, stage: int, gas: int, every: int, dtype: str) -> None:
-    needs_step(stage)
-    result = ranks(2).run(hooks.check_stats_logger, stage, gas, every, dtype)[0]
+@pytest.mark.parametrize("case,every", [(EngineCase(1, gas=2), 1), (EngineCase(2), 2), (EngineCase(3, gas=2), 1),
+                                        (EngineCase(1, "bf16", bf16_optimizer=True), 1)],
+                         ids=["z1-gas2-every1", "z2-every2", "z3-gas2-every1", "z1-bf16opt-every1"])
+def test_stats_logger_matches_safe_get_full_grad(ranks, case: EngineCase, every: int) -> None:
+    needs_step(case.stage)
+    result = ranks(case.world).run(hooks.check_stats_logger, case, every)[0]
     assert result["steps"] == list(range(1, 4, every))
-    if dtype == "bf16":
+    if case.dtype == "bf16":
         assert result["optimizer"] == "BF16_Optimizer"
 
 

@@ -5,27 +5,45 @@ from __future__ import annotations
 import pytest
 
 from workers import materialize
+from workers.common import EngineCase
+from workers.rows import RowResults, assert_row, slug
 
-CASES = [(ws, stage, dtype) for ws in (2, 3) for stage in (1, 2, 3) for dtype in ("fp32", "bf16")]
+CASES = [EngineCase(stage, dtype, world=ws) for ws in (2, 3) for stage in (1, 2, 3) for dtype in ("fp32", "bf16")]
+# weights / biases in two optimizer param groups, nothing frozen, 4 ranks
+TWO_GROUP_CASES = [EngineCase(stage, world=4, groups=2, frozen=False) for stage in (1, 2, 3)]
+_RESULTS = RowResults()
 
 
-@pytest.mark.parametrize("world_size,stage,dtype", CASES)
-def test_full_tensors_options_match_default(ranks, world_size: int, stage: int, dtype: str) -> None:
-    results = ranks(world_size).run(materialize.check_options, stage, dtype)
-    assert results[0]["count_all_gather"] == results[0]["count_all_reduce"] == 1
+def _row_tests(cases: list[EngineCase]) -> list:
+    """One test per (case, option); one worker call per case runs every row (tests/workers/rows.py)."""
+    return [pytest.param(case, row, id=f"{case.id}-{slug(row)}") for case in cases for row in materialize.OPTION_ROWS]
 
 
-@pytest.mark.parametrize("stage", (1, 2, 3))
-def test_two_param_groups_travel_in_one_collective(ranks, stage: int) -> None:
-    results = ranks(4).run(materialize.check_options, stage, "fp32", True)
+def _check_counts(results: list[dict], row: str) -> None:
+    for strategy in ("all_gather", "all_reduce"):
+        if row == f"{strategy} strategy=":
+            assert results[0][f"count_{strategy}"] == 1
+
+
+@pytest.mark.parametrize("case,row", _row_tests(CASES))
+def test_full_tensors_options_match_default(ranks, case: EngineCase, row: str) -> None:
+    results = _RESULTS.get(ranks, case.world, materialize.check_options, case)
+    assert_row(results, row)
+    _check_counts(results, row)
+
+
+@pytest.mark.parametrize("case,row", _row_tests(TWO_GROUP_CASES))
+def test_two_param_groups_travel_in_one_collective(ranks, case: EngineCase, row: str) -> None:
+    results = _RESULTS.get(ranks, case.world, materialize.check_options, case)
     assert results[0]["groups"] == 2
-    assert results[0]["count_all_gather"] == results[0]["count_all_reduce"] == 1
+    assert_row(results, row)
+    _check_counts(results, row)
 
 
-@pytest.mark.parametrize("world_size,stage,dtype", [(2, 1, "fp32"), (3, 2, "bf16"), (4, 3, "fp32"), (3, 3, "bf16"),
-                                                    (4, 2, "fp32")])
-def test_iter_full_streams_within_budget(ranks, world_size: int, stage: int, dtype: str) -> None:
-    report = ranks(world_size).run(materialize.check_streaming, stage, dtype)[0]
+@pytest.mark.parametrize("case", [EngineCase(1), EngineCase(2, "bf16", world=3), EngineCase(3, world=4),
+                                  EngineCase(3, "bf16", world=3), EngineCase(2, world=4)], ids=lambda c: c.id)
+def test_iter_full_streams_within_budget(ranks, case: EngineCase) -> None:
+    report = ranks(case.world).run(materialize.check_streaming, case)[0]
     for strategy in ("all_gather", "all_reduce"):
         r = report[strategy]
         assert r["buckets"] > 3  # the 512-element bucket really splits the model

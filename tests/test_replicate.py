@@ -5,27 +5,26 @@ from __future__ import annotations
 import pytest
 
 from workers import replicate
+from workers.common import EngineCase
 
 CASES = [
-    # (world, stage, dtype, gas, offload, groups, zero options)
-    (2, 1, "fp32", 1, False, 1, {}),
-    (2, 2, "fp32", 2, False, 1, {}),
-    (3, 2, "bf16", 1, True, 2, {}),
-    (2, 1, "fp16", 2, False, 1, {"reduce_bucket_size": 100}),
-    (2, 2, "fp32", 1, False, 2, {"reduce_scatter": False}),
-    (3, 1, "bf16", 2, True, 1, {"overlap_comm": True}),
-    (2, 2, "fp16", 2, False, 1, {"round_robin_gradients": True}),
-    (4, 1, "fp32", 1, False, 2, {"parameter_alignment": True}),
-    (2, 2, "bf16", 2, True, 1, {}),  # stage-2 offload sums micro-steps in bf16: kept values must round the same
-    (2, 2, "fp16", 3, True, 1, {"reduce_scatter": False}),
+    EngineCase(1, "fp32", world=2, gas=1),
+    EngineCase(2, "fp32", world=2, gas=2),
+    EngineCase(2, "bf16", world=3, gas=1, offload=True, groups=2),
+    EngineCase(1, "fp16", world=2, gas=2, zero={"reduce_bucket_size": 100}),
+    EngineCase(2, "fp32", world=2, gas=1, groups=2, zero={"reduce_scatter": False}),
+    EngineCase(1, "bf16", world=3, gas=2, offload=True, zero={"overlap_comm": True}),
+    EngineCase(2, "fp16", world=2, gas=2, zero={"round_robin_gradients": True}),
+    EngineCase(1, "fp32", world=4, gas=1, groups=2, zero={"parameter_alignment": True}),
+    # stage-2 offload sums micro-steps in bf16: kept values must round the same
+    EngineCase(2, "bf16", world=2, gas=2, offload=True),
+    EngineCase(2, "fp16", world=2, gas=3, offload=True, zero={"reduce_scatter": False}),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"ws{c[0]}-z{c[1]}-{c[2]}-gas{c[3]}"
-                         f"{'-offload' if c[4] else ''}-{c[5]}g{''.join('-' + k for k in c[6])}")
-def test_keep_full_grads(ranks, case: tuple) -> None:
-    world, stage, dtype, gas, offload, groups, zero = case
-    result = ranks(world).run(replicate.check_keep, stage, dtype, gas=gas, offload=offload, groups=groups, **zero)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_keep_full_grads(ranks, case: EngineCase) -> None:
+    result = ranks(case.world).run(replicate.check_keep, case)
     assert result[0]["nbytes"] > 0
 
 
@@ -39,7 +38,8 @@ def test_enabled_after_backward_falls_back_to_shards(ranks, gas: int) -> None:
     ranks(2).run(replicate.check_late_enable, gas)
 
 
-@pytest.mark.parametrize("stage,dtype,zero", [(1, "fp32", {}), (2, "bf16", {"reduce_scatter": False})])
-def test_keep_full_grads_reads(ranks, stage: int, dtype: str, zero: dict) -> None:
+@pytest.mark.parametrize("case", [EngineCase(1, "fp32"), EngineCase(2, "bf16", zero={"reduce_scatter": False})],
+                         ids=lambda c: c.id)
+def test_keep_full_grads_reads(ranks, case: EngineCase) -> None:
     """Reads only: also part of the DeepSpeed 0.18.9 CI pass."""
-    ranks(2).run(replicate.check_keep_reads, stage, dtype, **zero)
+    ranks(case.world).run(replicate.check_keep_reads, case)

@@ -6,30 +6,34 @@ import pytest
 
 import zero_dtensor as zd
 from workers import safety
+from workers.common import EngineCase
+
+BF16OPT = EngineCase(1, "bf16", bf16_optimizer=True)
 
 
 @pytest.mark.parametrize("path", safety.RAW_WRITES)
-@pytest.mark.parametrize("stage", [1, 2])
-def test_keep_full_grads_raw_writes_reach_step(ranks, stage: int, path: str) -> None:
-    ranks(2).run(safety.check_keep_full_raw_writes, stage, path)
+@pytest.mark.parametrize("case", [EngineCase(1, optimizer="sgd"), EngineCase(2, optimizer="sgd")],
+                         ids=lambda c: c.id)
+def test_keep_full_grads_raw_writes_reach_step(ranks, case: EngineCase, path: str) -> None:
+    ranks(case.world).run(safety.check_keep_full_raw_writes, case, path)
 
 
-@pytest.mark.parametrize("world", [3])
-def test_keep_full_grads_raw_writes_offload(ranks, world: int) -> None:
-    ranks(world).run(safety.check_keep_full_raw_writes, 2, "param_to_local", True)
+@pytest.mark.parametrize("case", [EngineCase(2, world=3, offload=True, optimizer="sgd")], ids=lambda c: c.id)
+def test_keep_full_grads_raw_writes_offload(ranks, case: EngineCase) -> None:
+    ranks(case.world).run(safety.check_keep_full_raw_writes, case, "param_to_local")
 
 
-@pytest.mark.parametrize("stage,keep_full,bf16_optimizer", [
-    (1, True, False), (2, True, False), (1, False, True), (2, False, False), (3, False, False),
+@pytest.mark.parametrize("case,keep_full", [
+    (EngineCase(1), True), (EngineCase(2), True), (BF16OPT, False), (EngineCase(2), False), (EngineCase(3), False),
 ], ids=["z1-keep", "z2-keep", "bf16opt", "z2", "z3"])
-def test_results_are_snapshots(ranks, stage: int, keep_full: bool, bf16_optimizer: bool) -> None:
-    ranks(2).run(safety.check_results_are_snapshots, stage, keep_full, bf16_optimizer)
+def test_results_are_snapshots(ranks, case: EngineCase, keep_full: bool) -> None:
+    ranks(case.world).run(safety.check_results_are_snapshots, case, keep_full)
 
 
-@pytest.mark.parametrize("stage,bf16_optimizer", [(1, False), (2, False), (3, False), (1, True)],
+@pytest.mark.parametrize("case", [EngineCase(1), EngineCase(2), EngineCase(3), BF16OPT],
                          ids=["z1", "z2", "z3", "bf16opt"])
-def test_writes_record_no_history(ranks, stage: int, bf16_optimizer: bool) -> None:
-    ranks(2).run(safety.check_writes_record_no_history, stage, bf16_optimizer)
+def test_writes_record_no_history(ranks, case: EngineCase) -> None:
+    ranks(case.world).run(safety.check_writes_record_no_history, case)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -61,10 +65,10 @@ def test_debug_skipped_call_raises_within_timeout() -> None:
     assert "within 0:00:02" in answers[0]
 
 
-@pytest.mark.parametrize("stage,bf16_optimizer", [(1, False), (2, False), (3, False), (1, True)],
+@pytest.mark.parametrize("case", [EngineCase(1), EngineCase(2), EngineCase(3), BF16OPT],
                          ids=["z1", "z2", "z3", "bf16opt"])
-def test_failed_hook_discards_gradients(ranks, stage: int, bf16_optimizer: bool) -> None:
-    ranks(2).run(safety.check_failed_hook_discards, stage, bf16_optimizer)
+def test_failed_hook_discards_gradients(ranks, case: EngineCase) -> None:
+    ranks(case.world).run(safety.check_failed_hook_discards, case)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -72,8 +76,8 @@ def test_unmanaged_failed_hook_discards_gradients(ranks, stage: int) -> None:
     ranks(2).run(safety.check_unmanaged_failed_hook_discards, stage)
 
 
-@pytest.mark.parametrize("stage,bf16_optimizer", [(2, False), (3, False), (1, True)], ids=["z2", "z3", "bf16opt"])
-def test_fuzz_set_full_and_full_tensors_arguments(ranks, stage: int, bf16_optimizer: bool) -> None:
-    outcomes = ranks(2).run(safety.fuzz_arguments, stage, bf16_optimizer, 40)
+@pytest.mark.parametrize("case", [EngineCase(2), EngineCase(3), BF16OPT], ids=["z2", "z3", "bf16opt"])
+def test_fuzz_set_full_and_full_tensors_arguments(ranks, case: EngineCase) -> None:
+    outcomes = ranks(case.world).run(safety.fuzz_arguments, case, 40)
     assert outcomes[0] == outcomes[1]
     assert outcomes[0]["errors"] > 10 and outcomes[0]["writes"] > 5 and outcomes[0]["reads"] > 5, outcomes[0]

@@ -6,38 +6,38 @@ import pytest
 import torch
 
 from workers import transforms
-from workers.common import OddModel
+from workers.common import EngineCase, OddModel
+from workers.rows import RowResults, assert_row, slug
 from zero_dtensor.noise import counter_normal
 
-FP32_CASES = [(ws, stage) for ws in (1, 2, 3, 4) for stage in (1, 2, 3)]
-_NOISE: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+FP32_CASES = [EngineCase(stage, world=ws) for ws in (1, 2, 3, 4) for stage in (1, 2, 3)]
+BF16_CASES = [EngineCase(1, "bf16"), EngineCase(2, "bf16"), EngineCase(3, "bf16", world=3)]
+REPLICATED_CASES = [EngineCase(1, "bf16", world=ws, bf16_optimizer=True) for ws in (1, 2, 3)]  # BF16_Optimizer
+CASES = FP32_CASES + BF16_CASES + REPLICATED_CASES
+# one test per (case, operation); one worker call per case runs every row (tests/workers/rows.py)
+ROW_TESTS = [pytest.param(case, row, id=f"{case.id}-{slug(row)}")
+             for case in CASES for row in transforms.transform_rows(case)]
+_RESULTS = RowResults()
+_NOISE: dict[str, dict[str, torch.Tensor]] = {}
 
 
-@pytest.mark.parametrize("world_size,stage", FP32_CASES)
-def test_transforms_fp32(ranks, world_size: int, stage: int) -> None:
-    results = ranks(world_size).run(transforms.check_transforms, stage, "fp32")
-    noise = results[0]["noise"]
-    for r in results[1:]:  # every rank gathered the same noise
-        assert all(torch.equal(noise[n], r["noise"][n]) for n in noise)
-    _NOISE[(world_size, stage)] = noise
-    reference = noise_reference()
-    for name, value in noise.items():
-        assert torch.equal(value, reference[name]), (world_size, stage, name)
+@pytest.mark.parametrize("case,row", ROW_TESTS)
+def test_transform(ranks, case: EngineCase, row: str) -> None:
+    results = _RESULTS.get(ranks, case.world, transforms.check_transforms, case)
+    assert_row(results, row)
+    if row == "noise":  # fp32
+        noise = results[0]["noise"]
+        for r in results[1:]:  # every rank gathered the same noise
+            assert all(torch.equal(noise[n], r["noise"][n]) for n in noise)
+        _NOISE[case.id] = noise
+        reference = noise_reference()
+        for name, value in noise.items():
+            assert torch.equal(value, reference[name]), (case.id, name)
 
 
-@pytest.mark.parametrize("world_size,stage", [(2, 1), (2, 2), (3, 3)])
-def test_transforms_bf16(ranks, world_size: int, stage: int) -> None:
-    ranks(world_size).run(transforms.check_transforms, stage, "bf16")
-
-
-@pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_transforms_replicated_bf16_optimizer(ranks, world_size: int) -> None:
-    ranks(world_size).run(transforms.check_transforms, 1, "bf16-replicated")
-
-
-@pytest.mark.parametrize("world_size,stage", [(2, 1), (2, 3)])
-def test_transforms_fp16_loss_scale(ranks, world_size: int, stage: int) -> None:
-    results = ranks(world_size).run(transforms.check_fp16, stage)
+@pytest.mark.parametrize("case", [EngineCase(1, "fp16"), EngineCase(3, "fp16")], ids=lambda c: c.id)
+def test_transforms_fp16_loss_scale(ranks, case: EngineCase) -> None:
+    results = ranks(case.world).run(transforms.check_fp16, case)
     assert results[0]["loss_scale"] == 1024.0
 
 
@@ -63,7 +63,7 @@ def test_pcgrad_example(ranks, mode: str) -> None:
 
 def test_noise_identical_across_world_sizes_and_stages() -> None:
     if len(_NOISE) < 2:
-        pytest.skip("needs the fp32 transform cases of this module to have run")
+        pytest.skip("needs the fp32 noise rows of this module to have run")
     first, *others = _NOISE.values()
     for other in others:
         assert all(torch.equal(first[n], other[n]) for n in first)

@@ -2,7 +2,13 @@
 
 from .api import get_full_model_grads, set_full_model_grads, sharded_grads
 from .debug import set_debug, set_rank_checks
-from .errors import GradientsNotReadyError, RankDisagreementError, StaleGradientsError, UnsupportedDeepSpeedError
+from .errors import (
+    GradientsNotReadyError,
+    RankDisagreementError,
+    RankFailedError,
+    StaleGradientsError,
+    UnsupportedDeepSpeedError,
+)
 from .hooks import GradHookError, GradHookHandle, attach_to_trainer, on_grads, on_grads_in_trainer
 from .launch import RankPool, launch
 from .layout import GradLayout, GroupLayout, Packing, ParamLayout
@@ -28,6 +34,7 @@ __all__ = [
     "ParamGrad",
     "ParamLayout",
     "RankDisagreementError",
+    "RankFailedError",
     "RankPool",
     "ShardedGrads",
     "StaleGradientsError",

@@ -170,7 +170,8 @@ def _sweep_stage(args: argparse.Namespace, stage: int, tensors: int, progress: C
     n_tensors = len(grads.layout.params)  # K rounded down to even: K // 2 layers
     meta = {"stage": stage, "tensors": tensors, "model_tensors": n_tensors, "layers": len(model.layers),
             "params": sum(p.numel for p in grads.layout.params), "groups": len(grads.layout.groups),
-            "stored_dtype": str(parts[0].dtype), "stored_bytes": stored_bytes, "optimizer": type(engine.optimizer).__name__}
+            "stored_dtype": str(parts[0].dtype), "stored_bytes": stored_bytes,
+            "optimizer": type(engine.optimizer).__name__}
     floor = next((r["median_s"] for r in rows if r["row"] == FLOOR), None)
     for r in rows:
         r["ratio_to_floor"] = r["median_s"] / floor if floor else None

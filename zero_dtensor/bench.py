@@ -57,6 +57,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    "most 3")
     p.add_argument("--bucket-mb", type=float, default=16.0, help="iter_full bucket size in MiB. Default 16")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--rows", choices=("all", "core"), default="all", help="all (default): also the redistribution "
+                   "rows (zero_dtensor._bench_redistribute: to_dtensors, owned, their writes, map_full_(newton_schulz)"
+                   " vs full_tensors and vs DeepSpeed's loops); core: without them")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed. Default 1800")
     p.add_argument("--tensors", metavar="K,K,...", help="instead: the tensor-count sweep (zero_dtensor._bench_sweep),"
@@ -265,6 +268,12 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
                 bytes_per_rank=8.0 * len(grads.layout.params), baseline="ds get+set loops",
                 note="baseline: DS get loop + set loop")
 
+    if getattr(args, "rows", "all") == "all":  # issue 12: redistribution rows, with their ratios
+        from ._bench_redistribute import add_rows
+
+        add_rows(grads, engine, measure, rows, args=args, stage=stage, full_row=f"full_tensors [auto={auto}]",
+                 ring_bytes=_ring_bytes, device=device)
+
     # the floor: one bare all_gather of the same partitions into preallocated buffers
     sharded = [g for g in grads.layout.groups if g.placement.is_sharded]
     if sharded:
@@ -381,6 +390,9 @@ def render(results: dict[str, Any], args: argparse.Namespace | None = None, cons
                 _fmt_bytes(r["memory_bytes"]),
             )
         console.print(table)
+    from ._bench_redistribute import render as render_redistribution
+
+    render_redistribution(results, console)
     console.print(
         "[dim]Times: slowest rank per repetition, median/min/max over --repeat runs after one warm-up. collectives: "
         "counted with CommDebugMode in a separate untimed run. bytes/rank: ring-model estimate (all_gather (N-1)/N·S,"

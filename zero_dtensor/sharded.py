@@ -529,9 +529,11 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         ``all_to_all_single`` with uneven splits per (process group, stored dtype) for all selected parameters
         together, in the stored dtype: each rank sends the part of its fragments that other ranks' rows cover and
         receives the part of its rows that others store, about ``(N-1)/N · S/N`` bytes each way (``S`` the
-        selected bytes; ``full_tensors`` receives ``(N-1)/N · S``). Replicated groups: none (each rank slices its
-        own rows). Results are **snapshots** the caller owns (views into one buffer per process group), valid after
-        ``engine.step()``; ``dtype`` casts after the exchange.
+        selected bytes; ``full_tensors`` receives ``(N-1)/N · S``). None for replicated groups (each rank slices its
+        own rows) or where the stored pieces already are whole rows (ZeRO-3 when every row count divides by ``N``):
+        the plan decides this from the layout alone, identically on every rank. Results are **snapshots** the caller
+        owns (views into one buffer per process group), valid after ``engine.step()``; ``dtype`` casts after the
+        exchange.
         """
         self._check_current()
         selected = self._select(names)
@@ -614,7 +616,7 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         between them one all_reduce of ``N`` int64 error codes: about ``(N-1)/N · S/N`` bytes each way per rank per
         exchange. An exception in ``fn`` (or a result of the wrong shape or dtype) on any rank raises on every rank
         and nothing is written: the original exception where it happened,
-        :class:`~zero_dtensor.redistribute.RankFailedError` elsewhere.
+        :class:`~zero_dtensor.errors.RankFailedError` elsewhere.
         """
         self._check_current()
         selected = self._select(names)

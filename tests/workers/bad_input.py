@@ -12,7 +12,7 @@ import zero_dtensor as zd
 from zero_dtensor import debug
 from zero_dtensor.errors import RankDisagreementError
 
-from .common import count_comms, ds_config, fill_value, forward_backward, make_engine
+from .common import EngineCase, build_engine, count_comms, fill_value, forward_backward
 
 
 def deepspeed_storage(engine: Any) -> list[torch.Tensor]:
@@ -43,12 +43,9 @@ def _same_bytes(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     )
 
 
-def bad_writes(stage: int, dtype: str, offload: bool = False, bf16_optimizer: bool = False) -> int:
-    zero = {"offload_optimizer": {"device": "cpu"}} if offload else {}
-    config = ds_config(stage, dtype, **zero)
-    if bf16_optimizer:
-        config["data_types"] = {"grad_accum_dtype": "fp32"}
-    engine = make_engine(config)
+def bad_writes(case: EngineCase) -> int:
+    offload = case.offload
+    engine = build_engine(case)
     forward_backward(engine)
     grads = zd.sharded_grads(engine)
     names = list(grads.names)
@@ -89,7 +86,7 @@ def bad_writes(stage: int, dtype: str, offload: bool = False, bf16_optimizer: bo
 
 def disagreeing_collectives(stage: int) -> list[str]:
     """In debug mode, ranks calling a collective with different names/order all raise instead of hanging."""
-    engine = make_engine(ds_config(stage, "fp32"))
+    engine = build_engine(EngineCase(stage))
     forward_backward(engine)
     grads = zd.sharded_grads(engine)
     names = list(grads.names)
@@ -140,7 +137,7 @@ def disagreeing_collectives(stage: int) -> list[str]:
 
 
 def unsupported_stage0() -> str:
-    engine = make_engine(ds_config(0, "fp32"))
+    engine = build_engine(EngineCase(0))
     forward_backward(engine)
     with pytest.raises(zd.UnsupportedDeepSpeedError) as info:
         zd.sharded_grads(engine)
@@ -153,7 +150,7 @@ def unsupported_stage0() -> str:
 def unsupported_version(version: str) -> str:
     import deepspeed
 
-    engine = make_engine(ds_config(2, "fp32"))
+    engine = build_engine(EngineCase(2))
     forward_backward(engine)
     real = deepspeed.__version__
     deepspeed.__version__ = version
@@ -173,7 +170,7 @@ def unsupported_zero3_multi_group() -> str:
 
     Building a real MoE engine on CPU is not cheap; giving one parameter another (equal-membership) partition group
     exercises the same check without communication."""
-    engine = make_engine(ds_config(3, "fp32"))
+    engine = build_engine(EngineCase(3))
     forward_backward(engine)
     other = dist.new_group(list(range(dist.get_world_size())))
     param = engine.optimizer.fp16_groups[0][0]

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import deepspeed
@@ -12,7 +13,6 @@ import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 
 def rank_checks(grads: Any, names: Any = None) -> int:
@@ -45,6 +45,43 @@ class OddModel(torch.nn.Module):
         return self.fc3(h) + self.tiny(h)
 
 
+class TiedModel(torch.nn.Module):
+    """``mid2.weight`` is ``mid.weight``: one tied parameter, listed once (as ``mid.weight``) in the gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(33, 17)
+        self.mid = torch.nn.Linear(17, 17)
+        self.mid2 = torch.nn.Linear(17, 17)
+        self.mid2.weight = self.mid.weight
+        self.fc3 = torch.nn.Linear(17, 9)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(x))
+        return self.fc3(torch.tanh(self.mid2(torch.tanh(self.mid(h)))))
+
+
+class DeepModel(torch.nn.Module):
+    """A larger model (34 parameter tensors) to show that reductions cost the same number of collectives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(33, 13)
+        self.hidden = torch.nn.ModuleList(torch.nn.Linear(13, 13) for _ in range(15))
+        self.out = torch.nn.Linear(13, 9)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.inp(x))
+        for layer in self.hidden:
+            x = torch.tanh(layer(x))
+        return self.out(x)
+
+
+MODELS = {"odd": OddModel, "tied": TiedModel, "deep": DeepModel}
+FROZEN = ("fc1.bias", "tiny.bias")  # two-group cases freeze these by default (absent from the gradient dict)
+OPTIMIZERS = ("adam", "sgd", "client_adam")
+
+
 def allow_fp16_on_cpu() -> None:
     """DeepSpeed's CPU accelerator refuses fp16; its loss-scaling path does not depend on the device."""
     from deepspeed.accelerator import get_accelerator
@@ -53,6 +90,8 @@ def allow_fp16_on_cpu() -> None:
 
 
 def ds_config(stage: int, dtype: str = "fp32", *, gas: int = 1, micro_batch: int = 4, **zero: Any) -> dict:
+    """The base DeepSpeed config (Adam lr 1e-2). Tests build engines from an :class:`EngineCase`; this stays for
+    hand-made configs."""
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": gas,
@@ -69,8 +108,109 @@ def ds_config(stage: int, dtype: str = "fp32", *, gas: int = 1, micro_batch: int
     return config
 
 
+def _pairs(value: Any) -> tuple[tuple[str, Any], ...]:
+    return tuple(value.items()) if isinstance(value, Mapping) else tuple(value)
+
+
+@dataclass(frozen=True)
+class EngineCase:
+    """One engine of the test matrix: what :func:`build_engine` builds, and (``id``) what pytest calls it.
+
+    ``optimizer``: ``adam`` (the config's Adam, lr 1e-2), ``sgd`` (lr 1: a parameter moves by exactly its gradient,
+    so a lost write shows as a wrong parameter) or ``client_adam`` (``torch.optim.Adam``, lr 1e-2, passed to
+    ``deepspeed.initialize``; no "optimizer" in the config). ``zero`` (extra ``zero_optimization`` options) and
+    ``extra`` (top-level config entries, e.g. ``gradient_clipping``) may be given as dicts; they are stored as
+    tuples of pairs.
+    """
+
+    stage: int
+    dtype: str = "fp32"  # the stored gradient dtype: fp32 | bf16 | fp16
+    world: int = 2  # ranks the test runs the case on: ranks(case.world)
+    gas: int = 1  # gradient accumulation steps
+    offload: bool = False  # offload_optimizer to the CPU
+    groups: int = 1  # 1: one optimizer param group; 2: weights / the rest (see ``frozen``)
+    frozen: bool = True  # groups=2: FROZEN parameters do not train (absent from the gradients); weight decay split
+    bf16_optimizer: bool = False  # stage 1 + bf16 + fp32 accumulation: DeepSpeed's BF16_Optimizer (replicated)
+    optimizer: str = "adam"  # adam | sgd | client_adam
+    zero: tuple[tuple[str, Any], ...] = ()
+    extra: tuple[tuple[str, Any], ...] = ()
+    model: str = "odd"  # a key of MODELS
+    micro_batch: int = 4
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "zero", _pairs(self.zero))
+        object.__setattr__(self, "extra", _pairs(self.extra))
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r}: one of {sorted(DTYPES)}")
+        if self.bf16_optimizer and (self.stage, self.dtype) != (1, "bf16"):
+            raise ValueError("bf16_optimizer needs stage 1 and dtype bf16")
+        if self.groups not in (1, 2) or self.model not in MODELS or self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"bad case {self!r}")
+
+    @property
+    def id(self) -> str:
+        parts = [f"ws{self.world}", f"z{self.stage}", self.dtype]
+        parts += [f"gas{self.gas}"] if self.gas != 1 else []
+        parts += ["offload"] if self.offload else []
+        parts += [f"{self.groups}g" + ("" if self.frozen else "-nofrozen")] if self.groups != 1 else []
+        parts += ["bf16opt"] if self.bf16_optimizer else []
+        parts += [self.optimizer] if self.optimizer != "adam" else []
+        parts += [self.model] if self.model != "odd" else []
+        parts += [k if v is True else f"{k}={v}" for k, v in self.zero + self.extra]
+        return "-".join(parts)
+
+    def config(self) -> dict:
+        """The DeepSpeed config of this case."""
+        zero = dict(self.zero)
+        if self.offload:
+            zero["offload_optimizer"] = {"device": "cpu"}
+        config = ds_config(self.stage, self.dtype, gas=self.gas, micro_batch=self.micro_batch, **zero)
+        if self.bf16_optimizer:
+            config["data_types"] = {"grad_accum_dtype": "fp32"}
+        if self.optimizer == "sgd":
+            config["optimizer"] = {"type": "SGD", "params": {"lr": 1.0}}
+            config["zero_allow_untested_optimizer"] = True
+        elif self.optimizer == "client_adam":
+            del config["optimizer"]
+        config.update(self.extra)
+        return config
+
+
+def build_model(groups: int = 1, seed: int = 0, model: str = "odd", frozen: bool = True
+                ) -> tuple[torch.nn.Module, Any]:
+    """The model and ``model_parameters`` of a case: one group (``None``), or two groups, weights (weight decay 0.1)
+    and the rest (0.0), with the FROZEN parameters not trained unless ``frozen`` is False."""
+    torch.manual_seed(seed)
+    module = MODELS[model]()
+    if groups == 1:
+        return module, None
+    if frozen:
+        for name, p in module.named_parameters():
+            if name in FROZEN:
+                p.requires_grad_(False)
+    decay = [p for n, p in module.named_parameters() if p.requires_grad and n.endswith("weight")]
+    no_decay = [p for n, p in module.named_parameters() if p.requires_grad and not n.endswith("weight")]
+    return module, [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_engine(case: EngineCase, seed: int = 0, *, mpu: Any = None) -> Any:
+    """The one engine builder of the tests: ``case``'s model (seeded), param groups and config, initialized."""
+    if dist.is_initialized() and dist.get_world_size() != case.world:
+        raise ValueError(f"case {case.id} runs on {case.world} ranks, not {dist.get_world_size()}")
+    model, groups = build_model(case.groups, seed=seed, model=case.model, frozen=case.frozen)
+    params = groups if groups is not None else [p for p in model.parameters() if p.requires_grad]
+    kwargs: dict[str, Any] = {"mpu": mpu} if mpu is not None else {}
+    if case.optimizer == "client_adam":
+        kwargs["optimizer"] = torch.optim.Adam(params, lr=1e-2)
+    else:
+        kwargs["model_parameters"] = params
+    engine, *_ = deepspeed.initialize(model=model, config=case.config(), **kwargs)
+    return engine
+
+
 def make_engine(config: dict, model: torch.nn.Module | None = None, seed: int = 0,
                 model_parameters: Any = None) -> Any:
+    """An engine of a hand-made config (the tests use :func:`build_engine`; kept for code that builds its own)."""
     torch.manual_seed(seed)
     model = OddModel() if model is None else model
     params = model_parameters if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]

@@ -23,43 +23,11 @@ from deepspeed.utils import safe_get_full_grad
 
 import zero_dtensor as zd
 
-from .common import DTYPES, OddModel, count_comms, ds_config, fill_value, forward_backward, make_engine
+from .common import (DTYPES, FROZEN, MODELS, EngineCase, OddModel, TiedModel, build_engine, build_model,  # noqa: F401
+                     count_comms, fill_value, forward_backward)
 
 TOL = {"fp32": 1e-5, "fp16": 5e-3, "bf16": 3e-2}
-FROZEN = ("fc1.bias", "tiny.bias")  # two-group cases freeze these (absent from the gradient dict)
-
-
-class TiedModel(torch.nn.Module):
-    """``mid2.weight`` is ``mid.weight``: one tied parameter, listed once (as ``mid.weight``) in the gradients."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = torch.nn.Linear(33, 17)
-        self.mid = torch.nn.Linear(17, 17)
-        self.mid2 = torch.nn.Linear(17, 17)
-        self.mid2.weight = self.mid.weight
-        self.fc3 = torch.nn.Linear(17, 9)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.fc1(x))
-        return self.fc3(torch.tanh(self.mid2(torch.tanh(self.mid(h)))))
-
-
-MODELS = {"odd": OddModel, "tied": TiedModel}
-
-
-def build_model(groups: int, seed: int = 0, model: str = "odd") -> tuple[torch.nn.Module, Any]:
-    """The model and ``model_parameters`` for make_engine: one group, or a weight-decay split with frozen params."""
-    torch.manual_seed(seed)
-    model = MODELS[model]()
-    if groups == 1:
-        return model, None
-    for name, p in model.named_parameters():
-        if name in FROZEN:
-            p.requires_grad_(False)
-    decay = [p for n, p in model.named_parameters() if p.requires_grad and n.endswith("weight")]
-    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and not n.endswith("weight")]
-    return model, [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+# the models, FROZEN and build_model live in common.py (one case type, one builder); the names stay importable here
 
 
 def reference_grads(dtype: str, groups: int, micro_batch: int, gas: int, micro_steps: int | None = None,
@@ -89,15 +57,13 @@ def _deepspeed_reference_is_right(engine: Any, zero: dict) -> bool:
     return not zero.get("round_robin_gradients", False)
 
 
-def run_case(stage: int, dtype: str, gas: int = 1, offload: bool = False, groups: int = 1, model: str = "odd",
-             **zero: Any) -> dict:
+def run_case(case: EngineCase) -> dict:
     """Build, run every micro-step, check mid-accumulation behaviour, the boundary values and the stale error."""
-    if offload:
-        zero = {**zero, "offload_optimizer": {"device": "cpu"}}
-    config = ds_config(stage, dtype, gas=gas, **zero)
-    kind_of_model = model
-    model, model_parameters = build_model(groups, model=kind_of_model)
-    engine = make_engine(config, model=model, model_parameters=model_parameters)
+    stage, dtype, gas, offload, groups, zero = (case.stage, case.dtype, case.gas, case.offload, case.groups,
+                                                dict(case.zero))
+    kind_of_model = case.model
+    assert case.frozen, "the reference (reference_grads) freezes FROZEN in two-group cases"
+    engine = build_engine(case)
     micro = engine.train_micro_batch_size_per_gpu()
     kind = type(engine.optimizer).__name__
 
@@ -141,10 +107,7 @@ def run_case(stage: int, dtype: str, gas: int = 1, offload: bool = False, groups
 
 def check_bf16_optimizer(gas: int) -> dict:
     """ZeRO-1 + bf16 + fp32 accumulation builds BF16_Optimizer: Replicate groups, zero-collective reads, writes stick."""
-    config = ds_config(1, "bf16", gas=gas)
-    config["data_types"] = {"grad_accum_dtype": "fp32"}
-    model, _ = build_model(1)
-    engine = make_engine(config, model=model)
+    engine = build_engine(EngineCase(1, "bf16", gas=gas, bf16_optimizer=True))
     assert type(engine.optimizer).__name__ == "BF16_Optimizer"
     micro = engine.train_micro_batch_size_per_gpu()
     for step in range(gas):
@@ -185,7 +148,7 @@ def check_fp16_overflow(stage: int) -> dict:
     """An overflowing fp16 backward: found_inf is True on every rank and the full tensors carry the inf/nan."""
     from zero_dtensor.overflow import found_inf
 
-    engine = make_engine(ds_config(stage, "fp16"))
+    engine = build_engine(EngineCase(stage, "fp16"))
     forward_backward(engine)
     grads = zd.sharded_grads(engine)
     with count_comms() as mode:
@@ -215,7 +178,7 @@ def check_fp16_writes_rescaled(stage: int) -> None:
     """set_full_ under fp16 stores value x loss_scale: the step equals DeepSpeed's own set of pre-scaled values."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_grad
 
-    ours = make_engine(ds_config(stage, "fp16"))
+    ours = build_engine(EngineCase(stage, "fp16"))
     forward_backward(ours)
     grads = zd.sharded_grads(ours)
     assert grads.loss_scale == 1024.0
@@ -225,7 +188,7 @@ def check_fp16_writes_rescaled(stage: int) -> None:
         assert torch.allclose(grads[name].full_tensor(dtype=torch.float32), value, rtol=1e-3, atol=1e-6), name
     ours.step()
 
-    theirs = make_engine(ds_config(stage, "fp16"))
+    theirs = build_engine(EngineCase(stage, "fp16"))
     forward_backward(theirs)
     scale = theirs.optimizer.loss_scale
     world = dist.get_world_size()
@@ -247,10 +210,7 @@ def check_offload_norm_after_write(stage: int, dtype: str = "fp32") -> dict:
     results = {}
     params_after = {}
     for offload in (False, True):
-        zero = {"offload_optimizer": {"device": "cpu"}} if offload else {}
-        config = ds_config(stage, dtype, **zero)
-        config["gradient_clipping"] = 0.5
-        engine = make_engine(config)
+        engine = build_engine(EngineCase(stage, dtype, offload=offload, extra={"gradient_clipping": 0.5}))
         forward_backward(engine)
         grads = zd.sharded_grads(engine)
         values = {n: fill_value(n, grads[n].shape) * 0.1 for n in grads.names}
@@ -327,19 +287,16 @@ class TinyMPU:
     get_tensor_model_parallel_world_size = get_model_parallel_world_size
 
 
-def check_sub_world_dp(stage: int, dtype: str, gas: int = 1) -> dict:
+def check_sub_world_dp(case: EngineCase) -> dict:
     """4 ranks as 2 (data parallel) x 2: meshes are built on DeepSpeed's DP group, values average over it only."""
     with restore_deepspeed_groups():
-        return _check_sub_world_dp(stage, dtype, gas)
+        return _check_sub_world_dp(case)
 
 
-def _check_sub_world_dp(stage: int, dtype: str, gas: int) -> dict:
-    import deepspeed
-
+def _check_sub_world_dp(case: EngineCase) -> dict:
+    dtype, gas = case.dtype, case.gas
     mpu = TinyMPU()
-    model, _ = build_model(1)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=ds_config(stage, dtype, gas=gas), mpu=mpu)
+    engine = build_engine(case, mpu=mpu)
     for step in range(gas):
         forward_backward(engine, step)
         if step < gas - 1:
@@ -372,8 +329,7 @@ def check_hpz() -> dict:
 
 
 def _check_hpz() -> dict:
-    model, _ = build_model(1)
-    engine = make_engine(ds_config(3, "fp32", zero_hpz_partition_size=2), model=model)
+    engine = build_engine(EngineCase(3, world=4, zero={"zero_hpz_partition_size": 2}))
     forward_backward(engine)
     grads = zd.sharded_grads(engine)
     assert all(g.world_size == dist.get_world_size() for g in grads.layout.groups)

@@ -9,7 +9,8 @@ from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
 import zero_dtensor as zd
 from zero_dtensor.layout import Packing
 
-from .common import DTYPES, count_comms, ds_config, fill_value, forward_backward, make_engine, params_snapshot, rank_checks
+from .common import (DTYPES, EngineCase, build_engine, count_comms, fill_value, forward_backward, params_snapshot,
+                     rank_checks)
 
 
 def _expected_flat(grads: zd.ShardedGrads, group_index: int, refs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -28,8 +29,9 @@ def _expected_flat(grads: zd.ShardedGrads, group_index: int, refs: dict[str, tor
     return flat
 
 
-def check_reads(stage: int, dtype: str) -> dict:
-    engine = make_engine(ds_config(stage, dtype))
+def check_reads(case: EngineCase) -> dict:
+    dtype = case.dtype
+    engine = build_engine(case)
     forward_backward(engine)
     with count_comms() as mode:
         grads = zd.sharded_grads(engine)
@@ -88,12 +90,13 @@ def deepspeed_step_broken(stage: int) -> bool:
     return stage in (1, 2) and Version(deepspeed.__version__.split("+")[0]) < Version("0.19")
 
 
-def check_writes(stage: int, dtype: str) -> str | None:
+def check_writes(case: EngineCase) -> str | None:
     """set_full_ + step() gives the same parameters as DeepSpeed's safe_set_full_grad loop + step().
 
     Returns a skip reason when only the step could not be checked (DeepSpeed 0.18.x, stages 1/2)."""
+    stage = case.stage
     values = {}
-    ours = make_engine(ds_config(stage, dtype))
+    ours = build_engine(case)
     forward_backward(ours)
     grads = zd.sharded_grads(ours)
     values = {n: fill_value(n, grads[n].shape) for n in grads.names}
@@ -112,7 +115,7 @@ def check_writes(stage: int, dtype: str) -> str | None:
     with pytest.raises(zd.GradientsNotReadyError):
         zd.sharded_grads(ours)
 
-    theirs = make_engine(ds_config(stage, dtype))
+    theirs = build_engine(case)
     forward_backward(theirs)
     world = torch.distributed.get_world_size()
     for name, p in theirs.module.named_parameters():

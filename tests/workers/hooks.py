@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-import deepspeed
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,7 +14,7 @@ from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
 import zero_dtensor as zd
 from zero_dtensor.hooks import GradHookError
 
-from .common import OddModel, batch, ds_config, fill_value, forward_backward, make_engine, params_snapshot
+from .common import EngineCase, batch, build_engine, build_model, fill_value, forward_backward, params_snapshot
 
 STEPS = 3  # optimizer steps per check
 
@@ -64,9 +64,10 @@ def assert_params_differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
 
 
 # --- plain DeepSpeed --------------------------------------------------------------------------------------------------
-def check_fires_once_per_boundary(stage: int, gas: int) -> dict:
+def check_fires_once_per_boundary(case: EngineCase) -> dict:
     """The hook fires once per boundary, with the reduced gradient (== safe_get_full_grad), never mid-accumulation."""
-    engine = make_engine(ds_config(stage, gas=gas))
+    gas = case.gas
+    engine = build_engine(case)
     seen: list[tuple[int, int]] = []
 
     def fn(grads: zd.ShardedGrads) -> None:
@@ -90,23 +91,24 @@ def check_fires_once_per_boundary(stage: int, gas: int) -> dict:
     return {"fired": len(seen)}
 
 
-def check_edit_reaches_optimizer(stage: int, gas: int) -> None:
+def check_edit_reaches_optimizer(case: EngineCase) -> None:
     """Parameters after steps with a hook edit == a safe_get/set_full_grad loop doing the same edit."""
-    ours = make_engine(ds_config(stage, gas=gas))
+    stage, gas = case.stage, case.gas
+    ours = build_engine(case)
     untouched = params_snapshot(ours)
     with zd.on_grads(ours, hook_modify):
         for micro in range(STEPS * gas):
             forward_backward(ours, micro)
             ours.step()
 
-    theirs = reference_run(make_engine(ds_config(stage, gas=gas)), stage, gas)
+    theirs = reference_run(build_engine(case), stage, gas)
     mine = params_snapshot(ours)
     assert_params_equal(mine, params_snapshot(theirs))
     assert_params_differ(mine, untouched)
 
 
 def check_several_hooks_in_order() -> None:
-    engine = make_engine(ds_config(2))
+    engine = build_engine(EngineCase(2))
     order: list[str] = []
 
     def first(grads: zd.ShardedGrads) -> None:
@@ -138,7 +140,7 @@ def check_rejects_non_engines() -> None:
         zd.on_grads(PipelineEngine.__new__(PipelineEngine), hook_modify)
     with pytest.raises(TypeError, match="DeepSpeed engine"):
         zd.on_grads(torch.nn.Linear(2, 2), hook_modify)
-    engine = make_engine(ds_config(1))
+    engine = build_engine(EngineCase(1))
     with pytest.raises(TypeError, match="callable"):
         zd.on_grads(engine, None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="every"):
@@ -148,7 +150,7 @@ def check_rejects_non_engines() -> None:
 
 # --- removal ----------------------------------------------------------------------------------------------------------
 def check_remove_restores(stage: int) -> None:
-    engine = make_engine(ds_config(stage))
+    engine = build_engine(EngineCase(stage))
     assert "step" not in engine.__dict__ and "_take_model_step" not in engine.__dict__
     handle = zd.on_grads(engine, hook_modify)
     assert engine.step.__wrapped__.__func__ is DeepSpeedEngine.step  # type: ignore[attr-defined]
@@ -171,7 +173,7 @@ def check_remove_restores(stage: int) -> None:
     engine.step()
     assert fired == [0]
 
-    never = make_engine(ds_config(stage))
+    never = build_engine(EngineCase(stage))
     for micro in range(2):
         forward_backward(never, micro)
         never.step()
@@ -180,7 +182,7 @@ def check_remove_restores(stage: int) -> None:
 
 def check_instance_attribute_preserved() -> None:
     """A ``step`` someone set on the instance before us comes back on remove; one set on top of us is left alone."""
-    engine = make_engine(ds_config(1))
+    engine = build_engine(EngineCase(1))
     calls: list[str] = []
     original = engine.step
 
@@ -210,7 +212,7 @@ def check_instance_attribute_preserved() -> None:
 # --- errors -----------------------------------------------------------------------------------------------------------
 def check_error_on_one_rank(stage: int, failing_rank: int, after_collective: bool = False) -> None:
     """fn raises on one rank: every rank raises, nothing hangs, no optimizer update; the engine steps fine after."""
-    engine = make_engine(ds_config(stage))
+    engine = build_engine(EngineCase(stage))
     before = params_snapshot(engine)
 
     def fn(grads: zd.ShardedGrads) -> None:
@@ -235,14 +237,14 @@ def check_error_on_one_rank(stage: int, failing_rank: int, after_collective: boo
 
     # the engine is not half-stepped: stepping now equals an engine that never had a hook
     engine.step()
-    never = make_engine(ds_config(stage))
+    never = build_engine(EngineCase(stage))
     forward_backward(never)
     never.step()
     assert_params_equal(params_snapshot(engine), params_snapshot(never))
 
 
 def check_error_on_all_ranks() -> None:
-    engine = make_engine(ds_config(2))
+    engine = build_engine(EngineCase(2))
     before = params_snapshot(engine)
 
     def fn(grads: zd.ShardedGrads) -> None:
@@ -259,9 +261,8 @@ def check_error_on_all_ranks() -> None:
 def check_unmanaged(stage: int) -> None:
     """``managed_gradient_accumulation: false``: step() finalizes; the hook runs after that, before the optimizer."""
     gas = 2
-    config = ds_config(stage, gas=gas)
-    config["managed_gradient_accumulation"] = False
-    ours = make_engine(config)
+    unmanaged = EngineCase(stage, gas=gas, extra={"managed_gradient_accumulation": False})
+    ours = build_engine(unmanaged)
     seen: list[int] = []
 
     def fn(grads: zd.ShardedGrads) -> None:
@@ -276,11 +277,11 @@ def check_unmanaged(stage: int) -> None:
     assert seen == list(range(STEPS))
 
     # reference: managed accumulation, same data, the same edit made by DeepSpeed's safe_* loop
-    theirs = reference_run(make_engine(ds_config(stage, gas=gas)), stage, gas)
+    theirs = reference_run(build_engine(EngineCase(stage, gas=gas)), stage, gas)
     assert_params_equal(params_snapshot(ours), params_snapshot(theirs), exact=False)
 
     # an error inside step(): every rank raises, no update, step() state undone
-    engine = make_engine(config)
+    engine = build_engine(unmanaged)
     before = params_snapshot(engine)
 
     def bad(grads: zd.ShardedGrads) -> None:
@@ -304,11 +305,10 @@ def _accelerate_engine(stage: int, gas: int) -> tuple[Any, Any, Any]:
     # one Accelerator per check in a reused rank process: drop the singletons the previous check left
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    config = ds_config(stage, gas=gas)
-    config.pop("optimizer")  # the client optimizer below, as an Accelerate user passes it
+    # the config without an optimizer: the client optimizer below, as an Accelerate user passes it
+    config = EngineCase(stage, gas=gas, optimizer="client_adam").config()
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config), gradient_accumulation_steps=gas)
-    torch.manual_seed(0)
-    model = OddModel()
+    model, _ = build_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     engine, optimizer = accelerator.prepare(model, optimizer)
     assert isinstance(engine, DeepSpeedEngine)
@@ -319,19 +319,10 @@ def _accelerate_engine(stage: int, gas: int) -> tuple[Any, Any, Any]:
     return accelerator, engine, optimizer
 
 
-def _plain_engine_like_accelerate(stage: int, gas: int) -> Any:
-    config = ds_config(stage, gas=gas)
-    config.pop("optimizer")
-    torch.manual_seed(0)
-    model = OddModel()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    return engine
-
-
-def check_accelerate(stage: int, gas: int) -> dict:
+def check_accelerate(case: EngineCase) -> dict:
     """Under Accelerate's DeepSpeed plugin (engine.step() runs inside accelerator.backward()), the hook fires once per
     boundary and its edit reaches the optimizer (== a plain engine with the safe_* loop making the same edit)."""
+    stage, gas = case.stage, case.gas
     accelerator, engine, optimizer = _accelerate_engine(stage, gas)
     seen: list[int] = []
     steps_called: list[bool] = []
@@ -355,21 +346,19 @@ def check_accelerate(stage: int, gas: int) -> dict:
     assert seen == list(range(STEPS)), seen
     assert engine.global_steps == STEPS
 
-    theirs = reference_run(_plain_engine_like_accelerate(stage, gas), stage, gas)
+    theirs = reference_run(build_engine(EngineCase(stage, gas=gas, optimizer="client_adam")), stage, gas)
     assert_params_equal(params_snapshot(engine), params_snapshot(theirs))
     return {"fired": len(seen), "sync": steps_called}
 
 
 # --- GradStatsLogger --------------------------------------------------------------------------------------------------
-def check_stats_logger(stage: int, gas: int, every: int, dtype: str = "fp32") -> dict:
+def check_stats_logger(case: EngineCase, every: int) -> dict:
     """Values equal statistics of safe_get_full_grad taken at the same moment; logged every ``every`` boundaries;
     callback on rank 0 only; stats cost at most two collectives."""
     from .common import count_comms
 
-    config = ds_config(stage, dtype, gas=gas)
-    if dtype == "bf16":
-        config["data_types"] = {"grad_accum_dtype": "fp32"}  # stage 1: BF16_Optimizer (replicated fp32 grads)
-    engine = make_engine(config)
+    gas = case.gas  # bf16: stage 1 with BF16_Optimizer (replicated fp32 grads)
+    engine = build_engine(case)
     references: list[dict[str, torch.Tensor]] = []
     calls: list[tuple[int, dict[str, float]]] = []
     zd.on_grads(engine, lambda g: references.append(
@@ -405,7 +394,7 @@ def check_stats_logger(stage: int, gas: int, every: int, dtype: str = "fp32") ->
         assert calls == []
 
     # cost: the statistics take at most two collectives per step
-    engine2 = make_engine({**config, "gradient_accumulation_steps": 1})
+    engine2 = build_engine(dataclasses.replace(case, gas=1))
     probe = zd.GradStatsLogger(engine2, metrics=("norm",))
     probe.remove()
     counts: list[int] = []
@@ -425,7 +414,7 @@ def check_stats_logger(stage: int, gas: int, every: int, dtype: str = "fp32") ->
 
 
 def check_stats_logger_nan_and_callback_error() -> None:
-    engine = make_engine(ds_config(2))
+    engine = build_engine(EngineCase(2))
 
     def poison(grads: zd.ShardedGrads) -> None:
         value = grads.full_tensors(["fc2.bias"], dtype=torch.float32)["fc2.bias"].clone()
@@ -479,7 +468,7 @@ def check_accelerate_error() -> None:
 def check_discard_after_error(stage: int) -> None:
     """After a hook error, ``engine.optimizer.zero_grad()`` discards the step: training on equals an engine that
     never saw that batch."""
-    engine = make_engine(ds_config(stage))
+    engine = build_engine(EngineCase(stage))
 
     def fn(grads: zd.ShardedGrads) -> None:
         raise ValueError("reject this batch")
@@ -492,7 +481,7 @@ def check_discard_after_error(stage: int) -> None:
     forward_backward(engine, 1)
     engine.step()
 
-    never = make_engine(ds_config(stage))
+    never = build_engine(EngineCase(stage))
     forward_backward(never, 1)
     never.step()
     assert engine.global_steps == never.global_steps == 1
@@ -502,13 +491,12 @@ def check_discard_after_error(stage: int) -> None:
 def check_unmanaged_discard_after_error(stage: int) -> None:
     """Unmanaged accumulation: after a hook error inside step(), ``optimizer.zero_grad()`` discards the finalized
     gradients; training on equals an engine that never saw those micro-batches."""
-    config = ds_config(stage, gas=2)
-    config["managed_gradient_accumulation"] = False
+    case = EngineCase(stage, gas=2, extra={"managed_gradient_accumulation": False})
 
     def fn(grads: zd.ShardedGrads) -> None:
         raise ValueError("reject")
 
-    engine = make_engine(config)
+    engine = build_engine(case)
     with zd.on_grads(engine, fn):
         forward_backward(engine, 0)
         forward_backward(engine, 1)
@@ -519,7 +507,7 @@ def check_unmanaged_discard_after_error(stage: int) -> None:
     forward_backward(engine, 3)
     engine.step()
 
-    never = make_engine(config)
+    never = build_engine(case)
     forward_backward(never, 2)
     forward_backward(never, 3)
     never.step()

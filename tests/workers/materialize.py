@@ -14,7 +14,8 @@ from deepspeed.utils import safe_get_full_grad
 import zero_dtensor as zd
 from zero_dtensor import materialize as mz
 
-from .common import DTYPES, OddModel, count_comms, ds_config, forward_backward, make_engine, rank_checks
+from .common import DTYPES, EngineCase, build_engine, count_comms, forward_backward, rank_checks
+from .rows import Rows
 
 
 @contextlib.contextmanager
@@ -42,17 +43,6 @@ def _settle_recycled(timeout: float = 0.5) -> None:
         time.sleep(0.001)
 
 
-def _engine(stage: int, dtype: str, *, two_groups: bool = False, **zero: Any) -> Any:
-    config = ds_config(stage, dtype, **zero)
-    if not two_groups:
-        return make_engine(config)
-    torch.manual_seed(0)
-    model = OddModel()
-    first = [model.fc1.weight, model.fc2.weight, model.fc3.weight, model.tiny.weight]
-    rest = [p for p in model.parameters() if all(p is not q for q in first)]
-    return make_engine(config, model=model, model_parameters=[{"params": first}, {"params": rest, "lr": 1e-3}])
-
-
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
     assert list(a) == list(b), (what, list(a), list(b))
     for name in a:
@@ -71,126 +61,186 @@ def _expected_collectives(grads: zd.ShardedGrads, strategy: str, names: list[str
     return len(keys) + rank_checks(grads, names)
 
 
-def check_options(stage: int, dtype: str, two_groups: bool = False) -> dict:
-    """Every option of full_tensors returns what the default path (and DeepSpeed) returns."""
-    engine = _engine(stage, dtype, two_groups=two_groups)
-    forward_backward(engine)
-    grads = zd.sharded_grads(engine)
-    stored = DTYPES[dtype]
-    refs = {n: safe_get_full_grad(p).to(stored) for n, p in engine.module.named_parameters() if p.requires_grad}
-    rank, world = dist.get_rank(), dist.get_world_size()
-    report: dict[str, Any] = {"groups": len(grads.groups)}
+# The rows of check_options, in order: each option's own test (tests/test_materialize.py).
+STRATEGY_OPTIONS = ["auto pinned", "strategy=", "subset", "dtype fp32", "out= reuse", "recycling", "user out=", "dst",
+                    "async", "async dst fp32"]
+OPTION_ROWS = ["default matches DeepSpeed",
+               *(f"{strategy} {option}" for strategy in ("all_gather", "all_reduce") for option in STRATEGY_OPTIONS),
+               "module helpers"]
 
-    with pinned("all_gather"):
-        default = dict(grads.full_tensors())
-    _equal(default, {n: refs[n] for n in grads.names}, "default vs DeepSpeed")
 
+class _Options:
+    """What the rows of one check_options share."""
+
+    def __init__(self, case: EngineCase) -> None:
+        engine = build_engine(case)
+        forward_backward(engine)
+        self.grads = grads = zd.sharded_grads(engine)
+        stored = DTYPES[case.dtype]
+        self.refs = {n: safe_get_full_grad(p).to(stored) for n, p in engine.module.named_parameters()
+                     if p.requires_grad}
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.report: dict[str, Any] = {"groups": len(grads.groups)}
+        with pinned("all_gather"):
+            self.default = dict(grads.full_tensors())
+
+    def expected(self, strategy: str) -> int:
+        return _expected_collectives(self.grads, strategy)
+
+
+def check_options(case: EngineCase) -> dict:
+    """Every option of full_tensors returns what the default path (and DeepSpeed) returns: one row each."""
+    st = _Options(case)
+    rows = Rows(OPTION_ROWS, on_failure=mz.release_workspace)
+    rows.run("default matches DeepSpeed", lambda: _equal(st.default, {n: st.refs[n] for n in st.grads.names},
+                                                         "default vs DeepSpeed"))
     for strategy in ("all_gather", "all_reduce"):
-        with pinned(strategy), count_comms() as mode:
-            got = grads.full_tensors()
-        _equal(dict(got), default, f"auto pinned to {strategy}")
-        assert mode.get_total_counts() == _expected_collectives(grads, strategy), (strategy, mode.get_comm_counts())
-        with count_comms() as mode:
-            got = grads.full_tensors(strategy=strategy)
-        _equal(dict(got), default, strategy)
-        expected = _expected_collectives(grads, strategy)
-        assert mode.get_total_counts() == expected, (strategy, mode.get_comm_counts())
-        report[f"count_{strategy}"] = mode.get_total_counts() - rank_checks(grads)  # the data collectives
+        for option in STRATEGY_OPTIONS:
+            rows.run(f"{strategy} {option}", _OPTION_CHECKS[option], st, strategy)
+    rows.run("module helpers", _option_module_helpers, st)
+    return rows.report(**st.report)
 
-        # a subset, in the caller's order
-        subset = [grads.names[-1], grads.names[0]]
-        got = grads.full_tensors(subset, strategy=strategy)
-        _equal(dict(got), {n: default[n] for n in subset}, f"{strategy} subset")
 
-        # an output dtype
-        got = grads.full_tensors(dtype=torch.float32, strategy=strategy)
-        _equal(dict(got), {n: t.float() for n, t in default.items()}, f"{strategy} fp32")
+def _option_auto_pinned(st: _Options, strategy: str) -> None:
+    with pinned(strategy), count_comms() as mode:
+        got = st.grads.full_tensors()
+    _equal(dict(got), st.default, f"auto pinned to {strategy}")
+    assert mode.get_total_counts() == st.expected(strategy), (strategy, mode.get_comm_counts())
 
-        # out=: the returned dict reused; same memory, same collectives
-        first = grads.full_tensors(strategy=strategy)
-        ptrs = {n: t.data_ptr() for n, t in first.items()}
-        buffers = {k: b.data_ptr() for k, b in first.buffers.items()}
-        with count_comms() as mode, recording() as rec:
-            second = grads.full_tensors(out=first, strategy=strategy)
-        assert second is first
-        assert rec.sizes == [], (strategy, rec.sizes)  # nothing allocated by zero_dtensor
-        assert {n: t.data_ptr() for n, t in second.items()} == ptrs
-        assert {k: b.data_ptr() for k, b in second.buffers.items()} == buffers
-        assert mode.get_total_counts() == expected, mode.get_comm_counts()
-        _equal(dict(second), default, f"{strategy} out= reuse")
 
-        # without out=: the flat buffer is recycled once the previous result is gone, never while it lives
-        mz.release_workspace()
-        a = grads.full_tensors(strategy=strategy)
-        a_ptrs = sorted(t.data_ptr() for t in a.buffers.values())
-        kept = {n: t.clone() for n, t in a.items()}
-        b = grads.full_tensors(strategy=strategy)
-        assert not set(a_ptrs) & {t.data_ptr() for t in b.buffers.values()}, "a live result's memory was reused"
-        _equal(dict(a), kept, f"{strategy} live result unchanged")
-        del a, b
-        _settle_recycled()
-        c = grads.full_tensors(strategy=strategy)
-        assert sorted(t.data_ptr() for t in c.buffers.values()) == a_ptrs, "buffer not recycled"
-        _equal(dict(c), default, f"{strategy} recycled")
-        one = c[grads.names[0]]
-        del c  # a single kept tensor pins the buffer when it is a view of it (ZeRO-1/2, ZeRO-3 under all_reduce)
-        d = grads.full_tensors(strategy=strategy)
-        if one._base is not None and any(one.untyped_storage().data_ptr() == p for p in a_ptrs):
-            assert not set(a_ptrs) & {t.data_ptr() for t in d.buffers.values()}
-        assert torch.equal(one, default[grads.names[0]])
-        del one, d
-        mz.release_workspace()
+def _option_strategy(st: _Options, strategy: str) -> None:
+    with count_comms() as mode:
+        got = st.grads.full_tensors(strategy=strategy)
+    _equal(dict(got), st.default, strategy)
+    expected = st.expected(strategy)
+    assert mode.get_total_counts() == expected, (strategy, mode.get_comm_counts())
+    st.report[f"count_{strategy}"] = mode.get_total_counts() - rank_checks(st.grads)  # the data collectives
 
-        # out=: a user-made dict (fp32 outputs): filled in place; the workspace is allocated once
-        mine = {n: torch.full(t.shape, float("nan")) for n, t in default.items()}
-        ptrs = {n: t.data_ptr() for n, t in mine.items()}
-        mz.release_workspace()
+
+def _option_subset(st: _Options, strategy: str) -> None:
+    """A subset, in the caller's order."""
+    grads = st.grads
+    subset = [grads.names[-1], grads.names[0]]
+    got = grads.full_tensors(subset, strategy=strategy)
+    _equal(dict(got), {n: st.default[n] for n in subset}, f"{strategy} subset")
+
+
+def _option_dtype(st: _Options, strategy: str) -> None:
+    """An output dtype."""
+    got = st.grads.full_tensors(dtype=torch.float32, strategy=strategy)
+    _equal(dict(got), {n: t.float() for n, t in st.default.items()}, f"{strategy} fp32")
+
+
+def _option_out_reuse(st: _Options, strategy: str) -> None:
+    """out=: the returned dict reused; same memory, same collectives."""
+    grads = st.grads
+    first = grads.full_tensors(strategy=strategy)
+    ptrs = {n: t.data_ptr() for n, t in first.items()}
+    buffers = {k: b.data_ptr() for k, b in first.buffers.items()}
+    with count_comms() as mode, recording() as rec:
+        second = grads.full_tensors(out=first, strategy=strategy)
+    assert second is first
+    assert rec.sizes == [], (strategy, rec.sizes)  # nothing allocated by zero_dtensor
+    assert {n: t.data_ptr() for n, t in second.items()} == ptrs
+    assert {k: b.data_ptr() for k, b in second.buffers.items()} == buffers
+    assert mode.get_total_counts() == st.expected(strategy), mode.get_comm_counts()
+    _equal(dict(second), st.default, f"{strategy} out= reuse")
+
+
+def _option_recycling(st: _Options, strategy: str) -> None:
+    """Without out=: the flat buffer is recycled once the previous result is gone, never while it lives."""
+    grads, default = st.grads, st.default
+    mz.release_workspace()
+    a = grads.full_tensors(strategy=strategy)
+    a_ptrs = sorted(t.data_ptr() for t in a.buffers.values())
+    kept = {n: t.clone() for n, t in a.items()}
+    b = grads.full_tensors(strategy=strategy)
+    assert not set(a_ptrs) & {t.data_ptr() for t in b.buffers.values()}, "a live result's memory was reused"
+    _equal(dict(a), kept, f"{strategy} live result unchanged")
+    del a, b
+    _settle_recycled()
+    c = grads.full_tensors(strategy=strategy)
+    assert sorted(t.data_ptr() for t in c.buffers.values()) == a_ptrs, "buffer not recycled"
+    _equal(dict(c), default, f"{strategy} recycled")
+    one = c[grads.names[0]]
+    del c  # a single kept tensor pins the buffer when it is a view of it (ZeRO-1/2, ZeRO-3 under all_reduce)
+    d = grads.full_tensors(strategy=strategy)
+    if one._base is not None and any(one.untyped_storage().data_ptr() == p for p in a_ptrs):
+        assert not set(a_ptrs) & {t.data_ptr() for t in d.buffers.values()}
+    assert torch.equal(one, default[grads.names[0]])
+    del one, d
+    mz.release_workspace()
+
+
+def _option_user_out(st: _Options, strategy: str) -> None:
+    """out=: a user-made dict (fp32 outputs): filled in place; the workspace is allocated once."""
+    grads = st.grads
+    mine = {n: torch.full(t.shape, float("nan")) for n, t in st.default.items()}
+    ptrs = {n: t.data_ptr() for n, t in mine.items()}
+    mz.release_workspace()
+    got = grads.full_tensors(out=mine, dtype=torch.float32, strategy=strategy)
+    with recording() as rec:
         got = grads.full_tensors(out=mine, dtype=torch.float32, strategy=strategy)
-        with recording() as rec:
-            got = grads.full_tensors(out=mine, dtype=torch.float32, strategy=strategy)
-        assert got is mine and rec.sizes == []
-        assert {n: t.data_ptr() for n, t in mine.items()} == ptrs
-        _equal(dict(mine), {n: t.float() for n, t in default.items()}, f"{strategy} user out=")
-        mz.release_workspace()
+    assert got is mine and rec.sizes == []
+    assert {n: t.data_ptr() for n, t in mine.items()} == ptrs
+    _equal(dict(mine), {n: t.float() for n, t in st.default.items()}, f"{strategy} user out=")
+    mz.release_workspace()
 
-        # dst: only the destination receives
-        for dst in (0, world - 1):
-            with count_comms() as mode:
-                got = grads.full_tensors(dst=dst, strategy=strategy)
-            if rank == dst:
-                _equal(dict(got), default, f"{strategy} dst={dst}")
-            else:
-                assert dict(got) == {}, (strategy, dst, list(got))
-            groups = {grads.layout.by_name[n].group for n in grads.names}
-            n_sharded = sum(1 for i in groups if not grads.layout.groups[i].replicated)
-            # gather: one per group; reduce: per bucket (both + the agreement check)
-            want = n_sharded + rank_checks(grads) if strategy == "all_gather" else expected
-            assert mode.get_total_counts() == want, (strategy, dst, mode.get_comm_counts())
 
-        # async
+def _option_dst(st: _Options, strategy: str) -> None:
+    """dst: only the destination receives."""
+    grads = st.grads
+    for dst in (0, st.world - 1):
         with count_comms() as mode:
-            handle = grads.full_tensors(async_op=True, strategy=strategy)
-            got = handle.wait()
-        assert handle.wait() is got
-        _equal(dict(got), default, f"{strategy} async")
-        assert mode.get_total_counts() == expected
-        handle = grads.full_tensors(async_op=True, strategy=strategy, dst=world - 1, dtype=torch.float32)
-        got = handle.wait()
-        if rank == world - 1:
-            _equal(dict(got), {n: t.float() for n, t in default.items()}, f"{strategy} async dst fp32")
+            got = grads.full_tensors(dst=dst, strategy=strategy)
+        if st.rank == dst:
+            _equal(dict(got), st.default, f"{strategy} dst={dst}")
         else:
-            assert dict(got) == {}
+            assert dict(got) == {}, (strategy, dst, list(got))
+        groups = {grads.layout.by_name[n].group for n in grads.names}
+        n_sharded = sum(1 for i in groups if not grads.layout.groups[i].replicated)
+        # gather: one per group; reduce: per bucket (both + the agreement check)
+        want = n_sharded + rank_checks(grads) if strategy == "all_gather" else st.expected(strategy)
+        assert mode.get_total_counts() == want, (strategy, dst, mode.get_comm_counts())
 
-    # the module-level helpers (one gather of every flat group, then unpack) agree with the default path
+
+def _option_async(st: _Options, strategy: str) -> None:
+    with count_comms() as mode:
+        handle = st.grads.full_tensors(async_op=True, strategy=strategy)
+        got = handle.wait()
+    assert handle.wait() is got
+    _equal(dict(got), st.default, f"{strategy} async")
+    assert mode.get_total_counts() == st.expected(strategy)
+
+
+def _option_async_dst(st: _Options, strategy: str) -> None:
+    handle = st.grads.full_tensors(async_op=True, strategy=strategy, dst=st.world - 1, dtype=torch.float32)
+    got = handle.wait()
+    if st.rank == st.world - 1:
+        _equal(dict(got), {n: t.float() for n, t in st.default.items()}, f"{strategy} async dst fp32")
+    else:
+        assert dict(got) == {}
+
+
+def _option_module_helpers(st: _Options) -> None:
+    """The module-level helpers (one gather of every flat group, then unpack) agree with the default path."""
+    grads = st.grads
     flats = mz.gather_flat_groups(grads, list(range(len(grads.groups))))
     for p in grads.layout.params:
-        assert torch.equal(grads._finish(mz.unpack(grads, flats[p.group], p), None), default[p.name]), p.name
-    return report
+        assert torch.equal(grads._finish(mz.unpack(grads, flats[p.group], p), None), st.default[p.name]), p.name
 
 
-def check_streaming(stage: int, dtype: str, bucket_elements: int = 512) -> dict:
+_OPTION_CHECKS = {
+    "auto pinned": _option_auto_pinned, "strategy=": _option_strategy, "subset": _option_subset,
+    "dtype fp32": _option_dtype, "out= reuse": _option_out_reuse, "recycling": _option_recycling,
+    "user out=": _option_user_out, "dst": _option_dst, "async": _option_async, "async dst fp32": _option_async_dst,
+}
+assert list(_OPTION_CHECKS) == STRATEGY_OPTIONS
+
+
+def check_streaming(case: EngineCase, bucket_elements: int = 512) -> dict:
     """iter_full yields the same tensors, one collective per bucket, within its memory budget."""
-    engine = _engine(stage, dtype)
+    engine = build_engine(case)
     forward_backward(engine)
     grads = zd.sharded_grads(engine)
     bucket_bytes = bucket_elements * grads.local_partitions[0].element_size()
@@ -235,7 +285,7 @@ def check_streaming(stage: int, dtype: str, bucket_elements: int = 512) -> dict:
 
 def check_fp16(stage: int) -> None:
     """Under fp16 loss scaling every option returns true (unscaled) gradients, equal to the default path."""
-    engine = _engine(stage, "fp16")
+    engine = build_engine(EngineCase(stage, "fp16"))
     forward_backward(engine)
     grads = zd.sharded_grads(engine)
     assert grads.loss_scale != 1.0
@@ -260,7 +310,7 @@ def check_fp16(stage: int) -> None:
 def check_calibration() -> dict:
     """auto on gloo: the first call per size bucket calibrates (5 extra collectives), later calls reuse the
     decision, and every rank takes the same one."""
-    engine = _engine(2, "fp32")
+    engine = build_engine(EngineCase(2))
     forward_backward(engine)
     grads = zd.sharded_grads(engine)
     with pinned("all_gather"):
@@ -290,7 +340,7 @@ def check_calibration() -> dict:
 
 
 def check_errors() -> None:
-    engine = _engine(2, "fp32")
+    engine = build_engine(EngineCase(2))
     forward_backward(engine)
     grads = zd.sharded_grads(engine)
     name = grads.names[0]

@@ -13,15 +13,8 @@ import zero_dtensor as zd
 from zero_dtensor.replicate import keep_full_grads
 
 from .bad_input import deepspeed_storage
-from .common import count_comms, ds_config, fill_value, forward_backward, make_engine
-from .configs import TOL, assert_close, build_model, reference_grads
-
-
-def _engine(stage: int, dtype: str, gas: int, offload: bool, groups: int, zero: dict) -> Any:
-    if offload:
-        zero = {**zero, "offload_optimizer": {"device": "cpu"}}
-    model, model_parameters = build_model(groups)
-    return make_engine(ds_config(stage, dtype, gas=gas, **zero), model=model, model_parameters=model_parameters)
+from .common import EngineCase, build_engine, count_comms, fill_value, forward_backward
+from .configs import TOL, assert_close, reference_grads
 
 
 def _run_window(engine: Any, gas: int) -> None:
@@ -31,8 +24,9 @@ def _run_window(engine: Any, gas: int) -> None:
             engine.step()
 
 
-def check_keep(stage: int, dtype: str, gas: int = 1, offload: bool = False, groups: int = 1, **zero: Any) -> dict:
-    engine = _engine(stage, dtype, gas, offload, groups, zero)
+def check_keep(case: EngineCase) -> dict:
+    dtype, gas, groups = case.dtype, case.gas, case.groups
+    engine = build_engine(case)
     with count_comms() as mode:
         handle = keep_full_grads(engine)
     assert mode.get_total_counts() == 0 and handle.active
@@ -66,7 +60,7 @@ def check_keep(stage: int, dtype: str, gas: int = 1, offload: bool = False, grou
     with pytest.raises(zd.StaleGradientsError):
         grads.full_tensors()
 
-    plain = _engine(stage, dtype, gas, offload, groups, zero)
+    plain = build_engine(case)
     _run_window(plain, gas)
     zd.sharded_grads(plain).set_full_(values)
     plain.step()
@@ -95,14 +89,12 @@ def check_refusals() -> list[str]:
         (2, {"use_multi_rank_bucket_allreduce": False}, "use_multi_rank_bucket_allreduce"),
         (3, {}, "ZeRO-3"),
     ]:
-        engine = make_engine(ds_config(stage, "fp32", **zero))
+        engine = build_engine(EngineCase(stage, zero=zero))
         with pytest.raises(zd.UnsupportedDeepSpeedError, match=key) as info:
             keep_full_grads(engine)
         assert "average_tensor" not in engine.optimizer.__dict__  # nothing installed, config untouched
         messages.append(str(info.value))
-    config = ds_config(1, "bf16")
-    config["data_types"] = {"grad_accum_dtype": "fp32"}
-    engine = make_engine(config)
+    engine = build_engine(EngineCase(1, "bf16", bf16_optimizer=True))
     handle = keep_full_grads(engine)  # BF16_Optimizer: already Replicate, nothing to do
     assert not handle.active
     return messages
@@ -110,7 +102,7 @@ def check_refusals() -> list[str]:
 
 def check_late_enable(gas: int) -> None:
     """Enabled mid-window (stage 2, after the first micro-step's reduction): that step falls back to shards."""
-    engine = make_engine(ds_config(2, "fp32", gas=gas))
+    engine = build_engine(EngineCase(2, gas=gas))
     forward_backward(engine, 0)
     if gas > 1:
         engine.step()
@@ -123,9 +115,10 @@ def check_late_enable(gas: int) -> None:
     assert_close(grads.full_tensors(dtype=torch.float32), reference_grads("fp32", 1, micro, gas), TOL["fp32"], "late")
 
 
-def check_keep_reads(stage: int, dtype: str, **zero: Any) -> None:
+def check_keep_reads(case: EngineCase) -> None:
     """Reads only (no engine.step(), so this also runs against DeepSpeed 0.18.x, whose stage-1/2 step fails)."""
-    engine = _engine(stage, dtype, 1, False, 1, zero)
+    dtype = case.dtype
+    engine = build_engine(case)
     handle = keep_full_grads(engine)
     forward_backward(engine, 0)
     with count_comms() as mode:

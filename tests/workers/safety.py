@@ -15,22 +15,7 @@ import zero_dtensor as zd
 from zero_dtensor.errors import RankDisagreementError
 
 from .bad_input import deepspeed_storage
-from .common import ds_config, forward_backward, make_engine, params_snapshot
-from .configs import build_model
-
-
-def _engine(stage: int, dtype: str = "fp32", *, bf16_optimizer: bool = False, offload: bool = False,
-            groups: int = 1, sgd: bool = False, **zero: Any) -> Any:
-    if offload:
-        zero = {**zero, "offload_optimizer": {"device": "cpu"}}
-    config = ds_config(stage, dtype, **zero)
-    if bf16_optimizer:
-        config["data_types"] = {"grad_accum_dtype": "fp32"}
-    if sgd:  # lr 1: a parameter moves by exactly its gradient, so a lost write shows as a wrong parameter
-        config["optimizer"] = {"type": "SGD", "params": {"lr": 1.0}}
-        config["zero_allow_untested_optimizer"] = True
-    model, model_parameters = build_model(groups)
-    return make_engine(config, model=model, model_parameters=model_parameters)
+from .common import EngineCase, build_engine, forward_backward, params_snapshot
 
 
 def _ds_full(engine: Any) -> dict[str, torch.Tensor]:
@@ -60,10 +45,11 @@ def _raw_halve(grads: zd.ShardedGrads, path: str) -> None:
             part.mul_(0.5)
 
 
-def check_keep_full_raw_writes(stage: int, path: str, offload: bool = False) -> None:
+def check_keep_full_raw_writes(case: EngineCase, path: str) -> None:
     """Halving the gradient through a raw view under keep_full_grads gives the same step as DeepSpeed's own
-    get-halve-set loop (SGD lr 1: a lost write would be off by exactly the write)."""
-    ours, theirs = _engine(stage, sgd=True, offload=offload), _engine(stage, sgd=True, offload=offload)
+    get-halve-set loop (``case`` with SGD lr 1: a lost write would be off by exactly the write)."""
+    assert case.optimizer == "sgd"
+    ours, theirs = build_engine(case), build_engine(case)
     handle = zd.keep_full_grads(ours)
     forward_backward(ours)
     forward_backward(theirs)
@@ -83,14 +69,13 @@ def check_keep_full_raw_writes(stage: int, path: str, offload: bool = False) -> 
 
 
 # --- 2. full results are snapshots; views are live ----------------------------------------------------------------
-def check_results_are_snapshots(stage: int, keep_full: bool, bf16_optimizer: bool = False) -> None:
-    dtype = "bf16" if bf16_optimizer else "fp32"
-    engine = _engine(stage, dtype, bf16_optimizer=bf16_optimizer)
+def check_results_are_snapshots(case: EngineCase, keep_full: bool) -> None:
+    engine = build_engine(case)
     if keep_full:
         zd.keep_full_grads(engine)
     forward_backward(engine, 0)
     grads = zd.sharded_grads(engine)
-    if keep_full or bf16_optimizer:
+    if keep_full or case.bf16_optimizer:
         assert all(g.placements[0].is_replicate() for g in grads.groups)
     name = grads.names[0]
     truth = _ds_full(engine)
@@ -131,8 +116,8 @@ def check_results_are_snapshots(stage: int, keep_full: bool, bf16_optimizer: boo
 
 
 # --- 3. writes never record autograd history ----------------------------------------------------------------------
-def check_writes_record_no_history(stage: int, bf16_optimizer: bool = False) -> None:
-    engine = _engine(stage, "bf16" if bf16_optimizer else "fp32", bf16_optimizer=bf16_optimizer)
+def check_writes_record_no_history(case: EngineCase) -> None:
+    engine = build_engine(case)
     weights = {}
     for step in range(2):  # the second step proves ZeRO-3 views still work after a write with requires_grad
         forward_backward(engine, step)
@@ -161,7 +146,7 @@ def check_writes_record_no_history(stage: int, bf16_optimizer: bool = False) -> 
 
 # --- 4. bad arguments get a clear error ------------------------------------------------------------------------------
 def check_bad_arguments(stage: int) -> list[str]:
-    engine = _engine(stage)
+    engine = build_engine(EngineCase(stage))
     forward_backward(engine)
     grads = zd.sharded_grads(engine)
     name = grads.names[0]
@@ -198,7 +183,7 @@ def check_bad_arguments(stage: int) -> list[str]:
 
 
 def check_stage0_refused() -> str:
-    engine = make_engine(ds_config(0))
+    engine = build_engine(EngineCase(0))
     with pytest.raises(zd.UnsupportedDeepSpeedError, match="stage 0") as info:
         zd.on_grads(engine, lambda grads: None)
     assert "step" not in engine.__dict__  # nothing registered
@@ -210,7 +195,7 @@ def check_stage0_refused() -> str:
 # --- 5. misuse that used to hang -------------------------------------------------------------------------------------
 def check_skip_then_step_raises(stage: int) -> str:
     """Debug mode: rank 1 skips full_tensors() and goes on to engine.step(); every rank raises."""
-    engine = _engine(stage)
+    engine = build_engine(EngineCase(stage))
     forward_backward(engine)
     zd.set_debug(True)
     try:
@@ -229,7 +214,7 @@ def check_skip_then_step_raises(stage: int) -> str:
 
 def check_different_groups_raise(stage: int) -> str:
     """Default mode (no debug): ranks asking for names in different flat groups raise, instead of garbage."""
-    engine = _engine(stage, groups=2)
+    engine = build_engine(EngineCase(stage, groups=2))
     forward_backward(engine)
     grads = zd.sharded_grads(engine)
     assert len(grads.layout.groups) == 2
@@ -250,7 +235,7 @@ def skipped_call_times_out(timeout: float) -> str:
     import logging
 
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
-    engine = _engine(2)
+    engine = build_engine(EngineCase(2))
     forward_backward(engine)
     grads = zd.sharded_grads(engine)
     zd.set_debug(True, timeout=timeout)
@@ -263,12 +248,12 @@ def skipped_call_times_out(timeout: float) -> str:
 
 
 # --- 6. a failed hook discards the step's gradients on every stage --------------------------------------------------
-def check_failed_hook_discards(stage: int, bf16_optimizer: bool = False) -> None:
+def check_failed_hook_discards(case: EngineCase) -> None:
     """A hook raising on one rank: no step, and the batch's gradient is gone on every rank (no zero_grad by the
     user): training on equals an engine that never saw that batch."""
 
     def make() -> Any:
-        return _engine(stage, "bf16" if bf16_optimizer else "fp32", bf16_optimizer=bf16_optimizer)
+        return build_engine(case)
 
     def fail(grads: zd.ShardedGrads) -> None:
         if dist.get_rank() == 0:
@@ -290,13 +275,12 @@ def check_failed_hook_discards(stage: int, bf16_optimizer: bool = False) -> None
 
 
 def check_unmanaged_failed_hook_discards(stage: int) -> None:
-    config = ds_config(stage, gas=2)
-    config["managed_gradient_accumulation"] = False
+    case = EngineCase(stage, gas=2, extra={"managed_gradient_accumulation": False})
 
     def fail(grads: zd.ShardedGrads) -> None:
         raise ValueError("reject")
 
-    engine = make_engine(config)
+    engine = build_engine(case)
     with zd.on_grads(engine, fail):
         forward_backward(engine, 0)
         forward_backward(engine, 1)
@@ -305,7 +289,7 @@ def check_unmanaged_failed_hook_discards(stage: int) -> None:
     forward_backward(engine, 2)  # no zero_grad by the user
     forward_backward(engine, 3)
     engine.step()
-    never = make_engine(config)
+    never = build_engine(case)
     forward_backward(never, 2)
     forward_backward(never, 3)
     never.step()
@@ -348,13 +332,13 @@ def _value(kind: str, name: str, shape: torch.Size, salt: int) -> Any:
     return torch.tensor(1.0) if shape.numel() != 1 or len(shape) != 0 else torch.zeros(2)
 
 
-def fuzz_arguments(stage: int, bf16_optimizer: bool = False, examples: int = 40) -> dict[str, int]:
+def fuzz_arguments(case: EngineCase, examples: int = 40) -> dict[str, int]:
     """Hypothesis over set_full_ / full_tensors arguments: a clear error and nothing written, or the right result.
     Derandomized, so every rank draws the same examples (and all of them raise, or none, before any collective)."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    engine = _engine(stage, "bf16" if bf16_optimizer else "fp32", bf16_optimizer=bf16_optimizer)
+    engine = build_engine(case)
     forward_backward(engine)
     grads = zd.sharded_grads(engine)
     names = list(grads.names)

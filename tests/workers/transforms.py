@@ -19,7 +19,8 @@ from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
 import zero_dtensor as zd
 from zero_dtensor.noise import counter_normal
 
-from .common import count_comms, ds_config, forward_backward, make_engine, params_snapshot
+from .common import EngineCase, build_engine, count_comms, forward_backward, params_snapshot
+from .rows import Rows
 
 RTOL = 1e-5  # fp32 sums of a few thousand terms in a different order: observed differences ~1e-7 relative
 NOISE_SEED = 99
@@ -28,14 +29,6 @@ SUBSET = ["fc1.weight", "tiny.bias", "fc3.bias"]
 
 def weights(name: str) -> bool:
     return name.endswith("weight")
-
-
-def config_for(stage: int, dtype: str) -> dict:
-    if dtype == "bf16-replicated":  # stage 1 + bf16 + fp32 accumulation: DeepSpeed's BF16_Optimizer
-        config = ds_config(1, "bf16")
-        config["data_types"] = {"grad_accum_dtype": "fp32"}
-        return config
-    return ds_config(stage, dtype)
 
 
 def full(grads: zd.ShardedGrads) -> dict[str, torch.Tensor]:
@@ -109,147 +102,242 @@ def elementwise_ops(snap_full: dict[str, torch.Tensor], names: list[str]) -> lis
     ]
 
 
-def check_transforms(stage: int, dtype: str) -> dict:
-    """Every op on a live engine, against the reference; then step() against DeepSpeed's get -> modify -> set."""
-    ws = dist.get_world_size()
-    ours = make_engine(config_for(stage, dtype))
-    forward_backward(ours)
-    grads = zd.sharded_grads(ours)
-    one = expected_comms(grads)
-    replicated = grads.layout.groups[0].replicated
-    assert replicated == (dtype == "bf16-replicated")
+# The rows of check_transforms, in order: each operation's own test (tests/test_transforms.py). Elementwise rows
+# chain (each starts from the gradient the previous one left); after a row fails on every rank the reference is
+# re-read from the gradient, so the rows after it are still judged on their own.
+ELEMENTWISE_ROWS = [label for label, _, _ in elementwise_ops({}, [])]
+REDUCTION_ROWS = [f"{what} p={p}" for p in ("2", "inf", "1") for what in ("norms", "global_norm")] + [
+    "norms predicate", "dots", "dots with_norms", "stats", "stats nonfinite", "clip_grad_norm_ vs torch"]
+CLIP_ROWS = ["clip_per_param_", "clip_grad_norm_"]
+REJECTED = {  # row -> (exception, match, the rejected call)
+    "rejects unknown name": (KeyError, "nope", lambda g, s: g.mul_(2.0, params=["fc1.weight", "nope"])),
+    "rejects mapping without a selected name": (
+        KeyError, "fc2.bias", lambda g, s: g.mul_({"fc1.weight": 2.0}, params=["fc1.weight", "fc2.bias"])),
+    "rejects unknown alpha name": (KeyError, "ghost", lambda g, s: g.add_(s, alpha={"ghost": 1.0})),
+    "rejects string params": (TypeError, None, lambda g, s: g.mul_(2.0, params="fc1.weight")),
+    "rejects plain tensor operand": (ValueError, None, lambda g, s: g.add_(torch.ones(3))),
+}
+STEP_ROWS = ["stale after step", "clone outlives step", "step matches DeepSpeed", "lerp_ previous step clone"]
+TRANSFORM_ROWS = ["clone", *ELEMENTWISE_ROWS, *REDUCTION_ROWS, *CLIP_ROWS, *REJECTED, *STEP_ROWS, "noise"]
 
-    ref = full(grads)
-    initial = {n: t.clone() for n, t in ref.items()}
-    with count_comms() as mode:
-        snap = grads.clone()
-    assert mode.get_total_counts() == 0
-    assert isinstance(snap, zd.ShardedGrads)
-    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(snap.local_partitions, grads.local_partitions))
+
+def transform_rows(case: EngineCase) -> list[str]:
+    """The rows check_transforms runs for ``case``: the sharding-invariant noise row in fp32 only."""
+    return [r for r in TRANSFORM_ROWS if r != "noise" or case.dtype == "fp32"]
+
+
+class _State:
+    """What the rows of one check_transforms share."""
+
+    def __init__(self, case: EngineCase) -> None:
+        self.case = case
+        self.ours = build_engine(case)
+        forward_backward(self.ours)
+        self.grads = zd.sharded_grads(self.ours)
+        self.one = expected_comms(self.grads)
+        self.replicated = self.grads.layout.groups[0].replicated
+        assert self.replicated == case.bf16_optimizer
+        self.ref = full(self.grads)  # the reference: full tensors with every row's transform applied
+        self.initial = {n: t.clone() for n, t in self.ref.items()}
+        self.snap: zd.ShardedGrads | None = None
+        self.applied: list = []  # the reference transforms in order, replayed on DeepSpeed's engine
+        self.stepped = False
+        self.noise: dict[str, torch.Tensor] | None = None
+
+    def resync(self) -> None:
+        """After a failed row: judge the next rows from the gradient as it now is."""
+        if not self.stepped:
+            self.ref = full(self.grads)
+
+    def ref64(self) -> dict[str, torch.Tensor]:
+        return {n: t.double() for n, t in self.ref.items()}
+
+
+def check_transforms(case: EngineCase) -> dict:
+    """Every op on a live engine against the reference, one row each; then step() against DeepSpeed's get ->
+    modify -> set."""
+    st = _State(case)
+    rows = Rows(transform_rows(case), on_failure=st.resync)
+    rows.run("clone", _row_clone, st)
 
     # --- elementwise: 0 collectives, exact -------------------------------------------------------------------
-    applied = []  # ref transforms in order, replayed on DeepSpeed's engine below
-    for label, mine, theirs in elementwise_ops(initial, list(grads.names)):
-        with count_comms() as mode:
-            result = mine(grads, snap)
-        assert result is grads, label
-        assert mode.get_total_counts() == 0, (label, mode.get_comm_counts())
-        ref = {n: theirs(n, t) for n, t in ref.items()}
-        applied.append(theirs)
-        assert_equal(full(grads), ref, label)
-        assert_padding_zero(grads, label)
+    for label, mine, theirs in elementwise_ops(st.initial, list(st.grads.names)):
+        rows.run(label, _row_elementwise, st, label, mine, theirs)
 
     # --- reductions: one collective, true values ---------------------------------------------------------------
-    ref32 = {n: t.double() for n, t in ref.items()}
     for p in (2.0, math.inf, 1.0):
-        with count_comms() as mode:
-            norms = grads.norms(p)
-        assert mode.get_total_counts() == one, (p, mode.get_comm_counts())
-        for n, v in norms.items():
-            assert v.dtype == torch.float32 and v.dim() == 0
-            close(v, ref_norm(ref32[n], p), f"norms({p}) {n}")
-        with count_comms() as mode:
-            total = grads.global_norm(p)
-        assert mode.get_total_counts() == one
-        close(total, ref_norm(torch.cat([t.reshape(-1) for t in ref32.values()]), p), f"global_norm({p})")
-    sub = grads.norms(params=weights)
-    assert list(sub) == [n for n in grads.names if weights(n)]
-
-    snap_ref = {n: t.double() for n, t in initial.items()}
-    with count_comms() as mode:
-        dots = grads.dots(snap)
-    assert mode.get_total_counts() == one
-    for n, v in dots.items():
-        close(v, float((ref32[n] * snap_ref[n]).sum()), f"dots {n}", rtol=1e-4)
-    with count_comms() as mode:
-        d2, mine_n, snap_n = grads.dots(snap, with_norms=True, params=SUBSET)
-    assert mode.get_total_counts() == one and list(d2) == [n for n in grads.names if n in SUBSET]
-    for n in d2:
-        close(d2[n], dots[n], f"dots with_norms {n}", rtol=1e-6)
-        close(mine_n[n], ref_norm(ref32[n], 2), f"dots self norm {n}")
-        close(snap_n[n], ref_norm(snap_ref[n], 2), f"dots other norm {n}")
-
-    check_stats(grads, ref, one)
-    check_torch_clip_agreement(grads, ref)
+        key = {2.0: "2", math.inf: "inf", 1.0: "1"}[p]
+        rows.run(f"norms p={key}", _row_norms, st, p)
+        rows.run(f"global_norm p={key}", _row_global_norm, st, p)
+    rows.run("norms predicate", _row_norms_predicate, st)
+    rows.run("dots", _row_dots, st)
+    rows.run("dots with_norms", _row_dots_with_norms, st)
+    rows.run("stats", check_stats, st.grads, st.ref, st.one)
+    rows.run("stats nonfinite", check_stats_nonfinite, st.grads, st.ref, st.one)
+    rows.run("clip_grad_norm_ vs torch", lambda: check_torch_clip_agreement(st.grads, st.ref))
 
     # --- clipping: one collective; exact given the returned norm -----------------------------------------------
+    rows.run("clip_per_param_", _row_clip_per_param, st)
+    rows.run("clip_grad_norm_", _row_clip_grad_norm, st)
+
+    # --- validation: nothing is written on bad input -----------------------------------------------------------
+    for label, (error, match, call) in REJECTED.items():
+        rows.run(label, _row_rejected, st, error, match, call)
+
+    # --- step(): same parameters as DeepSpeed's get -> same transform -> set -----------------------------------
+    rows.run("stale after step", _row_stale_after_step, st)
+    rows.run("clone outlives step", lambda: assert_equal(full(st.snap), st.initial, "clone after step"))
+    rows.run("step matches DeepSpeed", _row_step_matches_deepspeed, st, rows.failed)
+
+    # --- the snapshot as an EMA / previous-step operand on the next step's gradients ---------------------------
+    rows.run("lerp_ previous step clone", _row_lerp_previous_clone, st)
+    if "noise" in rows.names:  # sharding-invariant noise, returned to the test process
+        rows.run("noise", _row_noise, st)
+    return rows.report(noise=st.noise, loss_scale=st.grads.loss_scale)
+
+
+def _row_clone(st: _State) -> None:
     with count_comms() as mode:
-        per_norms = grads.clip_per_param_(0.05)
-    assert mode.get_total_counts() == one
+        st.snap = st.grads.clone()
+    assert mode.get_total_counts() == 0
+    assert isinstance(st.snap, zd.ShardedGrads)
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(st.snap.local_partitions, st.grads.local_partitions))
+
+
+def _row_elementwise(st: _State, label: str, mine, theirs) -> None:
+    with count_comms() as mode:
+        result = mine(st.grads, st.snap)
+    assert result is st.grads, label
+    assert mode.get_total_counts() == 0, (label, mode.get_comm_counts())
+    st.ref = {n: theirs(n, t) for n, t in st.ref.items()}
+    st.applied.append(theirs)
+    assert_equal(full(st.grads), st.ref, label)
+    assert_padding_zero(st.grads, label)
+
+
+def _row_norms(st: _State, p: float) -> None:
+    ref64 = st.ref64()
+    with count_comms() as mode:
+        norms = st.grads.norms(p)
+    assert mode.get_total_counts() == st.one, (p, mode.get_comm_counts())
+    for n, v in norms.items():
+        assert v.dtype == torch.float32 and v.dim() == 0
+        close(v, ref_norm(ref64[n], p), f"norms({p}) {n}")
+
+
+def _row_global_norm(st: _State, p: float) -> None:
+    ref64 = st.ref64()
+    with count_comms() as mode:
+        total = st.grads.global_norm(p)
+    assert mode.get_total_counts() == st.one
+    close(total, ref_norm(torch.cat([t.reshape(-1) for t in ref64.values()]), p), f"global_norm({p})")
+
+
+def _row_norms_predicate(st: _State) -> None:
+    sub = st.grads.norms(params=weights)
+    assert list(sub) == [n for n in st.grads.names if weights(n)]
+
+
+def _row_dots(st: _State) -> None:
+    ref64, snap_ref = st.ref64(), {n: t.double() for n, t in st.initial.items()}
+    with count_comms() as mode:
+        dots = st.grads.dots(st.snap)
+    assert mode.get_total_counts() == st.one
+    for n, v in dots.items():
+        close(v, float((ref64[n] * snap_ref[n]).sum()), f"dots {n}", rtol=1e-4)
+
+
+def _row_dots_with_norms(st: _State) -> None:
+    ref64, snap_ref = st.ref64(), {n: t.double() for n, t in st.initial.items()}
+    dots = st.grads.dots(st.snap)
+    with count_comms() as mode:
+        d2, mine_n, snap_n = st.grads.dots(st.snap, with_norms=True, params=SUBSET)
+    assert mode.get_total_counts() == st.one and list(d2) == [n for n in st.grads.names if n in SUBSET]
+    for n in d2:
+        close(d2[n], dots[n], f"dots with_norms {n}", rtol=1e-6)
+        close(mine_n[n], ref_norm(ref64[n], 2), f"dots self norm {n}")
+        close(snap_n[n], ref_norm(snap_ref[n], 2), f"dots other norm {n}")
+
+
+def _row_clip_per_param(st: _State) -> None:
+    ref64 = st.ref64()
+    with count_comms() as mode:
+        per_norms = st.grads.clip_per_param_(0.05)
+    assert mode.get_total_counts() == st.one
     for n, v in per_norms.items():
-        close(v, ref_norm(ref32[n], 2), f"clip_per_param_ norm {n}")
+        close(v, ref_norm(ref64[n], 2), f"clip_per_param_ norm {n}")
     per_coef = {n: torch.clamp(0.05 / (v + 1e-6), max=1.0) for n, v in per_norms.items()}
     assert any(float(c) < 1.0 for c in per_coef.values()) and any(float(c) == 1.0 for c in per_coef.values())
 
     def clip_per(n, t, per_coef=per_coef):
         return t.mul_(per_coef[n])
 
-    ref = {n: clip_per(n, t) for n, t in ref.items()}
-    applied.append(clip_per)
-    assert_equal(full(grads), ref, "clip_per_param_")
+    st.ref = {n: clip_per(n, t) for n, t in st.ref.items()}
+    st.applied.append(clip_per)
+    assert_equal(full(st.grads), st.ref, "clip_per_param_")
 
-    ref_total = ref_norm(torch.cat([t.double().reshape(-1) for t in ref.values()]), 2)
+
+def _row_clip_grad_norm(st: _State) -> None:
+    ref_total = ref_norm(torch.cat([t.double().reshape(-1) for t in st.ref.values()]), 2)
     with count_comms() as mode:
-        total = grads.clip_grad_norm_(0.5 * ref_total)
-    assert mode.get_total_counts() == one
+        total = st.grads.clip_grad_norm_(0.5 * ref_total)
+    assert mode.get_total_counts() == st.one
     close(total, ref_total, "clip_grad_norm_ total")
     coef = torch.clamp(0.5 * ref_total / (total + 1e-6), max=1.0)
 
     def clip_all(n, t, coef=coef):
         return t.mul_(coef)
 
-    ref = {n: clip_all(n, t) for n, t in ref.items()}
-    applied.append(clip_all)
-    assert_equal(full(grads), ref, "clip_grad_norm_")
-    assert_padding_zero(grads, "clip")
+    st.ref = {n: clip_all(n, t) for n, t in st.ref.items()}
+    st.applied.append(clip_all)
+    assert_equal(full(st.grads), st.ref, "clip_grad_norm_")
+    assert_padding_zero(st.grads, "clip")
 
-    # --- validation: nothing is written on bad input -----------------------------------------------------------
-    before = full(grads)
-    with pytest.raises(KeyError, match="nope"):
-        grads.mul_(2.0, params=["fc1.weight", "nope"])
-    with pytest.raises(KeyError, match="fc2.bias"):
-        grads.mul_({"fc1.weight": 2.0}, params=["fc1.weight", "fc2.bias"])
-    with pytest.raises(KeyError, match="ghost"):
-        grads.add_(snap, alpha={"ghost": 1.0})
-    with pytest.raises(TypeError):
-        grads.mul_(2.0, params="fc1.weight")
-    with pytest.raises(ValueError):
-        grads.add_(torch.ones(3))
-    assert_equal(full(grads), before, "after rejected calls")
 
-    # --- step(): same parameters as DeepSpeed's get -> same transform -> set -----------------------------------
-    ours.step()
+def _row_rejected(st: _State, error: type[Exception], match: str | None, call) -> None:
+    before = full(st.grads)
+    with pytest.raises(error, match=match):
+        call(st.grads, st.snap)
+    assert_equal(full(st.grads), before, "after rejected calls")
+
+
+def _row_stale_after_step(st: _State) -> None:
+    st.stepped = True
+    st.ours.step()
     with pytest.raises(zd.StaleGradientsError):
-        grads.mul_(2.0)
-    assert_equal(full(snap), initial, "clone after step")  # the snapshot outlives the step
+        st.grads.mul_(2.0)
 
-    theirs = make_engine(config_for(stage, dtype))
+
+def _row_step_matches_deepspeed(st: _State, failed_before: list[str]) -> None:
+    ws = dist.get_world_size()
+    theirs = build_engine(st.case)
     forward_backward(theirs)
-    stored = grads.layout.groups[0].dtype
+    stored = st.grads.layout.groups[0].dtype
     for name, p in theirs.module.named_parameters():
         value = safe_get_full_grad(p).to(stored)
-        assert torch.equal(value, initial[name]), name
-        for transform in applied:
+        assert torch.equal(value, st.initial[name]), name
+        for transform in st.applied:
             value = transform(name, value)
-        write_full_grad_like_deepspeed(theirs, p, value, stage, ws, replicated)
+        write_full_grad_like_deepspeed(theirs, p, value, st.case.stage, ws, st.replicated)
     theirs.step()
-    assert_equal(params_snapshot(ours), params_snapshot(theirs), "parameters after step")
+    what = "parameters after step" + (f" (after failed rows {failed_before})" if failed_before else "")
+    assert_equal(params_snapshot(st.ours), params_snapshot(theirs), what)
 
-    # --- the snapshot as an EMA / previous-step operand on the next step's gradients ---------------------------
-    forward_backward(ours, step=1)
-    nxt = zd.sharded_grads(ours)
-    expected = {n: t.lerp_(initial[n], 0.5) for n, t in full(nxt).items()}
-    nxt.lerp_(snap, 0.5)
+
+def _row_lerp_previous_clone(st: _State) -> None:
+    forward_backward(st.ours, step=1)
+    nxt = zd.sharded_grads(st.ours)
+    expected = {n: t.lerp_(st.initial[n], 0.5) for n, t in full(nxt).items()}
+    nxt.lerp_(st.snap, 0.5)
     assert_equal(full(nxt), expected, "lerp_ against last step's clone")
 
-    noise = None
-    if dtype == "fp32":  # sharding-invariant noise, returned to the test process
-        c = nxt.clone()
-        with count_comms() as mode:
-            c.zero_().add_noise_(1.0, NOISE_SEED)
-        assert mode.get_total_counts() == 0
-        noise = full(c)
-    return {"noise": noise, "loss_scale": grads.loss_scale}
+
+def _row_noise(st: _State) -> None:
+    c = zd.sharded_grads(st.ours).clone()
+    with count_comms() as mode:
+        c.zero_().add_noise_(1.0, NOISE_SEED)
+    assert mode.get_total_counts() == 0
+    st.noise = full(c)
 
 
 def assert_padding_zero(grads: zd.ShardedGrads, what: str) -> None:
@@ -274,7 +362,7 @@ def write_full_grad_like_deepspeed(engine, p, value, stage: int, world: int, rep
 
 
 def check_stats(grads: zd.ShardedGrads, ref: dict, one: int) -> None:
-    """stats() on a clone with injected nan/inf: at most two collectives."""
+    """stats() against the reference: at most two collectives."""
     with count_comms() as mode:
         stats = grads.stats()
     assert mode.get_total_counts() <= 2 * one, mode.get_comm_counts()
@@ -285,6 +373,9 @@ def check_stats(grads: zd.ShardedGrads, ref: dict, one: int) -> None:
         close(s.mean, float(t.mean()), f"stats mean {n}", rtol=1e-4)
         assert s.nan_count == 0 and s.inf_count == 0 and s.numel == t.numel()
 
+
+def check_stats_nonfinite(grads: zd.ShardedGrads, ref: dict, one: int) -> None:
+    """stats() counts injected nan/inf: at most two collectives."""
     bad = grads.clone()
     name = "fc2.weight"
     value = ref[name].clone().reshape(-1)
@@ -329,22 +420,6 @@ def check_torch_clip_agreement(grads: zd.ShardedGrads, ref: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-class DeepModel(torch.nn.Module):
-    """A larger model (34 parameter tensors) to show that reductions cost the same number of collectives."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = torch.nn.Linear(33, 13)
-        self.hidden = torch.nn.ModuleList(torch.nn.Linear(13, 13) for _ in range(15))
-        self.out = torch.nn.Linear(13, 9)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.tanh(self.inp(x))
-        for layer in self.hidden:
-            x = torch.tanh(layer(x))
-        return self.out(x)
-
-
 def reduction_counts(grads: zd.ShardedGrads) -> dict[str, int]:
     snap = grads.clone()
     calls = {
@@ -368,8 +443,8 @@ def reduction_counts(grads: zd.ShardedGrads) -> dict[str, int]:
 
 def check_scaling(stage: int) -> dict:
     """Collective counts do not depend on the number of parameters; layout mismatches are refused."""
-    small = make_engine(ds_config(stage))
-    big = make_engine(ds_config(stage), model=DeepModel())
+    small = build_engine(EngineCase(stage))
+    big = build_engine(EngineCase(stage, model="deep"))
     forward_backward(small)
     forward_backward(big)
     gs, gb = zd.sharded_grads(small), zd.sharded_grads(big)
@@ -389,15 +464,7 @@ def check_scaling(stage: int) -> dict:
 def check_two_groups(stage: int, counts_one_group: dict) -> None:
     """Two optimizer param groups (two flat groups) on one process group: still one collective per reduction;
     a group selected entirely takes the whole-partition path, the other fragment by fragment."""
-    from .common import OddModel
-
-    torch.manual_seed(0)
-    model = OddModel()
-    groups = [
-        {"params": [p for n, p in model.named_parameters() if weights(n)]},
-        {"params": [p for n, p in model.named_parameters() if not weights(n)], "weight_decay": 0.0},
-    ]
-    engine = make_engine(ds_config(stage), model=model, model_parameters=groups)
+    engine = build_engine(EngineCase(stage, groups=2, frozen=False))  # weights / biases, nothing frozen
     forward_backward(engine)
     grads = zd.sharded_grads(engine)
     assert len(grads.groups) == 2
@@ -415,9 +482,11 @@ def check_two_groups(stage: int, counts_one_group: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-def check_fp16(stage: int) -> dict:
+def check_fp16(case: EngineCase) -> dict:
     """fp16 loss scaling: reductions give true-gradient values, operands are converted to stored units."""
-    ours = make_engine(config_for(stage, "fp16"))
+    assert case.dtype == "fp16"
+    stage = case.stage
+    ours = build_engine(case)
     forward_backward(ours)
     grads = zd.sharded_grads(ours)
     scale = grads.loss_scale
@@ -475,7 +544,7 @@ def check_fp16(stage: int) -> dict:
         close(v, ref_norm(stored[n].double() / scale, 2), f"fp16 norms after ops {n}")
 
     ours.step()
-    theirs = make_engine(config_for(stage, "fp16"))
+    theirs = build_engine(case)
     forward_backward(theirs)
     ws = dist.get_world_size()
     for name, p in theirs.module.named_parameters():
@@ -491,9 +560,7 @@ def check_fp16(stage: int) -> dict:
 
 def check_offload_after_write(stage: int) -> dict:
     """With CPU offload DeepSpeed clips with norms it precomputed in backward: our writes must refresh them."""
-    config = ds_config(stage, offload_optimizer={"device": "cpu"})
-    config["gradient_clipping"] = 0.5
-    engine = make_engine(config)
+    engine = build_engine(EngineCase(stage, offload=True, extra={"gradient_clipping": 0.5}))
     forward_backward(engine)
     grads = zd.sharded_grads(engine)
     before = float(grads.global_norm())
@@ -518,7 +585,7 @@ def check_pcgrad_example(mode: str) -> list[str]:
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
 
-    engine = make_engine(ds_config(2))
+    engine = build_engine(EngineCase(2))
     forward_backward(engine)
     grads = zd.sharded_grads(engine)
     snap = grads.clone().mul_(-1.0, params=weights).add_noise_(1e-3, 11)  # weights conflict, biases agree

@@ -15,7 +15,7 @@ from .layout import GradLayout, GroupLayout, Packing, ParamLayout
 from .noise import counter_normal
 from .overflow import found_inf
 from .reductions import GradStats
-from .replicate import FullGradsHandle, keep_full_grads
+from .replicate import FullGradsHandle, KeepFullGradsHandle, keep_full_grads
 from .sharded import ParamGrad, ShardedGrads
 from .stats_logger import GradStatsLogger
 
@@ -23,6 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FullGradsHandle",
+    "KeepFullGradsHandle",
     "GradHookError",
     "GradHookHandle",
     "GradLayout",

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -255,22 +254,11 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     when ``RANK`` and ``WORLD_SIZE`` are set (torchrun), like ``zero_dtensor.bench``."""
     if not hasattr(args, "sweep_width"):
         args.sweep_width = 8 if args.tiny else 32
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        import deepspeed
-        import torch
-        import torch.distributed as dist
+    from .bench import run_ranks
 
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        deepspeed.init_distributed(dist_backend=backend, verbose=False)
-        results = _rank_main(args)
-        if dist.get_rank() != 0:
-            return 0
-    else:
-        from .launch import launch
-
-        results = launch(_rank_main, args, nprocs=args.nproc, timeout=args.timeout)
+    results = run_ranks(_rank_main, args)
+    if results is None:
+        return 0
     results["command"] = " ".join(["python -m zero_dtensor.bench", *(sys.argv[1:] if argv is None else argv)])
     results["config"] = {"tensors": list(args.tensors), "stages": list(args.stages), "width": args.sweep_width,
                          "repeat": args.repeat, "dtype": args.dtype}

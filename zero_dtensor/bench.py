@@ -404,14 +404,11 @@ def render(results: dict[str, Any], args: argparse.Namespace | None = None, cons
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
-    if args.tensors is not None:  # the tensor-count sweep
-        from ._bench_sweep import main as sweep
-
-        return sweep(args, argv)
-    in_place = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if in_place:
+def run_ranks(rank_main: Callable[[argparse.Namespace], dict[str, Any]], args: argparse.Namespace
+              ) -> dict[str, Any] | None:
+    """``rank_main(args)`` on every rank: in place under torchrun (``RANK``/``WORLD_SIZE`` set; NCCL on GPUs), else
+    on ``args.nproc`` local gloo ranks. Rank 0's results, ``None`` on the other ranks."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         import deepspeed
         import torch
         import torch.distributed as dist
@@ -420,13 +417,22 @@ def main(argv: list[str] | None = None) -> int:
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         deepspeed.init_distributed(dist_backend=backend, verbose=False)
-        results = _rank_main(args)
-        if dist.get_rank() != 0:
-            return 0
-    else:
-        from .launch import launch
+        results = rank_main(args)
+        return results if dist.get_rank() == 0 else None
+    from .launch import launch
 
-        results = launch(_rank_main, args, nprocs=args.nproc, timeout=args.timeout)
+    return launch(rank_main, args, nprocs=args.nproc, timeout=args.timeout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if args.tensors is not None:  # the tensor-count sweep
+        from ._bench_sweep import main as sweep
+
+        return sweep(args, argv)
+    results = run_ranks(_rank_main, args)
+    if results is None:
+        return 0
     results["command"] = " ".join(["python -m zero_dtensor.bench", *(sys.argv[1:] if argv is None else argv)])
     results["config"] = {"hidden": args.hidden, "layers": args.layers, "repeat": args.repeat,
                          "ds_repeat": args.ds_repeat, "dtype": args.dtype, "bucket_mb": args.bucket_mb}

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FullGradsHandle", "keep_full_grads"]
+__all__ = ["FullGradsHandle", "KeepFullGradsHandle", "keep_full_grads"]
 
 
-class FullGradsHandle:
+class KeepFullGradsHandle:
     """Returned by :func:`keep_full_grads`; ``remove()`` (or leaving a ``with`` block) stops capturing."""
 
     def __init__(self, engine: Any, capture: Any) -> None:
@@ -50,21 +50,25 @@ class FullGradsHandle:
         if self._capture is not None:
             self._capture.remove()
 
-    def __enter__(self) -> FullGradsHandle:
+    def __enter__(self) -> KeepFullGradsHandle:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
 
     def __repr__(self) -> str:
-        return f"FullGradsHandle(active={self.active}, nbytes={self.nbytes})"
+        return f"KeepFullGradsHandle(active={self.active}, nbytes={self.nbytes})"
 
 
-def keep_full_grads(engine: Any) -> FullGradsHandle:
+def keep_full_grads(engine: Any) -> KeepFullGradsHandle:
     """Keep the full reduced gradient that ZeRO-1/2 computes during backward. No communication, ever.
 
     Idempotent per engine (a second call returns a handle on the same capture). See the module docstring.
     """
     from ._deepspeed.capture import install
 
-    return FullGradsHandle(engine, install(engine))
+    return KeepFullGradsHandle(engine, install(engine))
+
+
+#: The former name, kept: it is part of the public API.
+FullGradsHandle = KeepFullGradsHandle

@@ -1,7 +1,7 @@
 """Keep the full reduced gradient that ZeRO-1/2 computes during backward anyway (opt-in, zero extra collectives).
 
 ``DeepSpeedZeroOptimizer`` all-reduces whole IPG buckets in ``average_tensor`` and then keeps only the slices this
-rank owns. :class:`FullGradCapture` wraps two of the optimizer's methods (instance attributes; removed by
+rank owns. :class:`BucketReductionCapture` wraps four of the optimizer's methods (instance attributes; removed by
 :meth:`remove`) and copies the reduced values of every bucket into one full flat buffer per param group, laid out
 exactly like DeepSpeed's global flat buffer (``round_robin_bit16_offsets``; padding zero). Two paths:
 
@@ -79,7 +79,7 @@ def check_config(engine: Any, opt: Any) -> None:
             )
 
 
-class FullGradCapture:
+class BucketReductionCapture:
     """The wrappers and buffers for one ``DeepSpeedZeroOptimizer``. Create through :func:`install`."""
 
     def __init__(self, engine: Any, opt: Any, offsets: dict[int, tuple[int, int, int]]) -> None:
@@ -230,15 +230,15 @@ def _put(target: torch.Tensor, source: torch.Tensor, add: torch.dtype | None) ->
         target.copy_(target.to(add).add_(source.to(add)))
 
 
-_CAPTURES: dict[int, FullGradCapture] = {}
+_CAPTURES: dict[int, BucketReductionCapture] = {}
 
 
-def active_capture(opt: Any) -> FullGradCapture | None:
+def active_capture(opt: Any) -> BucketReductionCapture | None:
     capture = _CAPTURES.get(id(opt))
     return capture if capture is not None and capture.opt is opt and capture.active else None
 
 
-def install(engine: Any) -> FullGradCapture | None:
+def install(engine: Any) -> BucketReductionCapture | None:
     """Start capturing on ``engine``'s ZeRO-1/2 optimizer; None for BF16_Optimizer (already replicated)."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -263,6 +263,6 @@ def install(engine: Any) -> FullGradCapture | None:
     for i, params in enumerate(opt.round_robin_bit16_groups):
         for param, offset in zip(params, param_offsets(opt, i)):
             offsets[id(param)] = (i, offset, param.numel())
-    capture = FullGradCapture(engine, opt, offsets)
+    capture = BucketReductionCapture(engine, opt, offsets)
     _CAPTURES[id(opt)] = capture
     return capture

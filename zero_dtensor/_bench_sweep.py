@@ -85,14 +85,9 @@ def _sweep_stage(args: argparse.Namespace, stage: int, tensors: int, progress: C
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     torch.manual_seed(0)
     model = sweep_model(tensors, args.sweep_width)
-    config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": 2,
-        "zero_optimization": {"stage": stage},
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-6, "torch_adam": True}},
-        "steps_per_print": 10**9,
-    }
-    if args.dtype == "bf16":
-        config["bf16"] = {"enabled": True}
+    from .bench import engine_config
+
+    config = engine_config(stage, args.dtype, lr=1e-6)
     progress(f"ZeRO-{stage}, {tensors} tensors: building the engine")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
     dtype = next(engine.module.parameters()).dtype

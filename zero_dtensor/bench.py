@@ -129,14 +129,7 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     torch.manual_seed(0)
     model = TransformerLike(args.hidden, args.layers)
-    config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": 2,
-        "zero_optimization": {"stage": stage},
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}},
-        "steps_per_print": 10**9,
-    }
-    if args.dtype == "bf16":
-        config["bf16"] = {"enabled": True}
+    config = engine_config(stage, args.dtype, lr=1e-4)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     dtype = next(engine.module.parameters()).dtype
     x = torch.randn(2, 8, args.hidden, generator=torch.Generator().manual_seed(rank)).to(device=engine.device,
@@ -402,6 +395,19 @@ def render(results: dict[str, Any], args: argparse.Namespace | None = None, cons
         f"inside torch/the backend are not seen. Process max RSS (rank 0): {_fmt_bytes(results['maxrss_bytes'])}. "
         "CPU timings on a shared machine are noisy.[/dim]"
     )
+
+
+def engine_config(stage: int, dtype: str, *, lr: float) -> dict[str, Any]:
+    """The DeepSpeed config of the benchmark's engines (torch Adam: no op to build; micro-batch 2)."""
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "Adam", "params": {"lr": lr, "torch_adam": True}},
+        "steps_per_print": 10**9,
+    }
+    if dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
 
 
 def run_ranks(rank_main: Callable[[argparse.Namespace], dict[str, Any]], args: argparse.Namespace

@@ -187,9 +187,6 @@ def all_gather_objects(obj: object, group: dist.ProcessGroup) -> list[object]:
     return out
 
 
-_all_reduce_op = all_reduce_op  # the former private name (kept while callers move)
-
-
 def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *,
                       async_op: bool = False) -> dist.Work | None:
     """One ``all_gather`` of an equal-size 1-D ``inp`` into ``out`` (``N×`` its length)."""

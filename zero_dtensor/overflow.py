@@ -33,7 +33,6 @@ def found_inf(grads: Any) -> bool:
     _debug.check_grads_call(storage, "found_inf")
     device = storage.device
     flags = torch.stack([torch.isfinite(p).all().logical_not().to(device) for p in storage.partitions])
-    replicated = [not g.placement.is_sharded for g in state.layout.groups]
     pgs: list[Any] = []
     for group, pg in zip(state.layout.groups, storage.process_groups):
         if group.placement.is_sharded and not any(pg is q for q in pgs):
@@ -41,7 +40,6 @@ def found_inf(grads: Any) -> bool:
     if not pgs:
         return bool(flags.any())
     flag = flags.any().to(torch.float32).reshape(1)
-    del replicated
     for pg in pgs:  # one per distinct process group (DeepSpeed models normally have one)
         all_reduce_op(flag, pg, dist.ReduceOp.MAX)
     return bool(flag.item() > 0)

@@ -641,8 +641,7 @@ class ShardedGrads(Mapping[str, ParamGrad]):
                            if self.layout.groups[i].placement.is_sharded and self.layout.groups[i].world_size > 1)
         if not groups:
             return
-        everything = len(selected) == len(self.layout.params) and selected[:1] == list(self.layout.params[:1]) \
-            and selected[-1:] == list(self.layout.params[-1:]) and _is_everything(selected, self.layout.params)
+        everything = len(selected) == len(self.layout.params) and _is_everything(selected, self.layout.params)
         names = "<all, model order>" if everything else [p.name for p in selected]
         _debug.check_same_call(what, (names, *signature), groups, storage.device, always=True)
 

@@ -116,8 +116,7 @@ def _as_list(values: list[Any], device: torch.device) -> list[float] | list[torc
 
 @torch.no_grad()
 def run(state: GradState, sel: Selection, whole_op: Callable[[torch.Tensor, Any], Any],
-        foreach_op: Callable[[list[torch.Tensor], Any], Any], operand: Any = None,
-        uniform: bool = True) -> None:
+        foreach_op: Callable[[list[torch.Tensor], Any], Any], operand: Any = None) -> None:
     """Apply an elementwise op to the selected gradients, then tell the optimizer (``after_write``).
 
     ``whole_op(partition, operand)`` runs where every parameter of a group is selected and the operand is uniform
@@ -127,7 +126,7 @@ def run(state: GradState, sel: Selection, whole_op: Callable[[torch.Tensor, Any]
     per = _group_operands(sel, operand, state) if isinstance(operand, PerParam) else None
     for g, indices in sel.by_group.items():
         plan = state.plan.groups[g]
-        if per is None and uniform and sel.whole(plan):
+        if per is None and sel.whole(plan):
             whole_op(state.storage.partitions[g], operand)
             padding = state.padding_of(g)
             if padding:
@@ -145,7 +144,7 @@ def run(state: GradState, sel: Selection, whole_op: Callable[[torch.Tensor, Any]
     state.storage.after_write([p.name for p in sel.params])
 
 
-def _other_fragments(state: GradState, other: GradState, g: int, frags_like: list[torch.Tensor],
+def _other_fragments(other: GradState, g: int, frags_like: list[torch.Tensor],
                      indices: list[int]) -> list[torch.Tensor]:
     of = other.fragments_of(g, indices)
     device = frags_like[0].device
@@ -177,7 +176,7 @@ def _with_other(state: GradState, other: GradState, sel: Selection,
             if not keep:
                 continue
             frags = state.fragments_of(g, keep)
-            theirs = _other_fragments(state, other, g, frags, keep)
+            theirs = _other_fragments(other, g, frags, keep)
             flat, flat_other = torch.cat(frags), torch.cat(theirs)
             if per is not None:
                 pos = {k: i for i, k in enumerate(indices)}

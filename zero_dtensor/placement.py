@@ -27,25 +27,58 @@ Cutting into parameters: ``RaggedShard`` and ``Replicated`` buffers are in param
 is the row-major flattening of its ``(N, chunk_p)`` column block, so the whole group is reordered by one
 ``torch.split_with_sizes_copy`` along dimension 1 into a parameter-order buffer (as FSDP2 copies out its
 all-gather) — or, for the zero-padded ``all_reduce``, each rank writes its chunks straight into parameter order.
+
+Streaming windows (``iter_full``): a window is consecutive parameters of one group whose spans
+(:meth:`~GroupPlacement.span`) cover ``[start, stop)``, ``W = stop - start`` elements. Its buffers come from the
+caller's allocator, and :meth:`~GroupPlacement.assemble_window` issues :attr:`~GroupPlacement.window_collectives`
+(one, or none) per window (elements per rank; times the element size for bytes):
+
+===============  ====================================  ============================================
+placement        ``all_reduce`` (zero-padded sum)      ``all_gather``
+===============  ====================================  ============================================
+``RaggedShard``  of ``W``: ``2(N-1)/N·W``              each rank's share of the window, padded to
+                                                       the largest (``m``): ``m`` sent, ``(N-1)·m``
+                                                       received, stitched in place
+``ChunkShard``   of ``N·W``: ``2(N-1)·W``              of the ``W`` columns: ``W`` sent,
+                                                       ``(N-1)·W`` received, reordered into a
+                                                       second ``N·W`` buffer
+``Replicated``   nothing: one local copy of ``W``      nothing: one local copy of ``W``
+===============  ====================================  ============================================
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from .collectives import all_gather_single, all_reduce_sum_work, on_comm_device
+from .collectives import all_gather_into, all_gather_single, all_reduce_sum_work, on_comm_device
 
 if TYPE_CHECKING:
     from .layout import GroupLayout, ParamLayout
-    from .plan import GroupPlan
+    from .plan import GroupPlan, Tiling
 
-__all__ = ["ChunkShard", "GroupPlacement", "RaggedShard", "Replicated", "placement_of"]
+__all__ = ["Allocator", "ChunkShard", "GroupPlacement", "RaggedShard", "Replicated", "placement_of"]
+
+
+class Allocator(Protocol):
+    """Where :meth:`GroupPlacement.assemble_window` takes its buffers from (``BUFFERS.alloc`` of
+    :mod:`zero_dtensor.materialize.buffers`, which the tests observe)."""
+
+    def __call__(self, numel: int, dtype: torch.dtype, device: torch.device, *,
+                 zero: bool = False) -> torch.Tensor: ...
+
+
+def _tiling(spans: list[tuple[int, int]], total: int) -> Tiling:
+    """:func:`zero_dtensor.plan.tiling` (imported on use: plan.py imports layout.py, which imports this module)."""
+    from .plan import tiling
+
+    return tiling(spans, total)
 
 
 @dataclass(frozen=True)
@@ -113,6 +146,36 @@ class GroupPlacement:
         """Elements of the extra buffer :meth:`to_param_order` needs after an all_gather (0: none)."""
         return 0
 
+    # --- streaming windows (``iter_full``): the parameters covering [start, stop) of the :meth:`span` axis -------
+    @property
+    def window_collectives(self) -> int:
+        """Collectives :meth:`assemble_window` issues for one window."""
+        return 1
+
+    def window_strategy(self, choose: Callable[[bool], str]) -> str:
+        """The strategy of this group's windows: ``choose(param_order_gather)`` (the caller's selection, told
+        whether an all_gather lands in parameter order), or ``"none"`` where no collective is needed."""
+        return choose(self.param_order_gather)
+
+    def window_order_tiling(self, group: GroupLayout, params: tuple[ParamLayout, ...], start: int,
+                            width: int) -> Tiling:
+        """The layout of :meth:`assemble_window`'s result: each of ``params`` (consecutive, buffer order, spanning
+        ``[start, start + width)``) at its place in the window, in parameter order."""
+        return _tiling([(self.span(p)[0] - start, p.numel) for p in params], width)
+
+    def window_elements(self, group: GroupLayout, strategy: str, start: int, stop: int) -> int:
+        """Elements :meth:`assemble_window` allocates (through ``alloc``) for the window ``[start, stop)``."""
+        raise NotImplementedError
+
+    def assemble_window(self, group: GroupLayout, plan: GroupPlan, partition: torch.Tensor, pg: dist.ProcessGroup,
+                        device: torch.device, params: tuple[ParamLayout, ...], start: int, stop: int, strategy: str,
+                        alloc: Allocator) -> torch.Tensor:
+        """The window's values (stored dtype, still scaled) laid out by :meth:`window_order_tiling`, in buffers
+        from ``alloc``. ``partition`` is this rank's stored partition (moved to a device ``pg`` communicates on,
+        else ``device``, where a collective needs it). **Collective** (:attr:`window_collectives`) for sharded
+        placements (see each kind)."""
+        raise NotImplementedError
+
 
 @dataclass(frozen=True)
 class RaggedShard(GroupPlacement):
@@ -154,6 +217,68 @@ class RaggedShard(GroupPlacement):
         mine = region.narrow(0, r * P, P)
         if pieces:
             torch.cat(pieces, out=mine)
+
+    @staticmethod
+    def _overlaps(group: GroupLayout, start: int, stop: int) -> list[tuple[int, int]]:
+        """Per rank, the part ``[lo, hi)`` of global window ``[start, stop)`` that it holds."""
+        P = group.partition_numel
+        return [(max(start, r * P), max(min(stop, (r + 1) * P), max(start, r * P))) for r in range(group.world_size)]
+
+    def window_elements(self, group: GroupLayout, strategy: str, start: int, stop: int) -> int:
+        """``all_reduce``: the window; ``all_gather``: the receive buffer ``N·m`` plus a padded send buffer or a
+        stitching temporary (``m``: the largest rank's share of the window)."""
+        if strategy == "all_reduce":
+            return stop - start
+        m = max(hi - lo for lo, hi in self._overlaps(group, start, stop))
+        return (group.world_size + 1) * m
+
+    def assemble_window(self, group: GroupLayout, plan: GroupPlan, partition: torch.Tensor, pg: dist.ProcessGroup,
+                        device: torch.device, params: tuple[ParamLayout, ...], start: int, stop: int, strategy: str,
+                        alloc: Allocator) -> torch.Tensor:
+        """The global window ``[start, stop)``. ``all_reduce``: one sum all_reduce of the zero-padded window
+        (``2(N-1)/N·W`` elements per rank); ``all_gather``: one all_gather of each rank's share padded to the
+        largest, ``m`` (``(N-1)·m`` received), stitched in place."""
+        part = on_comm_device(partition, pg, device)
+        if strategy == "all_reduce":
+            return self._window_by_all_reduce(group, part, pg, start, stop, alloc)
+        return self._window_by_all_gather(group, part, pg, start, stop, alloc)
+
+    def _window_by_all_reduce(self, group: GroupLayout, part: torch.Tensor, pg: dist.ProcessGroup, start: int,
+                              stop: int, alloc: Allocator) -> torch.Tensor:
+        rank, P = group.rank, group.partition_numel
+        lo, hi = self._overlaps(group, start, stop)[rank]
+        buf = alloc(stop - start, part.dtype, part.device, zero=True)
+        if hi > lo:
+            buf.narrow(0, lo - start, hi - lo).copy_(part.narrow(0, lo - rank * P, hi - lo))
+        all_reduce_sum_work(buf, pg)
+        return buf
+
+    def _window_by_all_gather(self, group: GroupLayout, part: torch.Tensor, pg: dist.ProcessGroup, start: int,
+                              stop: int, alloc: Allocator) -> torch.Tensor:
+        rank, P = group.rank, group.partition_numel
+        overlaps = self._overlaps(group, start, stop)
+        lo, hi = overlaps[rank]
+        m = max(b - a for a, b in overlaps)
+        if hi - lo == m:
+            send = part.narrow(0, lo - rank * P, m)
+        else:
+            send = alloc(m, part.dtype, part.device, zero=True)
+            if hi > lo:
+                send.narrow(0, 0, hi - lo).copy_(part.narrow(0, lo - rank * P, hi - lo))
+        recv = alloc(group.world_size * m, part.dtype, part.device)
+        all_gather_into([recv], [send], pg)
+        del send
+        # stitch in place: piece r moves left from r*m to lo_r - start (a temporary only where the two overlap);
+        # one copy per rank, not per parameter
+        for r, (a, b) in enumerate(overlaps):
+            n, at = b - a, a - start
+            if n and at != r * m:
+                piece = recv.narrow(0, r * m, n)
+                if at + n > r * m:
+                    piece = alloc(n, part.dtype, part.device).copy_(piece)
+                recv.narrow(0, at, n).copy_(piece)
+                del piece
+        return recv.narrow(0, 0, stop - start)
 
 
 @dataclass(frozen=True)
@@ -210,6 +335,61 @@ class ChunkShard(GroupPlacement):
     def reorder_area(self, group: GroupLayout) -> int:
         return group.flat_numel
 
+    def window_order_tiling(self, group: GroupLayout, params: tuple[ParamLayout, ...], start: int,
+                            width: int) -> Tiling:
+        """Each parameter's ``(N, chunk)`` block (``N·chunk_numel`` elements: the parameter, then its padding) back
+        to back: ``N·width`` elements."""
+        n = group.world_size
+        return _tiling([((p.offset - start) * n, p.numel) for p in params], width * n)
+
+    def window_elements(self, group: GroupLayout, strategy: str, start: int, stop: int) -> int:
+        """The ``(N, W)`` rows (``all_reduce``: written in parameter order), plus their reordered copy
+        (``all_gather``)."""
+        return group.world_size * (stop - start) * (1 if strategy == "all_reduce" else 2)
+
+    def assemble_window(self, group: GroupLayout, plan: GroupPlan, partition: torch.Tensor, pg: dist.ProcessGroup,
+                        device: torch.device, params: tuple[ParamLayout, ...], start: int, stop: int, strategy: str,
+                        alloc: Allocator) -> torch.Tensor:
+        """Columns ``[start, stop)`` of every rank's partition, as each parameter's ``(N, chunk)`` block back to
+        back. ``all_reduce``: one sum all_reduce of ``N·W`` elements, each rank's chunks written straight into
+        parameter order (``2(N-1)·W`` elements per rank); ``all_gather``: one all_gather of the ``W`` columns
+        (``(N-1)·W`` received), reordered by one ``split_with_sizes_copy`` into a second ``N·W`` buffer."""
+        part = on_comm_device(partition, pg, device)
+        width = stop - start
+        columns = _tiling([(p.offset - start, p.chunk_numel) for p in params], width)
+        if strategy == "all_reduce":
+            return self._window_by_all_reduce(group, plan, part, pg, params, columns, width, alloc)
+        return self._window_by_all_gather(group, part, pg, columns, start, width, alloc)
+
+    def _window_by_all_reduce(self, group: GroupLayout, plan: GroupPlan, part: torch.Tensor, pg: dist.ProcessGroup,
+                              params: tuple[ParamLayout, ...], columns: Tiling, width: int,
+                              alloc: Allocator) -> torch.Tensor:
+        world = group.world_size
+        order = alloc(world * width, part.dtype, part.device, zero=True)
+        names = {p.name for p in params}
+        keep = [k for k, p in enumerate(plan.params) if p.name in names and plan.frag_len[k]]
+        if keep:
+            blocks = order.split_with_sizes([world * s for s in columns.sizes])
+            index = {p.name: i for i, p in enumerate(params)}
+            targets = [blocks[columns.piece[index[plan.params[k].name]]].view(world, -1)[group.rank]
+                       .narrow(0, 0, plan.frag_len[k]) for k in keep]
+            pieces = part.split_with_sizes(list(plan.local.sizes))
+            torch._foreach_copy_(targets, [pieces[plan.local.piece[k]] for k in keep])
+        all_reduce_sum_work(order, pg)
+        return order
+
+    def _window_by_all_gather(self, group: GroupLayout, part: torch.Tensor, pg: dist.ProcessGroup, columns: Tiling,
+                              start: int, width: int, alloc: Allocator) -> torch.Tensor:
+        world = group.world_size
+        gathered = alloc(world * width, part.dtype, part.device)
+        all_gather_into([gathered], [part.narrow(0, start, width)], pg)
+        order = alloc(world * width, part.dtype, part.device)
+        blocks = order.split_with_sizes([world * s for s in columns.sizes])
+        torch.split_with_sizes_copy(gathered.view(world, width), list(columns.sizes), dim=1,
+                                    out=[b.view(world, -1) for b in blocks])
+        del gathered
+        return order
+
 
 @dataclass(frozen=True)
 class Replicated(GroupPlacement):
@@ -237,6 +417,23 @@ class Replicated(GroupPlacement):
                      pg: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
         """No communication: one local copy (a snapshot, never a view of the live gradient)."""
         return partition.narrow(0, param.offset, param.numel).clone()
+
+    @property
+    def window_collectives(self) -> int:
+        return 0
+
+    def window_strategy(self, choose: Callable[[bool], str]) -> str:
+        return "none"
+
+    def window_elements(self, group: GroupLayout, strategy: str, start: int, stop: int) -> int:
+        """One local copy of the window."""
+        return stop - start
+
+    def assemble_window(self, group: GroupLayout, plan: GroupPlan, partition: torch.Tensor, pg: dist.ProcessGroup,
+                        device: torch.device, params: tuple[ParamLayout, ...], start: int, stop: int, strategy: str,
+                        alloc: Allocator) -> torch.Tensor:
+        """No communication: one local copy of ``[start, stop)`` of the stored buffer (a snapshot, on its device)."""
+        return alloc(stop - start, partition.dtype, partition.device).copy_(partition.narrow(0, start, stop - start))
 
 
 _RAGGED, _CHUNKED, _REPLICATED = RaggedShard(), ChunkShard(), Replicated()

@@ -12,11 +12,14 @@ Vocabulary: a *fragment* is the part of one parameter a rank holds (1-D, possibl
 
 from __future__ import annotations
 
+import operator
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 from .layout import GradLayout, GroupLayout, ParamLayout
+from .segments import SegmentPlan, segment_plan
 
 __all__ = ["GradPlan", "GroupPlan", "Tiling", "plan_for", "tiling"]
 
@@ -55,9 +58,10 @@ def tiling(spans: list[tuple[int, int]], total: int) -> Tiling:
     return Tiling(tuple(sizes), tuple(piece), tuple(gaps))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class GroupPlan:
-    """One flat group: its parameters in buffer order and the tilings of its buffers on this rank."""
+    """One flat group: its parameters in buffer order and the tilings of its buffers on this rank. Compared (and
+    hashed) by identity: a plan is built once per layout."""
 
     group: GroupLayout
     params: tuple[ParamLayout, ...]  # buffer order
@@ -77,6 +81,11 @@ class GroupPlan:
         return tuple(p.numel for p in self.params)
 
     @cached_property
+    def names(self) -> tuple[str, ...]:
+        """Parameter names in buffer order."""
+        return tuple(p.name for p in self.params)
+
+    @cached_property
     def positions(self) -> dict[str, int]:
         """``name -> k``: a parameter's index in :attr:`params`."""
         return {p.name: k for k, p in enumerate(self.params)}
@@ -85,6 +94,11 @@ class GroupPlan:
     def has_local(self) -> tuple[int, ...]:
         """Indices (buffer order) of the parameters with a non-empty fragment on this rank."""
         return tuple(k for k, n in enumerate(self.frag_len) if n)
+
+    @cached_property
+    def local_segments(self) -> SegmentPlan:
+        """Per-piece reductions of this rank's partition (:mod:`zero_dtensor.segments`), built on first use."""
+        return segment_plan(self.local)
 
 
 def _group_plan(group: GroupLayout, params: tuple[ParamLayout, ...]) -> GroupPlan:
@@ -126,6 +140,18 @@ class GradPlan:
         return {p.name: (g.index, k) for g in self.groups for k, p in enumerate(g.params)}
 
     @cached_property
+    def _all_by_group(self) -> dict[int, list[ParamLayout]]:
+        return _grouped(self.layout.params)
+
+    def by_group(self, params: Sequence[ParamLayout]) -> dict[int, list[ParamLayout]]:
+        """``params`` grouped by flat group (each list in ``params`` order); cached for every parameter in model
+        order. Callers must not modify the lists."""
+        everything = self.layout.params
+        if len(params) == len(everything) and all(map(operator.is_, params, everything)):
+            return self._all_by_group
+        return _grouped(params)
+
+    @cached_property
     def fragments(self) -> dict[str, tuple[int, int, int]]:
         """``name -> (start, stop, offset in this rank's partition)`` of this rank's fragment."""
         out = {}
@@ -133,6 +159,13 @@ class GradPlan:
             for k, p in enumerate(g.params):
                 out[p.name] = (g.frag_start[k], g.frag_start[k] + g.frag_len[k], g.frag_offset[k])
         return out
+
+
+def _grouped(params: Sequence[ParamLayout]) -> dict[int, list[ParamLayout]]:
+    out: dict[int, list[ParamLayout]] = {}
+    for p in params:
+        out.setdefault(p.group, []).append(p)
+    return out
 
 
 _PLANS: weakref.WeakKeyDictionary[GradLayout, GradPlan] = weakref.WeakKeyDictionary()

@@ -10,6 +10,7 @@ explicitly: :mod:`~zero_dtensor.materialize` (full tensors), :mod:`~zero_dtensor
 from __future__ import annotations
 
 import numbers
+import operator
 from collections.abc import Callable, Iterator, Mapping
 from functools import cached_property
 from typing import Any
@@ -18,7 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import debug as _debug
-from . import reductions, transforms
+from . import reductions, transforms, writes
 from . import redistribute as _redistribute
 from .collectives import mesh_for
 from .layout import GradLayout, ParamLayout
@@ -90,7 +91,7 @@ class ParamGrad:
         """
         state = self._grads._state
         state.check_current()
-        return state.fragment(self._param)
+        return state.fragment(self._param).view(-1)  # a new view: the cached fragment object stays internal
 
     def full_tensor(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The full (true, unscaled) gradient, shape ``self.shape``: a snapshot in memory the caller owns.
@@ -197,7 +198,7 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         """Per group, this rank's whole partition (1-D, padding included): the memory ``engine.step()`` reads (live
         views). No communication."""
         self._state.check_current()
-        return self._state.storage.partitions
+        return tuple(part.view(-1) for part in self._state.storage.partitions)  # new views: they pin the memory
 
     def is_current(self) -> bool:
         """False once ``engine.step()`` (or a new micro-step) has consumed these gradients. No communication."""
@@ -205,7 +206,7 @@ class ShardedGrads(Mapping[str, ParamGrad]):
 
     @cached_property
     def _group_dtensors(self) -> tuple[DTensor, ...]:
-        return tuple(self._dtensor(part, g.index, (g.flat_numel,))
+        return tuple(self._dtensor(part.view(-1), g.index, (g.flat_numel,))
                      for g, part in zip(self.layout.groups, self._state.storage.partitions))
 
     @property
@@ -316,20 +317,7 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         """
         state = self._state
         state.check_current()
-        checked = self._validate(mapping)
-        by_group: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        fragments = state.plan.fragments
-        with torch.no_grad():  # a value that requires grad must not give DeepSpeed's memory an autograd history
-            for param, value in checked:
-                start, stop, _ = fragments[param.name]
-                if stop > start:
-                    dests, sources = by_group.setdefault(param.group, ([], []))
-                    dests.append(state.fragment(param))
-                    flat = value if value.dim() == 1 else value.reshape(-1)
-                    sources.append(flat if stop - start == param.numel else flat.narrow(0, start, stop - start))
-            for dests, sources in by_group.values():
-                _write_stored(state, dests, sources)
-        state.storage.after_write([p.name for p, _ in checked])
+        writes.set_full_(state, writes.validate_full(state, mapping))
 
     # --- transforms (no communication) and reductions (one collective) -----------------------------------------
     def mul_(self, factor: Scalar | Mapping[str, Scalar], *, params: ParamSelection = None):
@@ -676,56 +664,10 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         placement = self.layout.groups[group].placement.dtensor_placement()
         return DTensor.from_local(local, mesh, [placement], run_check=False, shape=torch.Size(shape), stride=(1,))
 
-    def _validate(self, mapping: Mapping[str, torch.Tensor]) -> list[tuple[ParamLayout, torch.Tensor]]:
-        if not isinstance(mapping, Mapping):
-            raise TypeError(f"set_full_ takes a mapping name -> full gradient tensor, got {type(mapping).__name__}")
-        storage = self._state.storage
-        devices = {storage.device, *(p.device for p in storage.partitions)}
-        by_name = self.layout.by_name
-        checked = []
-        for name, value in mapping.items():
-            param = by_name.get(name) if isinstance(name, str) else None
-            if param is None:
-                raise KeyError(f"set_full_: {name!r} is not a trainable parameter of this engine; known: "
-                               f"{short_names(self.names)}")
-            if isinstance(value, DTensor) or not isinstance(value, torch.Tensor):
-                raise TypeError(
-                    f"set_full_: value for {name!r} must be a full torch.Tensor of shape {tuple(param.shape)}, "
-                    f"got {type(value).__name__} (for a DTensor pass value.full_tensor())"
-                )
-            if value.shape != param.shape:
-                raise ValueError(
-                    f"set_full_: value for {name!r} has shape {tuple(value.shape)}, expected {tuple(param.shape)}"
-                )
-            if not value.is_floating_point():
-                raise TypeError(f"set_full_: value for {name!r} has dtype {value.dtype}, expected a floating dtype")
-            if value.device not in devices:
-                raise ValueError(
-                    f"set_full_: value for {name!r} is on {value.device}, expected one of "
-                    f"{sorted(str(d) for d in devices)} (the engine's device or where the gradient is stored)"
-                )
-            checked.append((param, value))
-        return checked
-
 
 def _is_everything(selected: list[ParamLayout], params: tuple[ParamLayout, ...]) -> bool:
     """Whether ``selected`` is every parameter in model order (then the signature need not list the names)."""
-    return all(a is b for a, b in zip(selected, params))
-
-
-def _write_stored(state: GradState, dests: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """``dests = sources`` in stored units: one ``_foreach_copy_`` (casting), after one ``× loss_scale`` of all the
-    sources together in float32 under fp16 loss scaling."""
-    scale = state.loss_scale
-    if scale == 1.0:
-        torch._foreach_copy_(dests, sources)
-        return
-    if len({s.device for s in sources}) == 1:
-        flat = torch.cat(sources).to(torch.float32).mul_(scale)
-        torch._foreach_copy_(dests, flat.split_with_sizes([s.numel() for s in sources]))
-        return
-    for dest, source in zip(dests, sources):  # values on several devices: rare
-        dest.copy_(state.storage.to_stored(source))
+    return all(map(operator.is_, selected, params))
 
 
 def _shape_of(group: Any) -> tuple:

@@ -17,6 +17,7 @@ from .errors import StaleGradientsError
 from .layout import GradLayout, GroupLayout, ParamLayout
 from .plan import GradPlan, GroupPlan, plan_for
 from .storage import GradStorage
+from .views import ViewCache
 
 __all__ = ["GradState", "GradsLike", "ParamSelection", "Selection", "STALE", "short_names", "state_of"]
 
@@ -79,10 +80,18 @@ class GradState:
 
     # --- memory ----------------------------------------------------------------------------------------------------
     @cached_property
+    def view_caches(self) -> tuple[ViewCache, ...]:
+        """Per group, the cache of views of its partition: the adapter's (kept across steps) or this step's own."""
+        caches = self.storage.view_caches
+        if caches and all(c.buffer is part for c, part in zip(caches, self.storage.partitions)):
+            return caches
+        return tuple(ViewCache(part) for part in self.storage.partitions)
+
+    @cached_property
     def pieces(self) -> tuple[tuple[torch.Tensor, ...], ...]:
-        """Per group, its partition cut by the plan's local tiling (one ``split_with_sizes`` per group, views)."""
-        return tuple(part.split_with_sizes(list(g.local.sizes))
-                     for part, g in zip(self.storage.partitions, self.plan.groups))
+        """Per group, its partition cut by the plan's local tiling (one ``split_with_sizes`` per group, views; made
+        once per partition the adapter keeps across steps)."""
+        return tuple(cache.split(g.local.sizes) for cache, g in zip(self.view_caches, self.plan.groups))
 
     def fragments_of(self, group: int, indices: Iterable[int]) -> list[torch.Tensor]:
         """The fragments (views of the partition) of the given parameters of ``group``."""

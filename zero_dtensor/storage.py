@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .layout import GradLayout
+from .views import ViewCache
 
 __all__ = ["GradStorage"]
 
@@ -31,6 +32,9 @@ class GradStorage:
         is_current: answers whether the memory still holds this step's gradient (False after ``engine.step()``).
         after_write: refreshes the optimizer's own bookkeeping (e.g. precomputed offload norms) for written params.
         describe: a short name of the optimizer kind, for messages.
+        view_caches: per group, a :class:`~zero_dtensor.views.ViewCache` of its partition when the adapter keeps
+            the partition tensor across steps (its per-parameter views are then made once, not every step); empty
+            when every step's partition is new.
     """
 
     layout: GradLayout
@@ -41,6 +45,7 @@ class GradStorage:
     is_current: Callable[[], bool]
     after_write: Callable[[Sequence[str]], None] = _no_write_hook
     describe: str = ""
+    view_caches: tuple[ViewCache, ...] = ()
 
     def to_true(self, stored: torch.Tensor) -> torch.Tensor:
         """Stored values in true units: ``stored`` itself without loss scaling, else an unscaled float32 tensor."""

@@ -11,6 +11,7 @@ import torch
 
 from ..errors import GradientsNotReadyError
 from ..layout import GradLayout, GroupLayout, ParamLayout
+from ..views import ViewCache
 
 WINDOW = (
     "gradients are available after engine.backward() at a gradient-accumulation boundary "
@@ -79,3 +80,24 @@ def param_offsets(opt: Any, group: int) -> list[int]:
     pads = paddings[group] if paddings is not None else [0] * len(params)
     sizes = [p.numel() + int(pad) for p, pad in zip(params, pads)]
     return [0, *itertools.accumulate(sizes)][: len(params)]
+
+
+_KEPT: weakref.WeakKeyDictionary[Any, dict[object, ViewCache]] = weakref.WeakKeyDictionary()
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same 1-D elements of the same memory."""
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype and a.device == b.device)
+
+
+def kept_partition(opt: Any, key: object, partition: torch.Tensor) -> ViewCache:
+    """The :class:`~zero_dtensor.views.ViewCache` of a partition that DeepSpeed keeps in the same memory across
+    steps (ZeRO-3's flat gradient buffer, an offload buffer, ``BF16_Optimizer``'s flat gradients): the same tensor
+    object comes back every step, so the views cut from it are made once. The cache holds the memory alive only as
+    long as DeepSpeed does (a new buffer replaces the entry)."""
+    per_opt = _KEPT.setdefault(opt, {})
+    cache = per_opt.get(key)
+    if cache is None or not same_memory(cache.buffer, partition):
+        cache = per_opt[key] = ViewCache(partition)
+    return cache

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ..errors import GradientsNotReadyError, UnsupportedDeepSpeedError
 from ..layout import GradLayout, GroupLayout, Packing, ParamLayout
 from ..storage import GradStorage
-from ._common import WINDOW, cached_layout, micro_steps, model_layout, name_of, param_names
+from ._common import WINDOW, cached_layout, kept_partition, micro_steps, model_layout, name_of, param_names
 
 
 def _has_gradients(opt: Any) -> bool:
@@ -65,7 +65,9 @@ def grad_storage(engine: Any, opt: Any) -> GradStorage:
             "BF16_Optimizer's gradient buffer was zeroed by engine.step()/zero_grad() and no backward() has run "
             "since; " + WINDOW
         )
-    partitions = tuple(flat.view(-1) for flat in opt.fp32_groups_gradients_flat)
+    caches = tuple(kept_partition(opt, ("bf16", i), flat.view(-1))
+                   for i, flat in enumerate(opt.fp32_groups_gradients_flat))
+    partitions = tuple(c.buffer for c in caches)
     key = (tuple(p.numel() for p in partitions), tuple(len(g) for g in opt.bf16_groups))
     layout = cached_layout(opt, key, lambda: _build_layout(engine, opt, partitions))
     start_micro_step = micro_steps(engine)
@@ -81,4 +83,5 @@ def grad_storage(engine: Any, opt: Any) -> GradStorage:
         device=engine.device,
         is_current=is_current,
         describe="BF16_Optimizer (ZeRO-1)",
+        view_caches=caches,
     )

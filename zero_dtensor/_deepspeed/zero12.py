@@ -15,7 +15,9 @@ Facts used (``deepspeed/runtime/zero/stage_1_and_2.py``, DeepSpeed 0.19.8; 0.18.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,10 +25,13 @@ import torch.distributed as dist
 
 from ..errors import GradientsNotReadyError
 from ..layout import GradLayout, GroupLayout, Packing, ParamLayout
+from ..plan import plan_for
 from ..storage import GradStorage
+from ..views import ViewCache
 from ._common import (
     WINDOW,
     cached_layout,
+    kept_partition,
     micro_steps,
     model_layout,
     name_of,
@@ -37,39 +42,100 @@ from ._common import (
 from .capture import active_capture
 
 
-def _contiguous_partition(opt: Any, group: int) -> torch.Tensor:
-    """This rank's partition of group ``group`` as one tensor that the optimizer step reads.
+class _FlatViews(list):
+    """DeepSpeed versions without ``GradPartitionBufferGroup``: the same list of views, with the flat tensor."""
 
-    The compact buffer and the offload buffer already are one tensor. The default list of views is copied once into
-    a new flat tensor, and ``averaged_gradients[group]`` is rebound to views of it (a ``GradPartitionBufferGroup``
-    where DeepSpeed has that class, so its step reads the flat tensor without flattening again).
+    flat_partition: torch.Tensor
+
+
+@dataclass(eq=False)
+class _FlatSlot:
+    """A flat partition this adapter keeps across steps, with the per-parameter views DeepSpeed reads from it.
+
+    ``views`` are shaped like DeepSpeed's own list of pieces (``shapes``); ``rebound`` is the object
+    ``averaged_gradients[group]`` is rebound to (views + ``flat_partition``), reused every step. The slot is reused
+    only when nothing outside its view cache refers to its memory (no user view of the previous step is alive).
+    """
+
+    cache: ViewCache
+    views: tuple[torch.Tensor, ...]
+    shapes: list[torch.Size]
+    rebound: Any  # a GradPartitionBufferGroup or _FlatViews
+    data_ptr: int
+
+    @property
+    def flat(self) -> torch.Tensor:
+        return self.cache.buffer
+
+    def fits(self, pieces: Sequence[torch.Tensor], shapes: list[torch.Size]) -> bool:
+        first = pieces[0]
+        return (self.flat.dtype == first.dtype and self.flat.device == first.device
+                and self.flat.data_ptr() == self.data_ptr and self.rebound.flat_partition is self.flat
+                and shapes == self.shapes)
+
+
+def _new_slot(pieces: Sequence[torch.Tensor], shapes: list[torch.Size], numel: int) -> _FlatSlot:
+    first = pieces[0]
+    cache = ViewCache(torch.empty(numel, dtype=first.dtype, device=first.device))
+    views = cache.get("deepspeed", lambda flat: torch._C._nn.unflatten_dense_tensors(flat, list(pieces)))
+    for view, piece in zip(views, pieces):
+        if getattr(piece, "_zero_padding", False):
+            view._zero_padding = True
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    buffer_group = getattr(stage_1_and_2, "GradPartitionBufferGroup", None)
+    if buffer_group is not None:
+        rebound = buffer_group(list(views), cache.buffer)
+    else:
+        rebound = _FlatViews(views)
+        rebound.flat_partition = cache.buffer
+    return _FlatSlot(cache, views, shapes, rebound, cache.buffer.data_ptr())
+
+
+_SLOTS: weakref.WeakKeyDictionary[Any, dict[int, list[_FlatSlot]]] = weakref.WeakKeyDictionary()
+_MAX_SLOTS = 2  # a loop that keeps last step's views until the next call alternates between two
+
+
+def _slot_for(opt: Any, group: int, pieces: Sequence[torch.Tensor]) -> _FlatSlot:
+    """A kept slot that fits ``pieces`` and is idle, else a new one (kept if there is room)."""
+    shapes = [p.shape for p in pieces]
+    slots = _SLOTS.setdefault(opt, {}).setdefault(group, [])
+    slots[:] = [s for s in slots if s.fits(pieces, shapes)]  # a changed structure (or moved memory) drops a slot
+    for slot in slots:
+        if slot.cache.is_idle():
+            return slot
+    slot = _new_slot(pieces, shapes, int(opt.partition_size[group]))
+    if len(slots) < _MAX_SLOTS:
+        slots.append(slot)
+    return slot
+
+
+def _contiguous_partition(opt: Any, group: int) -> ViewCache:
+    """This rank's partition of group ``group`` as one tensor that the optimizer step reads, with its view cache.
+
+    The compact buffer and the offload buffer already are one tensor. The default list of views is copied (one
+    ``_foreach_copy_``) into a flat tensor kept across steps (:class:`_FlatSlot`), and ``averaged_gradients[group]``
+    is rebound to views of it (a ``GradPartitionBufferGroup`` where DeepSpeed has that class, so its step reads the
+    flat tensor without flattening again).
     """
     if opt.cpu_offload:
         grad = opt.single_partition_of_fp32_groups[group].grad
         if grad is None:
             raise GradientsNotReadyError(f"ZeRO-1/2 offload has no gradient for param group {group} now: {WINDOW}")
-        return grad.view(-1)
+        return kept_partition(opt, ("offload", group), grad.view(-1))
     pieces = opt.averaged_gradients.get(group)
     if pieces is None:
         raise GradientsNotReadyError(f"ZeRO-1/2 has no reduced gradient for param group {group} now: {WINDOW}")
     flat = getattr(pieces, "flat_partition", None)
     if flat is not None:
-        return flat.view(-1)
-    first = pieces[0]
-    flat = torch.empty(int(opt.partition_size[group]), dtype=first.dtype, device=first.device)
-    torch.cat([p.reshape(-1) for p in pieces], out=flat)
-    views, start = [], 0
-    for piece in pieces:
-        view = flat.narrow(0, start, piece.numel()).view(piece.shape)
-        if getattr(piece, "_zero_padding", False):
-            view._zero_padding = True
-        views.append(view)
-        start += piece.numel()
-    from deepspeed.runtime.zero import stage_1_and_2
-
-    buffer_group = getattr(stage_1_and_2, "GradPartitionBufferGroup", None)
-    opt.averaged_gradients[group] = buffer_group(views, flat) if buffer_group is not None else views
-    return flat
+        for slot in _SLOTS.get(opt, {}).get(group, ()):
+            if slot.rebound is pieces:  # rebound by an earlier call of this step
+                return slot.cache
+        return ViewCache(flat.view(-1))  # DeepSpeed's compact buffer: new memory every step
+    slot = _slot_for(opt, group, pieces)
+    torch._foreach_copy_(list(slot.views), list(pieces))
+    opt.averaged_gradients[group] = slot.rebound
+    return slot.cache
 
 
 def _offload_consumed(opt: Any, partitions: tuple[torch.Tensor, ...]) -> bool:
@@ -119,7 +185,8 @@ def grad_storage(engine: Any, opt: Any) -> GradStorage:
         if opt.cpu_offload:
             what = "a stale offload buffer"
         raise GradientsNotReadyError(f"ZeRO-{stage} holds {what} mid-accumulation; {WINDOW}")
-    partitions = tuple(_contiguous_partition(opt, i) for i in range(len(opt.round_robin_bit16_groups)))
+    caches = tuple(_contiguous_partition(opt, i) for i in range(len(opt.round_robin_bit16_groups)))
+    partitions = tuple(c.buffer for c in caches)
     if opt.cpu_offload and _offload_consumed(opt, partitions):
         raise GradientsNotReadyError(
             f"ZeRO-{stage} offload: engine.step() already consumed these gradients (its fp32 buffer still holds the "
@@ -148,13 +215,16 @@ def grad_storage(engine: Any, opt: Any) -> GradStorage:
             def get_norm_dtype() -> torch.dtype:
                 return torch.float64
 
+        plan = plan_for(layout)
+        ids, fragments = [], []
         for name in written:
-            p = layout.by_name[name]
-            group = layout.groups[p.group]
-            start, stop = p.rank_range(group, group.rank)
-            if stop > start:  # DeepSpeed records a norm only for parameters with a local fragment
-                fragment = partitions[p.group].narrow(0, p.local_offset(group, group.rank), stop - start)
-                opt.norm_for_param_grads[opt.get_param_id(by_name[name])] = fragment.to(get_norm_dtype()).norm(2)
+            g, k = plan.where[name]
+            local = plan.groups[g].local
+            if plan.groups[g].frag_len[k]:  # DeepSpeed records a norm only for parameters with a local fragment
+                ids.append(opt.get_param_id(by_name[name]))
+                fragments.append(caches[g].split(local.sizes)[local.piece[k]])
+        if fragments:  # as DeepSpeed computes them (fragment.to(norm dtype).norm(2)), one _foreach_norm for all
+            opt.norm_for_param_grads.update(zip(ids, torch._foreach_norm(fragments, 2, dtype=get_norm_dtype())))
 
     sharded = GradStorage(
         layout=layout,
@@ -165,6 +235,7 @@ def grad_storage(engine: Any, opt: Any) -> GradStorage:
         is_current=is_current,
         after_write=after_write,
         describe=f"ZeRO-{stage}",
+        view_caches=caches,
     )
     capture = active_capture(opt)
     if capture is not None and capture.complete():
@@ -190,6 +261,8 @@ def _replicated(sharded: GradStorage, capture: Any) -> GradStorage:
         if full is None:  # no parameter of this group received a gradient: DeepSpeed's partition is zeros too
             full = capture.buffers[g.index] = torch.zeros(g.flat_numel, dtype=part.dtype, device=sharded.device)
         fulls.append(full)
+    caches = tuple(kept_partition(capture.opt, ("keep_full_grads", i), full) for i, full in enumerate(fulls))
+    fulls = [c.buffer for c in caches]
 
     def build() -> GradLayout:
         groups = tuple(GroupLayout(g.index, g.world_size, g.rank, g.flat_numel, full.dtype, Packing.CONTIGUOUS,
@@ -228,4 +301,5 @@ def _replicated(sharded: GradStorage, capture: Any) -> GradStorage:
         is_current=sharded.is_current,
         after_write=after_write,
         describe=f"{sharded.describe} + keep_full_grads (Replicate)",
+        view_caches=caches,
     )

@@ -24,8 +24,41 @@ import torch.distributed as dist
 
 from ..errors import GradientsNotReadyError, UnsupportedDeepSpeedError
 from ..layout import GradLayout, GroupLayout, Packing, ParamLayout
+from ..plan import plan_for
 from ..storage import GradStorage
-from ._common import WINDOW, cached_layout, micro_steps, model_layout, name_of, param_names, wait_for_stream
+from ..views import ViewCache
+from ._common import (
+    WINDOW,
+    cached_layout,
+    kept_partition,
+    micro_steps,
+    model_layout,
+    name_of,
+    param_names,
+    wait_for_stream,
+)
+
+
+def buffered_norms(opt: Any, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``opt._constant_buffered_norm2(c)`` for every chunk: ``(‖c‖₂²)^½`` in DeepSpeed's norm dtype, one
+    ``_foreach_norm`` for all chunks below its 250M-element buffer (DeepSpeed's own call for larger ones)."""
+    try:
+        from deepspeed.runtime.zero.utils import get_norm_dtype
+
+        dtype = get_norm_dtype()
+    except ImportError:  # DeepSpeed 0.18.9 computes these norms in float64
+        dtype = torch.float64
+    small = [i for i, c in enumerate(chunks) if c.numel() <= 250_000_000]
+    out: list[torch.Tensor] = [None] * len(chunks)  # type: ignore[list-item]
+    if small:
+        norms = torch._foreach_norm([chunks[i] for i in small], 2, dtype=dtype)
+        norms = torch._foreach_pow(torch._foreach_pow(norms, 2.0), 0.5)
+        for i, n in zip(small, norms):
+            out[i] = n
+    for i, c in enumerate(chunks):
+        if out[i] is None:
+            out[i] = opt._constant_buffered_norm2(c)
+    return out
 
 
 def _process_group(opt: Any) -> dist.ProcessGroup:
@@ -39,8 +72,19 @@ def _process_group(opt: Any) -> dist.ProcessGroup:
     return getattr(first, "ds_process_group", opt.dp_process_group)
 
 
-def _partitions(opt: Any) -> tuple[torch.Tensor, ...]:
-    sizes = [sum(p.partition_numel() for p in group) for group in opt.fp16_groups]
+def _partition_sizes(opt: Any) -> list[int]:
+    """Elements of this rank's partition of each sub-group (computed once per optimizer and group structure)."""
+    key = ("partition sizes", tuple(len(g) for g in opt.fp16_groups))
+    return cached_layout(opt, key, lambda: [sum(p.partition_numel() for p in group) for group in opt.fp16_groups])
+
+
+def _partitions(opt: Any) -> tuple[ViewCache, ...]:
+    """Per sub-group, this rank's partition (a view of DeepSpeed's persistent flat buffer, kept across steps)."""
+    return tuple(kept_partition(opt, ("zero3", sg), part) for sg, part in enumerate(_partition_views(opt)))
+
+
+def _partition_views(opt: Any) -> tuple[torch.Tensor, ...]:
+    sizes = _partition_sizes(opt)
     if opt.offload_optimizer:
         grads = [opt.fp32_partitioned_groups_flat[sg].grad for sg in range(len(sizes))]
         if any(g is None for g in grads):
@@ -75,7 +119,8 @@ def grad_storage(engine: Any, opt: Any) -> GradStorage:
         raise GradientsNotReadyError(f"ZeRO-3 with offload_optimizer holds stale gradients mid-accumulation: {WINDOW}")
     if not getattr(opt, "_epilogue_ran_this_backward", True):  # reset by forward() and by step()
         raise GradientsNotReadyError(f"ZeRO-3 has not reduced gradients since the last forward()/step(): {WINDOW}")
-    partitions = _partitions(opt)
+    caches = _partitions(opt)
+    partitions = tuple(c.buffer for c in caches)
     key = (tuple(p.numel() for p in partitions), tuple(p.dtype for p in partitions),
            tuple(len(g) for g in opt.fp16_groups))
     layout, by_name, pg = cached_layout(opt, key, lambda: _build_layout(engine, opt, partitions))
@@ -87,10 +132,16 @@ def grad_storage(engine: Any, opt: Any) -> GradStorage:
     def after_write(written: Sequence[str]) -> None:
         if not opt.offload_optimizer:
             return
-        for name in written:  # DeepSpeed's clip uses norms it precomputed from the chunk (stage3.py, offload)
-            p = layout.by_name[name]
-            chunk = partitions[p.group].narrow(0, p.offset, p.chunk_numel)
-            opt.norm_for_param_grads[opt.get_param_id(by_name[name])] = opt._constant_buffered_norm2(chunk)
+        # DeepSpeed's clip uses norms it precomputed from each padded chunk (stage3.py, offload): the same values,
+        # as its _constant_buffered_norm2 computes them, with one _foreach_norm for all written parameters
+        plan = plan_for(layout)
+        ids, chunks = [], []
+        for name in written:
+            g, k = plan.where[name]
+            columns = plan.groups[g].gathered  # the chunks (and padding) tiling this rank's partition
+            ids.append(opt.get_param_id(by_name[name]))
+            chunks.append(caches[g].split(columns.sizes)[columns.piece[k]])
+        opt.norm_for_param_grads.update(zip(ids, buffered_norms(opt, chunks)))
 
     return GradStorage(
         layout=layout,
@@ -101,4 +152,5 @@ def grad_storage(engine: Any, opt: Any) -> GradStorage:
         is_current=is_current,
         after_write=after_write,
         describe="ZeRO-3",
+        view_caches=caches,
     )

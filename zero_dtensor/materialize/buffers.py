@@ -6,7 +6,10 @@ sees every allocation (and can make one wait, e.g. for a backend thread to relea
 
 Recycling: a ``full_tensors()`` call without ``out=`` takes the flat buffer of the previous call with the same
 structure once nothing but the pool refers to its memory any more (every tensor of that result is gone), so a loop
-that drops each step's result allocates only once; a live result is never overwritten. ``BUFFERS.recycle = False``
+that drops each step's result allocates only once; a live result is never overwritten. A recycled buffer keeps the
+per-parameter views cut from it (:class:`~zero_dtensor.views.ViewCache`), so a later result hands out the same
+view objects (made once, not every call): the buffer counts as free only when no result, no view of it and none
+of those view objects is referred to from outside the pool. ``BUFFERS.recycle = False``
 turns this off; :func:`release_workspace` frees what is kept.
 """
 
@@ -20,6 +23,8 @@ from typing import Any, Protocol
 
 import torch
 
+from ..views import ViewCache
+
 __all__ = ["AllocationObserver", "AllocationRecorder", "BUFFERS", "BufferPool", "release_workspace"]
 
 
@@ -31,18 +36,14 @@ class AllocationObserver(Protocol):
     def after(self, tensor: torch.Tensor) -> None: ...
 
 
-def storage_refs(t: torch.Tensor) -> int:
-    """How many tensors share ``t``'s storage (the pool's own reference included)."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
 class BufferPool:
     """The allocator of :mod:`zero_dtensor.materialize` (see the module docstring). No communication."""
 
     def __init__(self) -> None:
         self.recycle = True
         self._observers: list[AllocationObserver] = []
-        self._recycled: dict[tuple[Any, ...], tuple[torch.Tensor, int]] = {}
+        self._recycled: dict[tuple[Any, ...], ViewCache] = {}
+        self._by_storage: dict[int, ViewCache] = {}
         self.workspace: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def alloc(self, numel: int, dtype: torch.dtype, device: torch.device, *, zero: bool = False) -> torch.Tensor:
@@ -67,24 +68,34 @@ class BufferPool:
                         device: torch.device) -> torch.Tensor:
         """The cached buffer for ``key`` if no result refers to its memory any more, else a new one (cached when the
         slot is empty). Returned as a view, so that a result pins the memory while it lives."""
-        entry = self._recycled.get(key)
-        if entry is not None:
-            buf, idle_refs = entry
-            if storage_refs(buf) == idle_refs:
-                return buf.view(-1)
+        cache = self._recycled.get(key)
+        if cache is not None:
+            if cache.is_idle(check_objects=True):
+                return cache.buffer.view(-1)
             return self.alloc(numel, dtype, device)  # still in use by a live result: do not cache a second one
         buf = self.alloc(numel, dtype, device)
         if self.recycle:
-            self._recycled[key] = (buf, storage_refs(buf))
+            cache = self._recycled[key] = ViewCache(buf)
+            self._by_storage[buf.untyped_storage().data_ptr()] = cache
         return buf.view(-1)
+
+    def view_cache(self, t: torch.Tensor) -> ViewCache | None:
+        """The view cache of the recycled buffer ``t`` is a view of (its per-parameter cuts are made once), or None
+        for memory the pool does not keep (cutting it anew is the only safe choice)."""
+        if not self._by_storage:
+            return None
+        cache = self._by_storage.get(t.untyped_storage().data_ptr())
+        return cache if cache is not None and cache.buffer.untyped_storage().data_ptr() == \
+            t.untyped_storage().data_ptr() else None
 
     def idle(self) -> bool:
         """Whether every recycled buffer is free (no result holds it)."""
-        return all(storage_refs(buf) == idle for buf, idle in self._recycled.values())
+        return all(cache.is_idle(check_objects=True) for cache in self._recycled.values())
 
     def release(self) -> None:
         self.workspace.clear()
         self._recycled.clear()
+        self._by_storage.clear()
 
 
 BUFFERS = BufferPool()

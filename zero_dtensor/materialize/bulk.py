@@ -124,16 +124,28 @@ def _converted(state: GradState, g: int, order: torch.Tensor, want: torch.dtype,
     return out
 
 
-def _cut(plan: GroupPlan, values: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Every parameter of the group as a view of a parameter-order buffer (one ``split_with_sizes``)."""
+def _cut(plan: GroupPlan, values: torch.Tensor, result: Any = None) -> tuple[torch.Tensor, ...]:
+    """Every parameter of the group (buffer order) as a view of a parameter-order buffer: one ``split_with_sizes``,
+    made once per recycled buffer (:meth:`~zero_dtensor.materialize.buffers.BufferPool.view_cache`) or per buffer
+    of a :class:`GatheredGrads` ``result`` (reused when it comes back as ``out=``)."""
+    cache = BUFFERS.view_cache(values)
+    if cache is None and isinstance(result, GatheredGrads):
+        cache = result.view_cache(values)
+    if cache is None:
+        return _make_cut(plan, values)
+    key = ("cut", plan, values.storage_offset(), values.numel(), values.dtype)
+    return cache.get(key, lambda _: _make_cut(plan, values))
+
+
+def _make_cut(plan: GroupPlan, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
     pieces = values.split_with_sizes(list(plan.param_order.sizes))
-    out = {}
+    out = []
     for k, p in enumerate(plan.params):
         piece = pieces[plan.param_order.piece[k]]
         if piece.numel() != p.numel:  # ZeRO-3: the (N, chunk) block is padded past the parameter
             piece = piece.narrow(0, 0, p.numel)
-        out[p.name] = piece if len(p.shape) == 1 else piece.view(p.shape)
-    return out
+        out.append(piece if len(p.shape) == 1 else piece.view(p.shape))
+    return tuple(out)
 
 
 # --- validation ------------------------------------------------------------------------------------------------------
@@ -147,13 +159,19 @@ def _validate_out(state: GradState, params: list[ParamLayout], out: Any, dtype: 
     if not isinstance(out, MutableMapping):
         raise TypeError(f"out= must be a dict name -> tensor (e.g. a previous full_tensors result), got "
                         f"{type(out).__name__}")
+    if isinstance(out, GatheredGrads) and out.holds_issued(params, dtype):
+        return  # exactly the tensors an earlier call of the same request made: shapes, dtype, device known
     storage = state.storage
+    wants: dict[int, tuple[torch.dtype, torch.device]] = {}
     for p in params:
         t = out.get(p.name)
         if t is None:
             continue
-        want = _target_dtype(state, p, dtype)
-        device = comm_device(storage.partitions[p.group], storage.process_groups[p.group], storage.device)
+        spec = wants.get(p.group)
+        if spec is None:
+            spec = wants[p.group] = (_target_dtype(state, p, dtype), comm_device(
+                storage.partitions[p.group], storage.process_groups[p.group], storage.device))
+        want, device = spec
         if not isinstance(t, torch.Tensor) or t.shape != p.shape or t.dtype != want or t.device != device:
             got = f"{type(t).__name__}" if not isinstance(t, torch.Tensor) else f"{tuple(t.shape)} {t.dtype} {t.device}"
             raise ValueError(f"out[{p.name!r}] must be a tensor of shape {tuple(p.shape)}, dtype {want} on {device}; "
@@ -263,11 +281,8 @@ def _emit(state: GradState, params: list[ParamLayout], regions: dict[int, tuple[
     """Fill ``result`` in request order: per group one parameter-order buffer (converted once if needed), cut into
     views; entries of a user-made ``out=`` dict are filled with one ``_foreach_copy_`` per group."""
     user_dict = reuse and not isinstance(result, GatheredGrads)
-    by_group: dict[int, list[ParamLayout]] = {}
-    for p in params:
-        by_group.setdefault(p.group, []).append(p)
     views: dict[str, torch.Tensor] = {}
-    for g, members in by_group.items():
+    for g, members in state.plan.by_group(params).items():
         group, plan = state.group(g), state.plan.groups[g]
         want = _target_dtype(state, members[0], dtype)
         if group.placement.is_sharded:
@@ -276,24 +291,30 @@ def _emit(state: GradState, params: list[ParamLayout], regions: dict[int, tuple[
             live = False
         else:
             order, live = state.storage.partitions[g], True  # a snapshot needs one local copy
-        existing = [p for p in members if user_dict and result.get(p.name) is not None]
-        missing = [p for p in members if not (user_dict and result.get(p.name) is not None)]
-        if existing:
-            source = _converted(state, g, order, want, buffers, copy=False)
-            cut = _cut(plan, source)
-            torch._foreach_copy_([result[p.name] for p in existing], [cut[p.name] for p in existing])
-        if missing:
-            values = _converted(state, g, order, want, buffers, copy=live or user_dict, kept=not user_dict)
-            cut = _cut(plan, values)
+        if user_dict:
+            existing = [p for p in members if result.get(p.name) is not None]
+            if existing:
+                cut = dict(zip(plan.names, _cut(plan, _converted(state, g, order, want, buffers, copy=False))))
+                torch._foreach_copy_([result[p.name] for p in existing], [cut[p.name] for p in existing])
+            missing = [p for p in members if result.get(p.name) is None] if existing else members
+            if not missing:
+                continue
+            values = _converted(state, g, order, want, buffers, copy=True, kept=False)
+            cut = dict(zip(plan.names, _cut(plan, values)))
             views.update((p.name, cut[p.name]) for p in missing)
-    for p in params:
-        if p.name in views:
-            result[p.name] = views[p.name]
-    if reuse:  # keep the caller's key order: request order
-        ordered = {p.name: result[p.name] for p in params}
-        for name in ordered:
-            result.pop(name)
+        else:
+            values = _converted(state, g, order, want, buffers, copy=live)
+            views.update(zip(plan.names, _cut(plan, values, result)))
+    names = [p.name for p in params]
+    if user_dict:
+        result.update((n, views[n]) for n in names if n in views)
+    else:
+        result.update(zip(names, map(views.__getitem__, names)))
+    if reuse and list(result) != names:  # keep the caller's key order: request order
+        ordered = {n: result.pop(n) for n in names}
         result.update(ordered)
+    if isinstance(result, GatheredGrads):
+        result.record_issued(names, dtype)
     return result  # type: ignore[return-value]
 
 

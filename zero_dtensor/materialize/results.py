@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ..views import ViewCache
+
 __all__ = ["FullGrads", "FullTensorsHandle", "GatheredGrads", "PendingFullTensors"]
+
+
+_NAME = operator.attrgetter("name")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 class GatheredGrads(dict):
@@ -21,6 +28,35 @@ class GatheredGrads(dict):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._issued: tuple[tuple[str, ...], tuple[torch.Tensor, ...], Any] | None = None
+        self._caches: dict[int, ViewCache] = {}  # cut views of buffers the pool does not keep, per storage
+
+    def view_cache(self, t: torch.Tensor) -> ViewCache | None:
+        """The view cache of the buffer in :attr:`buffers` that ``t`` is a view of (None if it is none of them)."""
+        ptr = t.untyped_storage().data_ptr()
+        for buf in self.buffers.values():
+            if buf.untyped_storage().data_ptr() == ptr:
+                cache = self._caches.get(ptr)
+                if cache is None or cache.buffer.untyped_storage().data_ptr() != ptr:
+                    cache = self._caches[ptr] = ViewCache(buf)
+                return cache
+        return None
+
+    def record_issued(self, names: list[str], dtype: Any) -> None:
+        """Remember the tensors ``full_tensors`` just placed here (for the ``out=`` check of a later call)."""
+        self._issued = (tuple(names), tuple(map(self.__getitem__, names)), dtype)
+
+    def holds_issued(self, params: Any, dtype: Any) -> bool:
+        """Whether this dict still holds exactly the tensors the last call made for the same names and ``dtype``
+        (nobody replaced one or made one require grad): ``out=`` needs no per-tensor check then."""
+        if self._issued is None:
+            return False
+        names, tensors, issued_dtype = self._issued
+        if issued_dtype != dtype or len(names) != len(params) or len(self) != len(names):
+            return False
+        if tuple(map(_NAME, params)) != names:
+            return False
+        return all(map(operator.is_, map(self.get, names), tensors)) and not any(map(_REQUIRES_GRAD, tensors))
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (dict, (dict(self),))

@@ -1,0 +1,29 @@
+"""Issue 11: per-parameter views are made once per kept buffer and reused, never over memory still in use."""
+
+from __future__ import annotations
+
+import pytest
+
+from workers import view_reuse
+from workers.common import EngineCase
+
+CASES = [EngineCase(1), EngineCase(2), EngineCase(3), EngineCase(2, "bf16"), EngineCase(2, offload=True),
+         EngineCase(1, "bf16", bf16_optimizer=True), EngineCase(3, world=3)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_partition_memory_reused_only_when_free(ranks, case: EngineCase) -> None:
+    results = ranks(case.world).run(view_reuse.check_partition_reuse, case)
+    assert all(r["reused"] for r in results)
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: c.id)
+def test_result_views_reused_only_when_free(ranks, case: EngineCase) -> None:
+    ranks(case.world).run(view_reuse.check_result_views_reused, case)
+
+
+@pytest.mark.parametrize("flatten_below", [0, 1 << 30], ids=["per-param-views", "flattened"])
+@pytest.mark.parametrize("case", [EngineCase(1), EngineCase(2), EngineCase(3), EngineCase(2, "fp16"),
+                                  EngineCase(3, "fp16", world=3)], ids=lambda c: c.id)
+def test_write_paths_agree(ranks, case: EngineCase, flatten_below: int) -> None:
+    ranks(case.world).run(view_reuse.check_write_paths, case, flatten_below)

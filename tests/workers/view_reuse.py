@@ -1,0 +1,103 @@
+"""Issue 11, worker side: views made once and reused across calls and steps, never over memory still in use."""
+
+from __future__ import annotations
+
+import torch
+from deepspeed.utils import safe_get_full_grad
+
+import zero_dtensor as zd
+from zero_dtensor import writes
+
+from .common import EngineCase, build_engine, fill_value, forward_backward
+
+
+def _reference(engine) -> dict[str, torch.Tensor]:
+    return {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters() if p.requires_grad}
+
+
+def check_partition_reuse(case: EngineCase) -> dict[str, bool]:
+    """Over four steps: every read equals DeepSpeed's; where the adapter copies DeepSpeed's pieces into a flat
+    partition (ZeRO-1/2 without offload), a fragment a caller still holds from an earlier step keeps that step's
+    values (its memory is not reused); once nothing is held, later steps reuse the same memory."""
+    engine = build_engine(case)
+    copied = case.stage in (1, 2) and not case.offload and not case.bf16_optimizer
+    held, held_values, pointers = None, None, []
+    for step in range(4):
+        forward_backward(engine, step)
+        grads = zd.sharded_grads(engine)
+        expected = _reference(engine)
+        full = grads.full_tensors()
+        for name, value in expected.items():
+            assert torch.equal(full[name], value), (step, name)
+        pointers.append(grads.local_partitions[0].data_ptr())
+        if step == 1:  # hold a live view into the next step: its memory must not be handed out again meanwhile
+            held_name = next(n for n in grads.names if grads[n].local_range[1] > grads[n].local_range[0])
+            held = grads[held_name].to_local()
+            held_values = held.clone()
+        if step == 2:
+            now = grads[held_name].to_local()
+            if copied:  # the adapter's own copy: a held view keeps its step's values, new memory was used
+                assert torch.equal(held, held_values), "memory a caller still holds was reused"
+                assert held.data_ptr() != now.data_ptr()
+            else:  # DeepSpeed's persistent buffer: a live view follows it, as DeepSpeed's own memory does
+                assert held.data_ptr() == now.data_ptr() and torch.equal(held, now)
+            held = held_values = None
+        del full, grads
+        engine.step()
+    return {"reused": pointers[3] in pointers[:3]}
+
+
+def check_result_views_reused(case: EngineCase) -> None:
+    """A dropped full_tensors() result's tensors come back (the same objects) from the next call, with the new
+    values; a result (or a single tensor of one) still referenced is never overwritten."""
+    engine = build_engine(case)
+    forward_backward(engine)
+    grads = zd.sharded_grads(engine)
+    first = grads.full_tensors()
+    ids = {n: id(t) for n, t in first.items()}
+    del first
+    second = grads.full_tensors()
+    assert all(id(t) == ids[n] for n, t in second.items()), "cut views were made again for a recycled buffer"
+    kept_name = grads.names[0]
+    kept = second[kept_name]
+    snapshot = kept.clone()
+    del second
+    grads.mul_(2.0)
+    third = grads.full_tensors()
+    assert torch.equal(kept, snapshot), "a tensor the caller still holds was overwritten"
+    assert third[kept_name] is not kept
+    assert torch.equal(third[kept_name], 2 * snapshot)
+    # out= the previous result: same objects, new values, no per-tensor check needed
+    again = grads.full_tensors(out=third)
+    assert again is third and all(again[n] is third[n] for n in third)
+    # a replaced entry is checked again
+    third[kept_name] = torch.zeros(3)
+    try:
+        grads.full_tensors(out=third)
+    except ValueError as e:
+        assert kept_name in str(e)
+    else:
+        raise AssertionError("a wrong out= entry was accepted")
+
+
+def check_write_paths(case: EngineCase, flatten_below: int) -> None:
+    """set_full_ through the flattened buffer and through per-parameter views write the same values."""
+    writes.FLATTEN_BELOW = flatten_below
+    engine = build_engine(case)
+    forward_backward(engine)
+    grads = zd.sharded_grads(engine)
+    values = {n: fill_value(n, grads[n].shape) for n in grads.names}
+    subset = {n: values[n] for n in reversed(grads.names[1::2])}  # not in model order, not every parameter
+    scale = grads.loss_scale
+
+    def expected(name: str, value: torch.Tensor) -> torch.Tensor:  # stored = value × scale in the stored dtype
+        return (value.float() * scale).to(grads[name].dtype).float() / scale if scale != 1.0 else value
+
+    grads.set_full_(subset)
+    full = grads.full_tensors()
+    for name, value in subset.items():
+        assert torch.equal(full[name], expected(name, value).to(full[name].dtype)), name
+    grads.set_full_(values)
+    full = grads.full_tensors()
+    for name, value in values.items():
+        assert torch.equal(full[name], expected(name, value).to(full[name].dtype)), name

@@ -1,0 +1,72 @@
+"""Views kept across steps: per-parameter views cost ~1 µs each to make, so buffers that live across steps keep
+theirs.
+
+A :class:`ViewCache` belongs to one 1-D buffer (a partition an adapter keeps stable across steps, or a recycled
+gather buffer) and holds views of it keyed by how they were cut (e.g. a tiling's sizes). Every view it holds is a
+distinct tensor sharing the buffer's storage, so :meth:`ViewCache.is_idle` can tell, from the storage's use count
+alone, whether anything *outside* the cache (a user's view, a live result) still refers to the memory. Nothing here
+communicates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import sys
+
+import torch
+
+__all__ = ["ViewCache", "storage_refs"]
+
+
+def storage_refs(t: torch.Tensor) -> int:
+    """How many holders share ``t``'s storage (``t`` included, and the storage object this call makes: compare
+    counts taken by this function only)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+#: ``sys.getrefcount`` of a view only the cache's tuple refers to (the tuple, and the call's own argument)
+_CACHE_ONLY = 2
+
+
+class ViewCache:
+    """Views of ``buffer``, built once per key (see the module docstring)."""
+
+    __slots__ = ("buffer", "_views", "_held", "_base_refs")
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self.buffer = buffer
+        self._base_refs = storage_refs(buffer)  # the buffer and whoever else held the memory when it was cached
+        self._views: dict[object, tuple[torch.Tensor, ...]] = {}
+        self._held = 0  # tensors the cache holds that share the storage (the buffer itself aside)
+
+    def get(self, key: object, build: Callable[[torch.Tensor], Sequence[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+        """The views cached under ``key``, or ``build(buffer)`` (which must return *new* views of the buffer)."""
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = tuple(build(self.buffer))
+            self._held += len(views)
+        return views
+
+    def split(self, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        """``buffer.split_with_sizes(sizes)``, cached."""
+        return self.get(("split", sizes), lambda b: b.split_with_sizes(list(sizes)))
+
+    def is_idle(self, extra: int = 0, *, check_objects: bool = False) -> bool:
+        """Whether only what held the memory when the cache was made, the cached views and ``extra`` known holders
+        refer to the storage. ``check_objects``: also whether no cached view *object* is referred to from outside
+        the cache (views handed out as results) or was made to require grad."""
+        if storage_refs(self.buffer) != self._base_refs + self._held + extra:
+            return False
+        if not check_objects:
+            return True
+        for views in self._views.values():
+            if any(count != _CACHE_ONLY for count in map(sys.getrefcount, views)):
+                return False
+            if any(v.requires_grad for v in views):
+                return False
+        return True
+
+    def clear(self) -> None:
+        self._views.clear()
+        self._held = 0

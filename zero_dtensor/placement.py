@@ -48,7 +48,7 @@ placement        ``all_reduce`` (zero-padded sum)      ``all_gather``
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -58,6 +58,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from .collectives import all_gather_into, all_gather_single, all_reduce_sum_work, on_comm_device
+from .views import ViewCache
 
 if TYPE_CHECKING:
     from .layout import GroupLayout, ParamLayout
@@ -132,14 +133,16 @@ class GroupPlacement:
         raise NotImplementedError
 
     def fill_for_reduce(self, region: torch.Tensor, group: GroupLayout, plan: GroupPlan,
-                        pieces: tuple[torch.Tensor, ...]) -> None:
+                        pieces: tuple[torch.Tensor, ...], cache: ViewCache | None = None) -> None:
         """Write this rank's values into ``region`` (``flat_numel`` elements) in parameter order, zeros elsewhere:
-        the input of the zero-padded sum all_reduce. ``pieces`` is the partition cut by ``plan.local``."""
+        the input of the zero-padded sum all_reduce. ``pieces`` is the partition cut by ``plan.local``; ``cache``
+        (the region's buffer's, if it is kept) keeps per-parameter target views across calls."""
         raise NotImplementedError
 
     def to_param_order(self, gathered: torch.Tensor, group: GroupLayout, plan: GroupPlan,
-                       area: torch.Tensor | None) -> torch.Tensor:
-        """An all_gather's result in parameter order: ``gathered`` itself, or reordered into ``area``."""
+                       area: torch.Tensor | None, cache: ViewCache | None = None) -> torch.Tensor:
+        """An all_gather's result in parameter order: ``gathered`` itself, or reordered into ``area`` (``cache``:
+        as for :meth:`fill_for_reduce`)."""
         return gathered
 
     def reorder_area(self, group: GroupLayout) -> int:
@@ -210,7 +213,7 @@ class RaggedShard(GroupPlacement):
         return full
 
     def fill_for_reduce(self, region: torch.Tensor, group: GroupLayout, plan: GroupPlan,
-                        pieces: tuple[torch.Tensor, ...]) -> None:
+                        pieces: tuple[torch.Tensor, ...], cache: ViewCache | None = None) -> None:
         P, r = group.partition_numel, group.rank
         region.narrow(0, 0, r * P).zero_()
         region.narrow(0, (r + 1) * P, group.flat_numel - (r + 1) * P).zero_()
@@ -311,25 +314,32 @@ class ChunkShard(GroupPlacement):
         return gathered.narrow(0, 0, param.numel)
 
     def fill_for_reduce(self, region: torch.Tensor, group: GroupLayout, plan: GroupPlan,
-                        pieces: tuple[torch.Tensor, ...]) -> None:
+                        pieces: tuple[torch.Tensor, ...], cache: ViewCache | None = None) -> None:
         """Rank ``r``'s chunk of parameter ``p`` goes to row ``r`` of ``p``'s ``(N, chunk)`` block: one zero fill,
         one ``_foreach_copy_``."""
         region.zero_()
         keep = plan.has_local
         if keep:
-            blocks = region.split_with_sizes(list(plan.param_order.sizes))
-            targets = [blocks[plan.param_order.piece[k]].view(group.world_size, -1)[group.rank]
-                       .narrow(0, 0, plan.frag_len[k]) for k in keep]
-            torch._foreach_copy_(targets, [pieces[plan.local.piece[k]] for k in keep])
+            def build(_: torch.Tensor) -> list[torch.Tensor]:
+                blocks = region.split_with_sizes(list(plan.param_order.sizes))
+                return [blocks[plan.param_order.piece[k]].view(group.world_size, -1)[group.rank]
+                        .narrow(0, 0, plan.frag_len[k]) for k in keep]
+
+            targets = _views(cache, ("fill", plan, region.storage_offset()), region, build)
+            torch._foreach_copy_(list(targets), [pieces[i] for i in plan.local_pieces_of(keep)])
 
     def to_param_order(self, gathered: torch.Tensor, group: GroupLayout, plan: GroupPlan,
-                       area: torch.Tensor | None) -> torch.Tensor:
+                       area: torch.Tensor | None, cache: ViewCache | None = None) -> torch.Tensor:
         """The ``(N, P)`` rows cut into column blocks by one ``split_with_sizes_copy`` into ``area``."""
         assert area is not None
-        blocks = area.split_with_sizes(list(plan.param_order.sizes))
         N = group.world_size
+
+        def build(_: torch.Tensor) -> list[torch.Tensor]:
+            return [b.view(N, -1) for b in area.split_with_sizes(list(plan.param_order.sizes))]
+
+        blocks = _views(cache, ("columns", plan, area.storage_offset()), area, build)
         torch.split_with_sizes_copy(gathered.view(N, group.partition_numel), list(plan.gathered.sizes), dim=1,
-                                    out=[b.view(N, -1) for b in blocks])
+                                    out=list(blocks))
         return area
 
     def reorder_area(self, group: GroupLayout) -> int:
@@ -434,6 +444,12 @@ class Replicated(GroupPlacement):
                         alloc: Allocator) -> torch.Tensor:
         """No communication: one local copy of ``[start, stop)`` of the stored buffer (a snapshot, on its device)."""
         return alloc(stop - start, partition.dtype, partition.device).copy_(partition.narrow(0, start, stop - start))
+
+
+def _views(cache: ViewCache | None, key: object, region: torch.Tensor,
+           build: Callable[[torch.Tensor], Sequence[torch.Tensor]]) -> Sequence[torch.Tensor]:
+    """``build(region)``: made once and kept in ``cache`` when the region's buffer is kept, else made now."""
+    return build(region) if cache is None else cache.get(key, build)
 
 
 _RAGGED, _CHUNKED, _REPLICATED = RaggedShard(), ChunkShard(), Replicated()

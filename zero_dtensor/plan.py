@@ -90,6 +90,27 @@ class GroupPlan:
         """``name -> k``: a parameter's index in :attr:`params`."""
         return {p.name: k for k, p in enumerate(self.params)}
 
+    def local_pieces_of(self, indices: Sequence[int]) -> tuple[int, ...]:
+        """The pieces of :attr:`local` holding the parameters ``indices`` (buffer order); cached for
+        :attr:`has_local`."""
+        if indices is self.has_local:
+            return self._has_local_pieces
+        return tuple(self.local.piece[k] for k in indices)
+
+    @cached_property
+    def _has_local_pieces(self) -> tuple[int, ...]:
+        return tuple(self.local.piece[k] for k in self.has_local)
+
+    @cached_property
+    def whole_local(self) -> tuple[int, ...]:
+        """Indices (buffer order) of the non-empty parameters this rank holds whole."""
+        return tuple(k for k, (n, p) in enumerate(zip(self.frag_len, self.params)) if n and n == p.numel)
+
+    @cached_property
+    def whole_position(self) -> dict[int, int]:
+        """``k -> i``: parameter ``k`` is ``whole_local[i]``."""
+        return {k: i for i, k in enumerate(self.whole_local)}
+
     @cached_property
     def has_local(self) -> tuple[int, ...]:
         """Indices (buffer order) of the parameters with a non-empty fragment on this rank."""

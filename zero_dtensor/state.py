@@ -6,6 +6,7 @@ of reaching into the public object above it. Nothing here communicates.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Collection, Iterable, Mapping
 from functools import cached_property
 from typing import Any, Union
@@ -150,7 +151,10 @@ class GradState:
         self.check_current()
         layout = self.layout
         if params is None:
-            chosen = list(layout.params)
+            everything = _ALL_SELECTED.get(self.plan)
+            if everything is None:
+                everything = _ALL_SELECTED[self.plan] = self.selection(list(layout.params))
+            return everything
         elif isinstance(params, str):
             raise TypeError(f"params must be a collection of names or a predicate, not a single string ({params!r})")
         elif callable(params) and not isinstance(params, Collection):
@@ -177,6 +181,9 @@ class GradState:
             by_group.setdefault(g, []).append(k)
         return Selection(params, by_group)
 
+
+#: per plan, the selection of every parameter (``params=None``, the usual case), built once; never modified
+_ALL_SELECTED: weakref.WeakKeyDictionary[GradPlan, Selection] = weakref.WeakKeyDictionary()
 
 GradsLike = Any  # a ShardedGrads (anything with ``__zero_dtensor_state__``) or a GradState
 

@@ -4,18 +4,20 @@ communication.**
 Validation runs over all values with C-level passes (types, shapes, dtypes, devices); only when one fails does a
 per-entry pass run, to name the first bad entry. Nothing is written before everything is checked.
 
-Writing, per flat group: for small parameters (where one Python-level view per parameter would cost more than the
-copy) the values are flattened into one buffer by one C++ call (``flatten_dense_tensors``), that buffer is cut by a
-cached tiling into (before, fragment, after) pieces per parameter with one ``split_with_sizes``, and the fragments are
-copied with one ``_foreach_copy_``; for large parameters each value's fragment is taken as a view and copied with one
-``_foreach_copy_``. Under fp16 loss scaling the sources are scaled in float32 first. Writes never record autograd
-history.
+Writing, per flat group, one ``_foreach_copy_``: where this rank holds most parameters whole (ZeRO-1/2, replicated
+groups), each value is copied as it is into a view of its fragment in the parameter's shape, views made once per
+kept partition; the few parameters held in part contribute a view of their part. Where most fragments are parts
+(ZeRO-3 chunks) and the parameters are small (where one Python-level view per parameter would cost more than the
+copy), the values are flattened into one buffer by one C++ call (``flatten_dense_tensors``), cut by a cached tiling
+into (before, fragment, after) pieces with one ``split_with_sizes``, and the fragments copied. Under fp16 loss scaling
+the sources are scaled in float32 first (one ``_foreach_mul``). Writes never record autograd history.
 """
 
 from __future__ import annotations
 
 import operator
 from collections import OrderedDict
+from itertools import repeat
 from collections.abc import Mapping
 
 import torch
@@ -44,7 +46,7 @@ def validate_full(state: GradState, mapping: Mapping[str, torch.Tensor]) -> list
     by_name = state.layout.by_name
     names, values = list(mapping.keys()), list(mapping.values())
     params = [by_name.get(n) if isinstance(n, str) else None for n in names]
-    if (None not in params and all(type(v) is torch.Tensor for v in values)
+    if (all(map(operator.is_not, params, repeat(None))) and all(type(v) is torch.Tensor for v in values)
             and list(map(_SHAPE, values)) == list(map(_SHAPE, params))
             and all(map(torch.Tensor.is_floating_point, values)) and set(map(_DEVICE, values)) <= devices):
         return list(zip(params, values))
@@ -89,11 +91,12 @@ def _write_group(state: GradState, g: int, pairs: list[tuple[ParamLayout, torch.
     plan = state.plan.groups[g]
     params = [p for p, _ in pairs]
     values = [v for _, v in pairs]
-    numel = sum(p.numel for p in params)
-    if numel < FLATTEN_BELOW * len(params) and len({v.device for v in values}) == 1 and len(values) > 1:
+    mostly_partial = 2 * len(plan.whole_local) < len(plan.has_local)  # ZeRO-3: every fragment is a chunk
+    small = sum(p.numel for p in params) < FLATTEN_BELOW * len(params)
+    if mostly_partial and small and len(values) > 1 and len({v.device for v in values}) == 1:
         _write_flattened(state, plan, params, values)
     else:
-        _write_each(state, plan, params, values)
+        _write_direct(state, plan, params, values)
 
 
 def _write_flattened(state: GradState, plan: GroupPlan, params: list[ParamLayout], values: list[torch.Tensor]) -> None:
@@ -109,27 +112,41 @@ def _write_flattened(state: GradState, plan: GroupPlan, params: list[ParamLayout
     torch._foreach_copy_(dests, sources)
 
 
-def _write_each(state: GradState, plan: GroupPlan, params: list[ParamLayout], values: list[torch.Tensor]) -> None:
+def _write_direct(state: GradState, plan: GroupPlan, params: list[ParamLayout], values: list[torch.Tensor]) -> None:
+    """Whole local parameters: the value itself into a cached view of its fragment in the parameter's shape (no
+    view per call); parameters this rank holds only part of: a view of the value's part."""
+    shaped = state.view_caches[plan.index].get(("shaped", plan), lambda _: _shaped_fragments(state, plan))
+    whole, positions = plan.whole_position, plan.positions
     dests: list[torch.Tensor] = []
     sources: list[torch.Tensor] = []
-    positions = plan.positions
-    for param, value in zip(params, values):
-        k = positions[param.name]
-        start, length = plan.frag_start[k], plan.frag_len[k]
-        if length:
-            dests.append(state.fragments_of(plan.index, (k,))[0])
-            flat = value.reshape(-1)
-            sources.append(flat if length == param.numel else flat.narrow(0, start, length))
+    partial: list[tuple[int, torch.Tensor]] = []
+    for k, value in zip(map(positions.__getitem__, map(_NAME, params)), values):
+        i = whole.get(k)
+        if i is not None:
+            dests.append(shaped[i])
+            sources.append(value)
+        elif plan.frag_len[k]:
+            partial.append((k, value))
+    if partial:
+        dests += state.fragments_of(plan.index, [k for k, _ in partial])
+        sources += [v.reshape(-1).narrow(0, plan.frag_start[k], plan.frag_len[k]) for k, v in partial]
     if not dests:
         return
     scale = state.loss_scale
-    if scale != 1.0:
-        if len({s.device for s in sources}) == 1:
-            scaled = torch.cat(sources).to(torch.float32).mul_(scale)
-            sources = list(scaled.split_with_sizes([s.numel() for s in sources]))
-        else:  # values on several devices: rare
-            sources = [s.to(torch.float32) * scale for s in sources]
+    if scale != 1.0:  # value × scale in float32 (bit-identical to scaling each value alone), cast on copy
+        if all(s.dtype == torch.float32 for s in sources):
+            sources = torch._foreach_mul(sources, scale)
+        else:  # other dtypes: one cat (promoting), one cast, one multiply; then flat pieces into flat fragments
+            flat = torch.cat([s.reshape(-1) for s in sources]).to(torch.float32).mul_(scale)
+            sources = list(flat.split_with_sizes([d.numel() for d in dests]))
+            dests = [d.view(-1) for d in dests]
     torch._foreach_copy_(dests, sources)
+
+
+def _shaped_fragments(state: GradState, plan: GroupPlan) -> list[torch.Tensor]:
+    """Views, in each parameter's shape, of the fragments of the parameters this rank holds whole."""
+    pieces = state.pieces[plan.index]
+    return [pieces[plan.local.piece[k]].view(plan.params[k].shape) for k in plan.whole_local]
 
 
 class _SourceTiling:

@@ -4,9 +4,10 @@ Every buffer ``full_tensors`` / ``iter_full`` allocates goes through :data:`BUFF
 that the tests and the benchmark account for memory the same way: ``with BUFFERS.observing(AllocationRecorder())``
 sees every allocation (and can make one wait, e.g. for a backend thread to release the previous bucket).
 
-Recycling: a ``full_tensors()`` call without ``out=`` takes the flat buffer of the previous call with the same
-structure once nothing but the pool refers to its memory any more (every tensor of that result is gone), so a loop
-that drops each step's result allocates only once; a live result is never overwritten. A recycled buffer keeps the
+Recycling: a ``full_tensors()`` call without ``out=`` takes a kept flat buffer of an earlier call with the same
+structure once nothing but the pool refers to its memory any more (every tensor of that result is gone); up to two
+are kept per structure (:attr:`BufferPool.slots`), so a loop that keeps the previous step's result until the next
+call allocates only twice; a live result is never overwritten. A recycled buffer keeps the
 per-parameter views cut from it (:class:`~zero_dtensor.views.ViewCache`), so a later result hands out the same
 view objects (made once, not every call): the buffer counts as free only when no result, no view of it and none
 of those view objects is referred to from outside the pool. ``BUFFERS.recycle = False``
@@ -42,7 +43,10 @@ class BufferPool:
     def __init__(self) -> None:
         self.recycle = True
         self._observers: list[AllocationObserver] = []
-        self._recycled: dict[tuple[Any, ...], ViewCache] = {}
+        self._recycled: dict[tuple[Any, ...], list[ViewCache]] = {}
+        #: buffers kept per structure: two, so that a loop holding the previous result (or a backend thread that
+        #: lets go of a finished collective's views a moment late) still finds a free one
+        self.slots = 2
         self._by_storage: dict[int, ViewCache] = {}
         self.workspace: dict[tuple[Any, ...], torch.Tensor] = {}
 
@@ -66,16 +70,16 @@ class BufferPool:
 
     def recycled_or_new(self, key: tuple[Any, ...], numel: int, dtype: torch.dtype,
                         device: torch.device) -> torch.Tensor:
-        """The cached buffer for ``key`` if no result refers to its memory any more, else a new one (cached when the
-        slot is empty). Returned as a view, so that a result pins the memory while it lives."""
-        cache = self._recycled.get(key)
-        if cache is not None:
+        """A kept buffer for ``key`` that no result refers to any more, else a new one (kept while fewer than
+        :attr:`slots` are). Returned as a view, so that a result pins the memory while it lives."""
+        kept = self._recycled.setdefault(key, [])
+        for cache in kept:
             if cache.is_idle(check_objects=True):
                 return cache.buffer.view(-1)
-            return self.alloc(numel, dtype, device)  # still in use by a live result: do not cache a second one
         buf = self.alloc(numel, dtype, device)
-        if self.recycle:
-            cache = self._recycled[key] = ViewCache(buf)
+        if self.recycle and len(kept) < self.slots:
+            cache = ViewCache(buf)
+            kept.append(cache)
             self._by_storage[buf.untyped_storage().data_ptr()] = cache
         return buf.view(-1)
 
@@ -90,7 +94,7 @@ class BufferPool:
 
     def idle(self) -> bool:
         """Whether every recycled buffer is free (no result holds it)."""
-        return all(cache.is_idle(check_objects=True) for cache in self._recycled.values())
+        return all(cache.is_idle(check_objects=True) for kept in self._recycled.values() for cache in kept)
 
     def release(self) -> None:
         self.workspace.clear()

@@ -103,7 +103,8 @@ def _fill_for_reduce(state: GradState, t: _Transfer, buf: torch.Tensor) -> None:
         group, plan = state.group(g), state.plan.groups[g]
         pieces = state.pieces[g] if part is state.storage.partitions[g] else part.split_with_sizes(
             list(plan.local.sizes))
-        group.placement.fill_for_reduce(buf.narrow(0, t.offsets[g], group.flat_numel), group, plan, pieces)
+        region = buf.narrow(0, t.offsets[g], group.flat_numel)
+        group.placement.fill_for_reduce(region, group, plan, pieces, BUFFERS.view_cache(region))
 
 
 def _converted(state: GradState, g: int, order: torch.Tensor, want: torch.dtype, buffers: _Buffers,
@@ -135,6 +136,21 @@ def _cut(plan: GroupPlan, values: torch.Tensor, result: Any = None) -> tuple[tor
         return _make_cut(plan, values)
     key = ("cut", plan, values.storage_offset(), values.numel(), values.dtype)
     return cache.get(key, lambda _: _make_cut(plan, values))
+
+
+def _narrower(buf: torch.Tensor, cache: Any) -> Any:
+    """``narrow(start, length)`` of ``buf``: views kept in the buffer's cache when it is kept. The collectives get
+    these kept views, so a backend thread that holds its inputs a moment after ``wait()`` holds no extra view of
+    the memory, and the buffer is found free (and reused, with its cut views) by the next call."""
+    if cache is None:
+        return lambda start, length: buf.narrow(0, start, length)
+    base = buf.storage_offset()
+    return lambda start, length: cache.get(("narrow", base + start, length),
+                                           lambda _: [buf.narrow(0, start, length)])[0]
+
+
+def _result_cache(result: Any, t: torch.Tensor) -> Any:
+    return result.view_cache(t) if isinstance(result, GatheredGrads) else None
 
 
 def _make_cut(plan: GroupPlan, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -236,12 +252,13 @@ def full_tensors(
         areas = {g: state.group(g).placement.reorder_area(state.group(g)) if t.strategy == "all_gather" else 0
                  for g in t.groups}
         buf = buffers.get(t.key(), t.numel + sum(areas.values()), t.dtype, t.device)
+        narrow = _narrower(buf, BUFFERS.view_cache(buf) or _result_cache(result, buf))
         at = t.numel
         for g in t.groups:
-            area = buf.narrow(0, at, areas[g]) if areas[g] else None
+            area = narrow(at, areas[g]) if areas[g] else None
             at += areas[g]
-            regions[g] = (buf.narrow(0, t.offsets[g], state.group(g).flat_numel), area)
-        buf = buf.narrow(0, 0, t.numel)
+            regions[g] = (narrow(t.offsets[g], state.group(g).flat_numel), area)
+        buf = narrow(0, t.numel)
         if t.strategy == "all_reduce":
             _fill_for_reduce(state, t, buf)
             works += (all_reduce_sum_work(buf, t.pg, async_op=async_op) if dst is None
@@ -287,7 +304,8 @@ def _emit(state: GradState, params: list[ParamLayout], regions: dict[int, tuple[
         want = _target_dtype(state, members[0], dtype)
         if group.placement.is_sharded:
             region, area = regions[g]
-            order = region if area is None else group.placement.to_param_order(region, group, plan, area)
+            order = region if area is None else group.placement.to_param_order(
+                region, group, plan, area, BUFFERS.view_cache(area) or _result_cache(result, area))
             live = False
         else:
             order, live = state.storage.partitions[g], True  # a snapshot needs one local copy

@@ -52,11 +52,11 @@ class ViewCache:
         """``buffer.split_with_sizes(sizes)``, cached."""
         return self.get(("split", sizes), lambda b: b.split_with_sizes(list(sizes)))
 
-    def is_idle(self, extra: int = 0, *, check_objects: bool = False) -> bool:
-        """Whether only what held the memory when the cache was made, the cached views and ``extra`` known holders
-        refer to the storage. ``check_objects``: also whether no cached view *object* is referred to from outside
+    def is_idle(self, *, check_objects: bool = False) -> bool:
+        """Whether only what held the memory when the cache was made and the cached views refer to the storage.
+        ``check_objects``: also whether no cached view *object* is referred to from outside
         the cache (views handed out as results) or was made to require grad."""
-        if storage_refs(self.buffer) != self._base_refs + self._held + extra:
+        if storage_refs(self.buffer) != self._base_refs + self._held:
             return False
         if not check_objects:
             return True
@@ -66,7 +66,3 @@ class ViewCache:
             if any(v.requires_grad for v in views):
                 return False
         return True
-
-    def clear(self) -> None:
-        self._views.clear()
-        self._held = 0

@@ -29,6 +29,7 @@ from ..collectives import (
 from ..layout import ParamLayout
 from ..plan import GroupPlan
 from ..state import GradState
+from ..views import ViewCache
 from .buffers import BUFFERS
 from .results import GatheredGrads, PendingFullTensors
 from .strategy import check_strategy, explicit, resolve
@@ -129,9 +130,7 @@ def _cut(plan: GroupPlan, values: torch.Tensor, result: Any = None) -> tuple[tor
     """Every parameter of the group (buffer order) as a view of a parameter-order buffer: one ``split_with_sizes``,
     made once per recycled buffer (:meth:`~zero_dtensor.materialize.buffers.BufferPool.view_cache`) or per buffer
     of a :class:`GatheredGrads` ``result`` (reused when it comes back as ``out=``)."""
-    cache = BUFFERS.view_cache(values)
-    if cache is None and isinstance(result, GatheredGrads):
-        cache = result.view_cache(values)
+    cache = _view_cache(result, values)
     if cache is None:
         return _make_cut(plan, values)
     key = ("cut", plan, values.storage_offset(), values.numel(), values.dtype)
@@ -149,8 +148,13 @@ def _narrower(buf: torch.Tensor, cache: Any) -> Any:
                                            lambda _: [buf.narrow(0, start, length)])[0]
 
 
-def _result_cache(result: Any, t: torch.Tensor) -> Any:
-    return result.view_cache(t) if isinstance(result, GatheredGrads) else None
+def _view_cache(result: Any, t: torch.Tensor) -> ViewCache | None:
+    """The cache of the kept buffer ``t`` is a view of: the pool's, else that of a :class:`GatheredGrads`
+    ``result`` holding it; None for memory nobody keeps (cut anew)."""
+    cache = BUFFERS.view_cache(t)
+    if cache is None and isinstance(result, GatheredGrads):
+        cache = result.view_cache(t)
+    return cache
 
 
 def _make_cut(plan: GroupPlan, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -252,7 +256,7 @@ def full_tensors(
         areas = {g: state.group(g).placement.reorder_area(state.group(g)) if t.strategy == "all_gather" else 0
                  for g in t.groups}
         buf = buffers.get(t.key(), t.numel + sum(areas.values()), t.dtype, t.device)
-        narrow = _narrower(buf, BUFFERS.view_cache(buf) or _result_cache(result, buf))
+        narrow = _narrower(buf, _view_cache(result, buf))
         at = t.numel
         for g in t.groups:
             area = narrow(at, areas[g]) if areas[g] else None
@@ -305,7 +309,7 @@ def _emit(state: GradState, params: list[ParamLayout], regions: dict[int, tuple[
         if group.placement.is_sharded:
             region, area = regions[g]
             order = region if area is None else group.placement.to_param_order(
-                region, group, plan, area, BUFFERS.view_cache(area) or _result_cache(result, area))
+                region, group, plan, area, _view_cache(result, area))
             live = False
         else:
             order, live = state.storage.partitions[g], True  # a snapshot needs one local copy

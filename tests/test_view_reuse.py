@@ -22,8 +22,8 @@ def test_result_views_reused_only_when_free(ranks, case: EngineCase) -> None:
     ranks(case.world).run(view_reuse.check_result_views_reused, case)
 
 
-@pytest.mark.parametrize("flatten_below", [0, 1 << 30], ids=["per-param-views", "flattened"])
+@pytest.mark.parametrize("max_classes", [0, 16], ids=["per-param-views", "row-copy"])
 @pytest.mark.parametrize("case", [EngineCase(1), EngineCase(2), EngineCase(3), EngineCase(2, "fp16"),
                                   EngineCase(3, "fp16", world=3)], ids=lambda c: c.id)
-def test_write_paths_agree(ranks, case: EngineCase, flatten_below: int) -> None:
-    ranks(case.world).run(view_reuse.check_write_paths, case, flatten_below)
+def test_write_paths_agree(ranks, case: EngineCase, max_classes: int) -> None:
+    ranks(case.world).run(view_reuse.check_write_paths, case, max_classes)

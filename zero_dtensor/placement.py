@@ -132,10 +132,11 @@ class GroupPlacement:
         for sharded placements (see each kind)."""
         raise NotImplementedError
 
-    def fill_for_reduce(self, region: torch.Tensor, group: GroupLayout, plan: GroupPlan,
-                        pieces: tuple[torch.Tensor, ...], cache: ViewCache | None = None) -> None:
+    def fill_for_reduce(self, region: torch.Tensor, group: GroupLayout, plan: GroupPlan, partition: torch.Tensor,
+                        pieces: tuple[torch.Tensor, ...] | None, cache: ViewCache | None = None) -> None:
         """Write this rank's values into ``region`` (``flat_numel`` elements) in parameter order, zeros elsewhere:
-        the input of the zero-padded sum all_reduce. ``pieces`` is the partition cut by ``plan.local``; ``cache``
+        the input of the zero-padded sum all_reduce. ``partition`` is this rank's (1-D), ``pieces`` the same cut by
+        ``plan.local`` when already made (else ``None``); ``cache``
         (the region's buffer's, if it is kept) keeps per-parameter target views across calls."""
         raise NotImplementedError
 
@@ -212,14 +213,13 @@ class RaggedShard(GroupPlacement):
         all_reduce_sum_work(full, pg)
         return full
 
-    def fill_for_reduce(self, region: torch.Tensor, group: GroupLayout, plan: GroupPlan,
-                        pieces: tuple[torch.Tensor, ...], cache: ViewCache | None = None) -> None:
+    def fill_for_reduce(self, region: torch.Tensor, group: GroupLayout, plan: GroupPlan, partition: torch.Tensor,
+                        pieces: tuple[torch.Tensor, ...] | None, cache: ViewCache | None = None) -> None:
+        """The partition into its own range, zeros around it: two fills, one copy."""
         P, r = group.partition_numel, group.rank
         region.narrow(0, 0, r * P).zero_()
         region.narrow(0, (r + 1) * P, group.flat_numel - (r + 1) * P).zero_()
-        mine = region.narrow(0, r * P, P)
-        if pieces:
-            torch.cat(pieces, out=mine)
+        region.narrow(0, r * P, P).copy_(partition)
 
     @staticmethod
     def _overlaps(group: GroupLayout, start: int, stop: int) -> list[tuple[int, int]]:
@@ -313,11 +313,17 @@ class ChunkShard(GroupPlacement):
         all_gather_single(gathered, chunk, pg)
         return gathered.narrow(0, 0, param.numel)
 
-    def fill_for_reduce(self, region: torch.Tensor, group: GroupLayout, plan: GroupPlan,
-                        pieces: tuple[torch.Tensor, ...], cache: ViewCache | None = None) -> None:
+    def fill_for_reduce(self, region: torch.Tensor, group: GroupLayout, plan: GroupPlan, partition: torch.Tensor,
+                        pieces: tuple[torch.Tensor, ...] | None, cache: ViewCache | None = None) -> None:
         """Rank ``r``'s chunk of parameter ``p`` goes to row ``r`` of ``p``'s ``(N, chunk)`` block: one zero fill,
-        one ``_foreach_copy_``."""
+        then one row copy of the whole partition (:attr:`~zero_dtensor.plan.GroupPlan.own_column_rows`; the
+        chunks' padding lands in the blocks' padding, which no result shows), or, where the pieces' common width is
+        too narrow for rows, one ``_foreach_copy_`` of the fragments."""
         region.zero_()
+        rows = plan.own_column_rows
+        if rows is not None:
+            rows.copy(partition, region)
+            return
         keep = plan.has_local
         if keep:
             def build(_: torch.Tensor) -> list[torch.Tensor]:
@@ -326,13 +332,22 @@ class ChunkShard(GroupPlacement):
                         .narrow(0, 0, plan.frag_len[k]) for k in keep]
 
             targets = _views(cache, ("fill", plan, region.storage_offset()), region, build)
+            if pieces is None:
+                pieces = tuple(partition.split_with_sizes(list(plan.local.sizes)))
             torch._foreach_copy_(list(targets), [pieces[i] for i in plan.local_pieces_of(keep)])
 
     def to_param_order(self, gathered: torch.Tensor, group: GroupLayout, plan: GroupPlan,
                        area: torch.Tensor | None, cache: ViewCache | None = None) -> torch.Tensor:
-        """The ``(N, P)`` rows cut into column blocks by one ``split_with_sizes_copy`` into ``area``."""
+        """The ``(N, P)`` rows cut into column blocks in ``area``: one row copy
+        (:attr:`~zero_dtensor.plan.GroupPlan.column_rows`: one ``index_select``), or, where the pieces' common width
+        is too narrow for rows, one ``split_with_sizes_copy`` (FSDP2's copy-out; one kernel on CUDA, a copy per
+        block elsewhere)."""
         assert area is not None
         N = group.world_size
+        rows = plan.column_rows
+        if rows is not None:
+            rows.copy(gathered, area)
+            return area
 
         def build(_: torch.Tensor) -> list[torch.Tensor]:
             return [b.view(N, -1) for b in area.split_with_sizes(list(plan.param_order.sizes))]

@@ -18,10 +18,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+import torch
+
 from .layout import GradLayout, GroupLayout, ParamLayout
+from .rows import RowMap, row_map
 from .segments import SegmentPlan, segment_plan
 
-__all__ = ["GradPlan", "GroupPlan", "Tiling", "plan_for", "tiling"]
+__all__ = ["AllParams", "GradPlan", "GroupPlan", "Tiling", "plan_for", "tiling"]
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,36 @@ class GroupPlan:
         return tuple(k for k, n in enumerate(self.frag_len) if n)
 
     @cached_property
+    def column_rows(self) -> RowMap | None:
+        """Chunked groups: the ``(N, P)`` rows of an all_gather (flattened) to parameter order, every piece of
+        :attr:`gathered` (gaps too) as its ``(N, width)`` block, as one row copy (:mod:`zero_dtensor.rows`);
+        ``None`` for other groups or when the pieces' common width is too narrow."""
+        if self.group.placement.param_order_gather:
+            return None
+        return self._columns(range(self.group.world_size), local=False)
+
+    @cached_property
+    def own_column_rows(self) -> RowMap | None:
+        """Chunked groups: this rank's partition to its rows of the parameter-order blocks (the rest of the
+        destination untouched), as one row copy; ``None`` as for :attr:`column_rows`."""
+        if self.group.placement.param_order_gather:
+            return None
+        return self._columns((self.group.rank,), local=True)
+
+    def _columns(self, ranks: Sequence[int], local: bool) -> RowMap | None:
+        N, P = self.group.world_size, self.group.partition_numel
+        src, dst, lengths = [], [], []
+        start = 0
+        for width in self.gathered.sizes:
+            for r in ranks:
+                src.append(start if local else r * P + start)
+                dst.append(N * start + r * width)
+                lengths.append(width)
+            start += width
+        esize = torch.empty((), dtype=self.group.dtype).element_size()
+        return row_map(src, dst, lengths, P if local else N * P, N * P, esize)
+
+    @cached_property
     def local_segments(self) -> SegmentPlan:
         """Per-piece reductions of this rank's partition (:mod:`zero_dtensor.segments`), built on first use."""
         return segment_plan(self.local)
@@ -167,10 +200,18 @@ class GradPlan:
     def by_group(self, params: Sequence[ParamLayout]) -> dict[int, list[ParamLayout]]:
         """``params`` grouped by flat group (each list in ``params`` order); cached for every parameter in model
         order. Callers must not modify the lists."""
-        everything = self.layout.params
-        if len(params) == len(everything) and all(map(operator.is_, params, everything)):
+        if self.is_everything(params):
             return self._all_by_group
         return _grouped(params)
+
+    def is_everything(self, params: Sequence[ParamLayout]) -> bool:
+        """Whether ``params`` is every parameter in model order (an :class:`AllParams` list is known to be: O(1))."""
+        everything = self.layout.params
+        if len(params) != len(everything):
+            return False
+        if type(params) is AllParams and params._of is everything:
+            return True
+        return all(map(operator.is_, params, everything))
 
     @cached_property
     def fragments(self) -> dict[str, tuple[int, int, int]]:
@@ -180,6 +221,23 @@ class GradPlan:
             for k, p in enumerate(g.params):
                 out[p.name] = (g.frag_start[k], g.frag_start[k] + g.frag_len[k], g.frag_offset[k])
         return out
+
+
+class AllParams(list):
+    """Every parameter of a layout in model order (what a selection of ``None`` is), marked so that
+    :meth:`GradPlan.is_everything` need not compare 10,000 entries. A copy is a plain list."""
+
+    __slots__ = ("_of",)
+
+    def __init__(self, params: tuple[ParamLayout, ...]) -> None:
+        super().__init__(params)
+        self._of = params
+
+    def _changed(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("AllParams is read-only: copy it with list(...) first")
+
+    append = extend = insert = remove = pop = clear = sort = reverse = _changed  # type: ignore[assignment]
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _changed  # type: ignore[assignment]
 
 
 def _grouped(params: Sequence[ParamLayout]) -> dict[int, list[ParamLayout]]:

@@ -624,12 +624,12 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         if _debug.is_debug():
             groups = storage.process_groups
         else:
-            used = sorted({p.group for p in selected})
+            used = sorted(self._state.plan.by_group(selected))  # cached for every parameter in model order
             groups = tuple(storage.process_groups[i] for i in used
                            if self.layout.groups[i].placement.is_sharded and self.layout.groups[i].world_size > 1)
         if not groups:
             return
-        everything = len(selected) == len(self.layout.params) and _is_everything(selected, self.layout.params)
+        everything = self._state.plan.is_everything(selected)
         names = "<all, model order>" if everything else [p.name for p in selected]
         _debug.check_same_call(what, (names, *signature), groups, storage.device, always=True)
 
@@ -663,11 +663,6 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         mesh = mesh_for(storage.process_groups[group], local.device.type)
         placement = self.layout.groups[group].placement.dtensor_placement()
         return DTensor.from_local(local, mesh, [placement], run_check=False, shape=torch.Size(shape), stride=(1,))
-
-
-def _is_everything(selected: list[ParamLayout], params: tuple[ParamLayout, ...]) -> bool:
-    """Whether ``selected`` is every parameter in model order (then the signature need not list the names)."""
-    return all(map(operator.is_, selected, params))
 
 
 def _shape_of(group: Any) -> tuple:

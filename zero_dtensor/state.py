@@ -16,7 +16,7 @@ import torch
 from .collectives import on_comm_device
 from .errors import StaleGradientsError
 from .layout import GradLayout, GroupLayout, ParamLayout
-from .plan import GradPlan, GroupPlan, plan_for
+from .plan import AllParams, GradPlan, GroupPlan, plan_for
 from .storage import GradStorage
 from .views import ViewCache
 
@@ -127,7 +127,7 @@ class GradState:
         non-string entries, duplicates and unknown names before anything communicates."""
         layout = self.layout
         if names is None:
-            return list(layout.params)
+            return AllParams(layout.params)
         if isinstance(names, (str, bytes)):
             raise TypeError(f"names must be a list of parameter names, not a single string: pass [{names!r}]")
         if isinstance(names, Mapping) or not isinstance(names, Iterable):

@@ -4,27 +4,33 @@ communication.**
 Validation runs over all values with C-level passes (types, shapes, dtypes, devices); only when one fails does a
 per-entry pass run, to name the first bad entry. Nothing is written before everything is checked.
 
-Writing, per flat group, one ``_foreach_copy_``: where this rank holds most parameters whole (ZeRO-1/2, replicated
-groups), each value is copied as it is into a view of its fragment in the parameter's shape, views made once per
-kept partition; the few parameters held in part contribute a view of their part. Where most fragments are parts
-(ZeRO-3 chunks) and the parameters are small (where one Python-level view per parameter would cost more than the
-copy), the values are flattened into one buffer by one C++ call (``flatten_dense_tensors``), cut by a cached tiling
-into (before, fragment, after) pieces with one ``split_with_sizes``, and the fragments copied. Under fp16 loss scaling
-the sources are scaled in float32 first (one ``_foreach_mul``). Writes never record autograd history.
+Writing, per flat group (:class:`_RowWrite`, planned once per request and cached): the values are staged in one
+buffer with one ``cat`` per trailing shape (values of shape ``(d, *rest)`` concatenated along dimension 0; 0-d
+values stacked), so reading 10,000 separate tensors costs a C++ loop of memcpys, not 10,000 dispatches; then every
+fragment this rank holds moves from the staging buffer into the partition with one row copy
+(:mod:`zero_dtensor.rows`: one ``index_select``, plus an ``index_copy_`` for a subset), casting to the stored dtype.
+Under fp16 loss scaling the staged values are scaled in float32 first (one multiply: bit-identical to scaling each
+value alone). Where rows are too narrow, values lie on several devices, or a request has over
+:data:`MAX_SHAPE_CLASSES` trailing shapes, one ``_foreach_copy_`` copies each value into a cached view of its
+fragment (whole local parameters) or a view of its part. Writes never record autograd history.
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from itertools import repeat
-from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from .layout import ParamLayout
-from .plan import GroupPlan, Tiling, tiling
+from .plan import GroupPlan
+from .rows import RowMap, row_map
 from .state import GradState, short_names
 
 __all__ = ["set_full_", "validate_full"]
@@ -32,9 +38,7 @@ __all__ = ["set_full_", "validate_full"]
 _SHAPE = operator.attrgetter("shape")
 _DEVICE = operator.attrgetter("device")
 _NAME = operator.attrgetter("name")
-
-#: below this many elements per parameter on average, a group is written through one flattened buffer
-FLATTEN_BELOW = 1 << 16
+_DTYPE = operator.attrgetter("dtype")
 
 
 def validate_full(state: GradState, mapping: Mapping[str, torch.Tensor]) -> list[tuple[ParamLayout, torch.Tensor]]:
@@ -91,25 +95,51 @@ def _write_group(state: GradState, g: int, pairs: list[tuple[ParamLayout, torch.
     plan = state.plan.groups[g]
     params = [p for p, _ in pairs]
     values = [v for _, v in pairs]
-    mostly_partial = 2 * len(plan.whole_local) < len(plan.has_local)  # ZeRO-3: every fragment is a chunk
-    small = sum(p.numel for p in params) < FLATTEN_BELOW * len(params)
-    if mostly_partial and small and len(values) > 1 and len({v.device for v in values}) == 1:
-        _write_flattened(state, plan, params, values)
+    write = _row_write(plan, tuple(map(_NAME, params))) if len(values) > 1 else None
+    if write is not None and len(set(map(_DEVICE, values))) == 1:
+        write.run(state, values)
     else:
         _write_direct(state, plan, params, values)
 
 
-def _write_flattened(state: GradState, plan: GroupPlan, params: list[ParamLayout], values: list[torch.Tensor]) -> None:
-    cut = _source_tiling(plan, tuple(map(_NAME, params)))
-    flat = torch._C._nn.flatten_dense_tensors(values)
-    if state.loss_scale != 1.0:
-        flat = flat.to(torch.float32).mul_(state.loss_scale)
-    pieces = flat.split_with_sizes(list(cut.tiling.sizes))
-    if not cut.sources:
-        return
-    sources = [pieces[i] for i in cut.sources]
-    dests = state.fragments_of(plan.index, cut.dests)
-    torch._foreach_copy_(dests, sources)
+@dataclass(frozen=True, eq=False)
+class _ClassBlock:
+    """The request's values of one trailing shape, concatenated along dimension 0 into ``numel`` elements at
+    ``offset`` of the staging buffer (``shape`` ``None``: 0-d values, stacked)."""
+
+    pick: Callable[[list[torch.Tensor]], Any]
+    offset: int
+    numel: int
+    shape: tuple[int, ...] | None
+
+
+@dataclass(frozen=True, eq=False)
+class _RowWrite:
+    """Values of a request (names in request order) staged class by class in one buffer, then moved into the
+    partition by one row copy."""
+
+    group: int
+    blocks: tuple[_ClassBlock, ...]
+    numel: int
+    rows: RowMap
+
+    def run(self, state: GradState, values: list[torch.Tensor]) -> None:
+        """One ``cat`` (``stack`` for 0-d values) per trailing shape into the staging buffer, one float32 multiply
+        under loss scaling, one row copy (casting) into the partition."""
+        dtypes = set(map(_DTYPE, values))
+        dtype = dtypes.pop() if len(dtypes) == 1 else functools.reduce(torch.promote_types, dtypes)
+        staged = torch.empty(self.numel, dtype=dtype, device=values[0].device)
+        for block in self.blocks:
+            picked = block.pick(values)
+            picked = list(picked) if isinstance(picked, tuple) else [picked]
+            region = staged.narrow(0, block.offset, block.numel)
+            if block.shape is None:
+                torch.stack(picked, out=region)
+            else:
+                torch.cat(picked, out=region.view(-1, *block.shape))
+        if state.loss_scale != 1.0:  # value × scale in float32 (bit-identical to scaling each value alone)
+            staged = staged.to(torch.float32).mul_(state.loss_scale)
+        self.rows.copy(staged, state.storage.partitions[self.group])
 
 
 def _write_direct(state: GradState, plan: GroupPlan, params: list[ParamLayout], values: list[torch.Tensor]) -> None:
@@ -149,41 +179,48 @@ def _shaped_fragments(state: GradState, plan: GroupPlan) -> list[torch.Tensor]:
     return [pieces[plan.local.piece[k]].view(plan.params[k].shape) for k in plan.whole_local]
 
 
-class _SourceTiling:
-    """Values of some parameters flattened back to back (request order), cut into (before, fragment, after) pieces:
-    ``sources`` are the fragment pieces with a local fragment, ``dests`` their indices in the group's plan."""
-
-    __slots__ = ("tiling", "sources", "dests")
-
-    def __init__(self, cut: Tiling, sources: tuple[int, ...], dests: tuple[int, ...]) -> None:
-        self.tiling, self.sources, self.dests = cut, sources, dests
+_ROW_WRITES: OrderedDict[tuple[GroupPlan, tuple[str, ...]], _RowWrite | None] = OrderedDict()
+_ROW_WRITES_KEPT = 16
+#: a request with more distinct trailing shapes than this is written by the per-parameter path
+MAX_SHAPE_CLASSES = 16
 
 
-_TILINGS: OrderedDict[tuple[GroupPlan, tuple[str, ...]], _SourceTiling] = OrderedDict()
-_TILINGS_KEPT = 16
-
-
-def _source_tiling(plan: GroupPlan, names: tuple[str, ...]) -> _SourceTiling:
+def _row_write(plan: GroupPlan, names: tuple[str, ...]) -> _RowWrite | None:
+    """The cached staging plan of ``names`` (request order) in ``plan``'s group, or ``None`` where the group's
+    pieces are too narrow for rows or the request has over :data:`MAX_SHAPE_CLASSES` trailing shapes."""
     key = (plan, names)
-    found = _TILINGS.get(key)
-    if found is not None:
-        _TILINGS.move_to_end(key)
-        return found
-    positions = plan.positions
-    spans: list[tuple[int, int]] = []
-    sources: list[int] = []
-    dests: list[int] = []
-    at = 0
-    for name in names:
-        k = positions[name]
-        spans.append((at + plan.frag_start[k], plan.frag_len[k]))
-        if plan.frag_len[k]:
-            sources.append(len(spans) - 1)
-            dests.append(k)
-        at += plan.params[k].numel
-    cut = tiling(spans, at)
-    found = _SourceTiling(cut, tuple(cut.piece[i] for i in sources), tuple(dests))
-    _TILINGS[key] = found
-    if len(_TILINGS) > _TILINGS_KEPT:
-        _TILINGS.popitem(last=False)
+    if key in _ROW_WRITES:
+        _ROW_WRITES.move_to_end(key)
+        return _ROW_WRITES[key]
+    found = _ROW_WRITES[key] = _build_row_write(plan, names)
+    if len(_ROW_WRITES) > _ROW_WRITES_KEPT:
+        _ROW_WRITES.popitem(last=False)
     return found
+
+
+def _build_row_write(plan: GroupPlan, names: tuple[str, ...]) -> _RowWrite | None:
+    positions = plan.positions
+    ks = [positions[n] for n in names]
+    classes: dict[tuple[int, ...] | None, list[int]] = {}
+    for i, k in enumerate(ks):
+        shape = tuple(plan.params[k].shape)
+        classes.setdefault(shape[1:] if shape else None, []).append(i)
+    if len(classes) > MAX_SHAPE_CLASSES:
+        return None
+    blocks: list[_ClassBlock] = []
+    staged_at = [0] * len(ks)  # where request entry i starts in the staging buffer
+    at = 0
+    for shape, members in classes.items():
+        start = at
+        for i in members:
+            staged_at[i] = at
+            at += plan.params[ks[i]].numel
+        blocks.append(_ClassBlock(operator.itemgetter(*members), start, at - start, shape))
+    src = [staged_at[i] + plan.frag_start[k] for i, k in enumerate(ks)]
+    dst = [plan.frag_offset[k] for k in ks]
+    lengths = [plan.frag_len[k] for k in ks]
+    esize = torch.empty((), dtype=plan.group.dtype).element_size()
+    rows = row_map(src, dst, lengths, at, plan.group.partition_numel, esize)
+    if rows is None:
+        return None
+    return _RowWrite(plan.index, tuple(blocks), at, rows)

@@ -80,9 +80,10 @@ def check_result_views_reused(case: EngineCase) -> None:
         raise AssertionError("a wrong out= entry was accepted")
 
 
-def check_write_paths(case: EngineCase, flatten_below: int) -> None:
-    """set_full_ through the flattened buffer and through per-parameter views write the same values."""
-    writes.FLATTEN_BELOW = flatten_below
+def check_write_paths(case: EngineCase, max_classes: int) -> None:
+    """set_full_ through the staged row copy and through per-parameter views write the same values."""
+    writes.MAX_SHAPE_CLASSES = max_classes
+    writes._ROW_WRITES.clear()
     engine = build_engine(case)
     forward_backward(engine)
     grads = zd.sharded_grads(engine)

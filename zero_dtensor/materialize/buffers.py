@@ -37,6 +37,10 @@ class AllocationObserver(Protocol):
     def after(self, tensor: torch.Tensor) -> None: ...
 
 
+#: how long a new recycled buffer waits for a kept one that only a backend thread still holds (seconds)
+SETTLE_S = 0.05
+
+
 class BufferPool:
     """The allocator of :mod:`zero_dtensor.materialize` (see the module docstring). No communication."""
 
@@ -76,12 +80,30 @@ class BufferPool:
         for cache in kept:
             if cache.is_idle(check_objects=True):
                 return cache.buffer.view(-1)
+        if self.recycle and len(kept) < self.slots:
+            settled = self._settled(kept)
+            if settled is not None:
+                return settled.buffer.view(-1)
         buf = self.alloc(numel, dtype, device)
         if self.recycle and len(kept) < self.slots:
             cache = ViewCache(buf)
             kept.append(cache)
             self._by_storage[buf.untyped_storage().data_ptr()] = cache
         return buf.view(-1)
+
+    def _settled(self, kept: list[ViewCache]) -> ViewCache | None:
+        """Before a new buffer is kept for a structure: a kept one whose views nobody holds, once the backend's
+        worker thread has let go of the storage (a synchronous gloo collective returns when its work completed; the
+        thread drops its reference a moment later). Waits up to :data:`SETTLE_S`, at most :attr:`slots` times per
+        structure; ``None`` if none settles."""
+        waiting = [cache for cache in kept if cache.views_free()]
+        deadline = time.monotonic() + SETTLE_S
+        while waiting and time.monotonic() < deadline:
+            time.sleep(0.0005)
+            for cache in waiting:
+                if cache.is_idle(check_objects=True):
+                    return cache
+        return None
 
     def view_cache(self, t: torch.Tensor) -> ViewCache | None:
         """The view cache of the recycled buffer ``t`` is a view of (its per-parameter cuts are made once), or None

@@ -9,6 +9,7 @@ tensor operations whatever the number of parameters. See ``ShardedGrads.full_ten
 
 from __future__ import annotations
 
+import operator
 from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,8 @@ from .results import GatheredGrads, PendingFullTensors
 from .strategy import check_strategy, explicit, resolve
 
 __all__ = ["full_tensors", "gather_flat_groups", "unpack"]
+
+_NAME = operator.attrgetter("name")
 
 
 @dataclass
@@ -102,10 +105,9 @@ def _fill_for_reduce(state: GradState, t: _Transfer, buf: torch.Tensor) -> None:
     """Every group's all_reduce input: this rank's values in parameter order, zeros elsewhere (the placement's)."""
     for g, part in zip(t.groups, t.partitions):
         group, plan = state.group(g), state.plan.groups[g]
-        pieces = state.pieces[g] if part is state.storage.partitions[g] else part.split_with_sizes(
-            list(plan.local.sizes))
+        pieces = state.pieces[g] if part is state.storage.partitions[g] else None  # moved: cut on use
         region = buf.narrow(0, t.offsets[g], group.flat_numel)
-        group.placement.fill_for_reduce(region, group, plan, pieces, BUFFERS.view_cache(region))
+        group.placement.fill_for_reduce(region, group, plan, part, pieces, BUFFERS.view_cache(region))
 
 
 def _converted(state: GradState, g: int, order: torch.Tensor, want: torch.dtype, buffers: _Buffers,
@@ -229,7 +231,7 @@ def full_tensors(
     check_strategy(strategy)
     if out is not None:
         _validate_out(state, params, out, dtype)
-    wanted = sorted({p.group for p in params})
+    wanted = sorted(state.plan.by_group(params))  # cached for every parameter in model order
     if dst is not None:
         _check_dst(state, dst, wanted)
     is_dst = dst is None or global_rank() == dst
@@ -327,7 +329,7 @@ def _emit(state: GradState, params: list[ParamLayout], regions: dict[int, tuple[
         else:
             values = _converted(state, g, order, want, buffers, copy=live)
             views.update(zip(plan.names, _cut(plan, values, result)))
-    names = [p.name for p in params]
+    names = list(map(_NAME, params))
     if user_dict:
         result.update((n, views[n]) for n in names if n in views)
     else:

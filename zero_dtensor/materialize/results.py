@@ -14,7 +14,6 @@ __all__ = ["FullGrads", "FullTensorsHandle", "GatheredGrads", "PendingFullTensor
 
 
 _NAME = operator.attrgetter("name")
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 class GatheredGrads(dict):
@@ -48,7 +47,9 @@ class GatheredGrads(dict):
 
     def holds_issued(self, params: Any, dtype: Any) -> bool:
         """Whether this dict still holds exactly the tensors the last call made for the same names and ``dtype``
-        (nobody replaced one or made one require grad): ``out=`` needs no per-tensor check then."""
+        (nobody replaced one; identity only, one C-level pass): ``out=`` needs no per-tensor check then. The
+        memory is the call's own buffers, written by collectives and copies that record no autograd history, so a
+        tensor the caller made require grad is refilled as it is."""
         if self._issued is None:
             return False
         names, tensors, issued_dtype = self._issued
@@ -56,7 +57,7 @@ class GatheredGrads(dict):
             return False
         if tuple(map(_NAME, params)) != names:
             return False
-        return all(map(operator.is_, map(self.get, names), tensors)) and not any(map(_REQUIRES_GRAD, tensors))
+        return all(map(operator.is_, map(self.get, names), tensors))
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (dict, (dict(self),))

@@ -1,0 +1,158 @@
+"""Issue 11: row copies (``zero_dtensor.rows``) and the ZeRO-3 reorder built on them, against per-run references
+(hypothesis, no processes).
+
+- ``row_map(...).copy`` equals copying every run on its own, for random disjoint runs, with and without tiling the
+  destination, across dtypes, and declines rows narrower than ``MIN_ROW_BYTES``;
+- a chunked (ZeRO-3) group's ``to_param_order`` (all_gather rows to parameter order) and ``fill_for_reduce`` (each
+  rank's partition into its rows, summed over ranks as the all_reduce does) give the same buffer as the reference
+  ``split_with_sizes_copy`` on the row path and on the per-piece fallback, for parameters whose chunks share a
+  wide common width (the row path) and for any shapes (mostly the fallback).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zero_dtensor import rows as rows_mod
+from zero_dtensor.layout import GradLayout, GroupLayout, Packing, ParamLayout
+from zero_dtensor.plan import plan_for
+from zero_dtensor.rows import MIN_ROW_BYTES, row_map
+
+
+@st.composite
+def runs(draw):
+    """``(width, runs, src_numel, dst_numel, tiles)``: disjoint runs in both buffers, multiples of ``width``."""
+    width = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    n = draw(st.integers(1, 12))
+    lengths = [width * draw(st.integers(0, 4)) for _ in range(n)]
+    src_order = draw(st.permutations(list(range(n))))
+    dst_order = draw(st.permutations(list(range(n))))
+    tiles = draw(st.booleans())
+    src, dst = [0] * n, [0] * n
+    at = 0
+    for i in src_order:
+        at += width * draw(st.integers(0, 2))
+        src[i] = at
+        at += lengths[i]
+    src_numel = at + width * draw(st.integers(0, 2))
+    at = 0
+    for i in dst_order:
+        at += 0 if tiles else width * draw(st.integers(0, 2))
+        dst[i] = at
+        at += lengths[i]
+    dst_numel = at + (0 if tiles else width * draw(st.integers(0, 2)))
+    return width, list(zip(src, dst, lengths)), max(src_numel, width), max(dst_numel, width), tiles
+
+
+@settings(max_examples=200, deadline=None)
+@given(runs(), st.sampled_from([(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                (torch.float64, torch.float64), (torch.bfloat16, torch.float32)]))
+def test_row_copy_equals_copying_each_run(case, dtypes) -> None:
+    width, spans, src_numel, dst_numel, _ = case
+    src_dtype, dst_dtype = dtypes
+    src = torch.randn(src_numel).to(src_dtype)
+    dst = torch.randn(dst_numel).to(dst_dtype)
+    expected = dst.clone()
+    for s, d, n in spans:
+        expected[d : d + n] = src[s : s + n]
+    esize = torch.empty((), dtype=dst_dtype).element_size()
+    m = row_map(*zip(*spans), src_numel, dst_numel, esize) if spans else None
+    if not any(n for _, _, n in spans):
+        assert m is None
+        return
+    common = math.gcd(src_numel, dst_numel, *(v for run in spans for v in run if run[2]))  # before merging
+    if m is None:
+        assert common * esize < MIN_ROW_BYTES, "declined although the runs share a wide enough width"
+        return
+    assert m.width * esize >= MIN_ROW_BYTES and m.width % common == 0  # merging adjacent runs only widens rows
+    covered = sum(n for _, _, n in spans)
+    assert m.rows * m.width == covered
+    m.copy(src, dst)
+    assert torch.equal(dst, expected)
+
+
+def chunked_layouts(world: int, shapes: list[tuple[int, ...]], extra: int) -> list[GradLayout]:
+    """One chunked (ZeRO-3) group of ``shapes`` as each of ``world`` ranks sees it."""
+    entries, offset = [], 0
+    for i, shape in enumerate(shapes):
+        numel = math.prod(shape)
+        chunk = math.ceil(numel / world)
+        entries.append(ParamLayout(f"p{i}", torch.Size(shape), 0, offset, chunk_numel=chunk))
+        offset += chunk
+    return [GradLayout(groups=(GroupLayout(0, world, r, offset + extra, torch.float32, Packing.CHUNKED),),
+                       params=tuple(entries)) for r in range(world)]
+
+
+def reference_order(layout: GradLayout, gathered_rows: torch.Tensor) -> torch.Tensor:
+    gp = plan_for(layout).groups[0]
+    world = layout.groups[0].world_size
+    out = torch.empty(gp.param_order.numel)
+    blocks = [b.view(world, s) for b, s in zip(out.split_with_sizes(list(gp.param_order.sizes)), gp.gathered.sizes)]
+    torch.split_with_sizes_copy(gathered_rows, list(gp.gathered.sizes), dim=1, out=blocks)
+    return out
+
+
+def check_reorder(layouts: list[GradLayout]) -> bool:
+    """``to_param_order`` and the ranks' ``fill_for_reduce`` summed equal the reference; returns whether the row
+    path was taken."""
+    g0 = layouts[0].groups[0]
+    world, P = g0.world_size, g0.partition_numel
+    parts = [torch.randn(P) for _ in range(world)]
+    rows = torch.stack(parts)
+    expected = reference_order(layouts[0], rows)
+    gp = plan_for(layouts[0]).groups[0]
+    area = torch.full((world * P,), float("nan"))
+    got = g0.placement.to_param_order(rows.reshape(-1), g0, gp, area)
+    assert torch.equal(got, expected)
+    total = torch.zeros(world * P)
+    for r, layout in enumerate(layouts):
+        g = layout.groups[0]
+        plan = plan_for(layout).groups[0]
+        region = torch.full((world * P,), float("nan"))
+        g.placement.fill_for_reduce(region, g, plan, parts[r], None)
+        total += region
+    # every element of a parameter has exactly one contributor; the blocks' padding and gaps may differ
+    for k, p in enumerate(gp.params):
+        start = sum(gp.param_order.sizes[: gp.param_order.piece[k]])
+        assert torch.equal(total[start : start + p.numel], expected[start : start + p.numel]), p.name
+    return gp.column_rows is not None
+
+
+wide_shapes = st.lists(st.one_of(st.tuples(st.integers(1, 6).map(lambda n: 64 * n)),
+                                 st.tuples(st.integers(1, 4).map(lambda n: 16 * n), st.sampled_from([8, 16]))),
+                       min_size=1, max_size=12)
+any_shapes = st.lists(st.one_of(st.tuples(st.integers(1, 40)), st.tuples(st.integers(1, 9), st.integers(1, 9))),
+                      min_size=1, max_size=10)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([1, 2, 4]), wide_shapes, st.sampled_from([0, 64]))
+def test_chunked_reorder_by_rows(world, shapes, extra) -> None:
+    assert check_reorder(chunked_layouts(world, shapes, extra)), "wide chunks must take the row path"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5), any_shapes, st.integers(0, 3))
+def test_chunked_reorder_any_shapes(world, shapes, extra) -> None:
+    check_reorder(chunked_layouts(world, shapes, extra))
+
+
+def test_chunked_reorder_fallback_matches(monkeypatch) -> None:
+    """The per-piece path (rows declined) gives the same buffers as the row path for the same layout."""
+    shapes = [(128,), (32, 16), (64,), (16, 8)]
+    assert check_reorder(chunked_layouts(2, shapes, 0))
+    monkeypatch.setattr(rows_mod, "MIN_ROW_BYTES", 1 << 30)
+    layouts = chunked_layouts(2, shapes, 0)  # new layouts: plans (and their row maps) are cached per layout
+    assert not check_reorder(layouts)
+
+
+@pytest.mark.parametrize("element_size", [2, 4])
+def test_narrow_rows_declined(element_size) -> None:
+    width = MIN_ROW_BYTES // element_size
+    assert row_map([0], [width], [width], width, 2 * width, element_size) is not None
+    assert row_map([0], [width // 2], [width // 2], width, 2 * width, element_size) is None

@@ -14,6 +14,7 @@ from .launch import RankPool, launch
 from .layout import GradLayout, GroupLayout, Packing, ParamLayout
 from .noise import counter_normal
 from .overflow import found_inf
+from .param_values import ParamValues
 from .reductions import GradStats
 from .replicate import FullGradsHandle, KeepFullGradsHandle, keep_full_grads
 from .sharded import ParamGrad, ShardedGrads
@@ -34,6 +35,7 @@ __all__ = [
     "Packing",
     "ParamGrad",
     "ParamLayout",
+    "ParamValues",
     "RankDisagreementError",
     "RankFailedError",
     "RankPool",

@@ -118,8 +118,9 @@ class GradLayout:
     def by_name(self) -> dict[str, ParamLayout]:
         return {p.name: p for p in self.params}
 
-    @property
+    @cached_property
     def names(self) -> tuple[str, ...]:
+        """Every parameter's name, model order (one tuple per layout)."""
         return tuple(p.name for p in self.params)
 
     @cached_property

@@ -15,18 +15,20 @@ placement        DeepSpeed                    rank ``r`` holds                  
                                               offset (ragged pieces)                   ``all_reduce`` ``2(N-1)/N·S``;
                                                                                        ``gather`` to one rank ``S/N`` sent
 ``ChunkShard``   ZeRO-3                       chunk ``r`` of every parameter           as ``RaggedShard``; the gathered
-                 (``..._Stage3``)             (``torch.chunk`` of the flattened        ``(N, P)`` rows are cut into
-                                              parameter), back to back                 parameters by one
-                                                                                       ``split_with_sizes_copy``
+                 (``..._Stage3``)             (``torch.chunk`` of the flattened        ``(N, P)`` rows are reordered
+                                              parameter), back to back                 into parameters by one row
+                                                                                       copy (``index_select``)
 ``Replicated``   ``BF16_Optimizer``,          the whole buffer                         nothing (one local copy for a
                  ``keep_full_grads``                                                   snapshot)
 ===============  ===========================  =======================================  ===================================
 
 Cutting into parameters: ``RaggedShard`` and ``Replicated`` buffers are in parameter order already (one
 ``split_with_sizes`` gives every parameter as a view); ``ChunkShard`` buffers are rank-major, and parameter ``p``
-is the row-major flattening of its ``(N, chunk_p)`` column block, so the whole group is reordered by one
-``torch.split_with_sizes_copy`` along dimension 1 into a parameter-order buffer (as FSDP2 copies out its
-all-gather) — or, for the zero-padded ``all_reduce``, each rank writes its chunks straight into parameter order.
+is the row-major flattening of its ``(N, chunk_p)`` column block, so the whole group is reordered into a
+parameter-order buffer by one row copy (:mod:`zero_dtensor.rows`: one ``index_select`` of rows as wide as the
+chunks' common divisor), or, where that width is under 32 bytes, by one ``torch.split_with_sizes_copy`` along
+dimension 1 (as FSDP2 copies out its all-gather; one kernel on CUDA, a copy per block on the CPU) — and, for the
+zero-padded ``all_reduce``, each rank writes its chunks straight into parameter order (one row copy likewise).
 
 Streaming windows (``iter_full``): a window is consecutive parameters of one group whose spans
 (:meth:`~GroupPlacement.span`) cover ``[start, stop)``, ``W = stop - start`` elements. Its buffers come from the

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import operator
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -212,6 +212,20 @@ class GradPlan:
         if type(params) is AllParams and params._of is everything:
             return True
         return all(map(operator.is_, params, everything))
+
+    @cached_property
+    def model_order_take(self) -> Callable[[Sequence[object]], tuple[object, ...]] | None:
+        """For every parameter in model order: picks, from the concatenation of each group's per-parameter values
+        (groups in :meth:`by_group` order of every parameter, buffer order within), the values in model order;
+        ``None`` when that concatenation already is model order (or there are fewer than two parameters)."""
+        at: dict[str, int] = {}
+        for g in self._all_by_group:
+            base = len(at)
+            at.update((name, base + k) for k, name in enumerate(self.groups[g].names))
+        take = [at[p.name] for p in self.layout.params]
+        if len(take) < 2 or take == list(range(len(take))):
+            return None
+        return operator.itemgetter(*take)
 
     @cached_property
     def fragments(self) -> dict[str, tuple[int, int, int]]:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from .collectives import all_reduce_rows
 from .debug import check_grads_call, is_debug
+from .param_values import ParamStatsMap, ParamValues
 from .segments import (
     SegmentPlan,
     param_index,
@@ -136,8 +137,8 @@ def _per_param(state: GradState, sel: Selection, parts: list[_Part], values: Cal
     return torch.empty_like(stacked).index_copy_(0, order, stacked)
 
 
-def _names(sel: Selection) -> list[str]:
-    return [p.name for p in sel.params]
+def _names(sel: Selection) -> tuple[str, ...]:
+    return sel.names
 
 
 def _reduce(state: GradState, sel: Selection, local: torch.Tensor, op: Any,
@@ -193,10 +194,11 @@ def norm_values(state: GradState, sel: Selection, norm_type: float,
     return values / state.loss_scale
 
 
-def norms(state: GradState, sel: Selection, norm_type: float) -> dict[str, torch.Tensor]:
-    """Per-parameter true norms, ``{name: 0-d float32}``: one collective per process group."""
+def norms(state: GradState, sel: Selection, norm_type: float) -> ParamValues:
+    """Per-parameter true norms, ``{name: 0-d float32}`` backed by one ``(k,)`` vector: one collective per process
+    group."""
     names = _names(sel)
-    return dict(zip(names, norm_values(state, sel, norm_type, names).unbind(0)))
+    return ParamValues(names, norm_values(state, sel, norm_type, names))
 
 
 def global_norm(state: GradState, sel: Selection, norm_type: float) -> torch.Tensor:
@@ -229,12 +231,10 @@ def dots(state: GradState, other: GradState, sel: Selection, with_norms: bool) -
     names = _names(sel)
     reduced = _reduce(state, sel, local, dist.ReduceOp.SUM, names)
     s, so = state.loss_scale, other.loss_scale
-    result = dict(zip(names, (reduced[:, 0] / (s * so)).unbind(0)))
+    result = ParamValues(names, reduced[:, 0] / (s * so))
     if not with_norms:
         return result
-    mine = dict(zip(names, (reduced[:, 1].sqrt() / s).unbind(0)))
-    theirs = dict(zip(names, (reduced[:, 2].sqrt() / so).unbind(0)))
-    return result, mine, theirs
+    return result, ParamValues(names, reduced[:, 1].sqrt() / s), ParamValues(names, reduced[:, 2].sqrt() / so)
 
 
 def _stat_columns(part: _Part) -> torch.Tensor:
@@ -251,7 +251,7 @@ def _stat_columns(part: _Part) -> torch.Tensor:
     return torch.cat([moments[:, :2], counts, moments[:, 2:]], dim=1)
 
 
-def stats(state: GradState, sel: Selection) -> dict[str, GradStats]:
+def stats(state: GradState, sel: Selection) -> ParamStatsMap[GradStats]:
     """Per parameter 2-norm, max |g|, mean, nan and inf counts: a (k, 4) float64 sum and a (k,) float32 max, each
     one collective per process group. Locally per group: one :func:`~zero_dtensor.segments.piece_stats` (sums of
     squares, sums, maxima), nan/inf counts only when some value is not finite (a host sync per group); then one
@@ -271,7 +271,12 @@ def stats(state: GradState, sel: Selection) -> dict[str, GradStats]:
     max_abs = torch.where(nans != 0, math.nan, top / scale).tolist()
     mean = torch.where(counts > 0, total / counts / scale, 0.0).tolist()
     nan_count, inf_count = nans.to(torch.int64).tolist(), infs.to(torch.int64).tolist()
-    return _grad_stats(names, norm, max_abs, mean, nan_count, inf_count, numels)
+    columns = (norm, max_abs, mean, nan_count, inf_count, numels)
+
+    def one(i: int) -> GradStats:
+        return GradStats(*(c[i] for c in columns))
+
+    return ParamStatsMap(names, one, lambda: list(_grad_stats(names, *columns).values()))
 
 
 def clip_grad_norm_(state: GradState, sel: Selection, max_norm: float, norm_type: float,
@@ -296,4 +301,4 @@ def clip_per_param_(state: GradState, sel: Selection, max_norm: float, norm_type
     values = norm_values(state, sel, norm_type)
     coefs = torch.clamp(max_norm / (values + 1e-6), max=1.0)
     mul_(state, sel, PerParam(list(coefs.unbind(0))))
-    return dict(zip((p.name for p in sel.params), values.unbind(0)))
+    return ParamValues(_names(sel), values)

@@ -26,6 +26,7 @@ from .layout import GradLayout, ParamLayout
 from .materialize import bulk as _bulk
 from .materialize import stream as _stream
 from .materialize.results import PendingFullTensors
+from .param_values import ParamValues
 from .reductions import GradStats
 from .state import GradState, ParamSelection, short_names
 from .storage import GradStorage
@@ -447,8 +448,10 @@ class ShardedGrads(Mapping[str, ParamGrad]):
             raise TypeError(f"clone: dtype must be floating, got {dtype}")
         return type(self)(transforms.clone_storage(self._state, dtype))
 
-    def norms(self, norm_type: float = 2.0, *, params: ParamSelection = None) -> dict[str, torch.Tensor]:
-        """``{name: norm of the true gradient}`` as 0-d float32 tensors (on the storage device; no host sync).
+    def norms(self, norm_type: float = 2.0, *, params: ParamSelection = None) -> ParamValues:
+        """``{name: norm of the true gradient}`` as 0-d float32 tensors (on the storage device; no host sync): a
+        read-only mapping (:class:`~zero_dtensor.ParamValues`) whose ``.vector`` is every norm as one ``(k,)``
+        tensor in result order; entries are made when read (``dict(result)`` for a plain dict).
 
         ``norm_type``: any ``p > 0`` or ``inf``. **Communication: one all_reduce of a (k,) float32 vector per process
         group** (sum of ``|g|^p`` partials; ``max`` for inf), none for replicated or single-rank groups.
@@ -465,6 +468,7 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         PCGrad conflict tests. ``other``: a ``ShardedGrads``/clone with the same layout.
 
         With ``with_norms=True`` returns ``(dots, self_norms, other_norms)`` (2-norms), still in one collective.
+        Each is a read-only :class:`~zero_dtensor.ParamValues` mapping (``.vector``: one ``(k,)`` tensor).
         **Communication: one all_reduce of a (k,) — (3k,) with norms — float32 vector per process group.**
         """
         if not _is_grads(other):
@@ -472,9 +476,9 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         self._check_same_layout(other)
         return reductions.dots(self._state, other._state, self._state.pick(params), with_norms)
 
-    def stats(self, *, params: ParamSelection = None) -> dict[str, GradStats]:
+    def stats(self, *, params: ParamSelection = None) -> Mapping[str, GradStats]:
         """``{name: GradStats}``: 2-norm, max ``|g|``, mean, nan and inf counts of each true gradient, as Python
-        numbers (one host sync). **Communication: at most two all_reduces per process group** (a (k, 4) float64
+        numbers (one host sync); a read-only mapping whose ``GradStats`` are made when read. **Communication: at most two all_reduces per process group** (a (k, 4) float64
         sum vector and a (k,) float32 max vector), none for replicated or single-rank groups.
         """
         return reductions.stats(self._state, self._state.pick(params))
@@ -499,9 +503,10 @@ class ShardedGrads(Mapping[str, ParamGrad]):
 
     def clip_per_param_(
         self, max_norm: float, norm_type: float = 2.0, *, params: ParamSelection = None
-    ) -> dict[str, torch.Tensor]:
+    ) -> ParamValues:
         """Clip each selected gradient on its own to norm ``max_norm`` (coefficient
-        ``clamp(max_norm / (norm + 1e-6), max=1.0)`` per parameter); returns ``{name: norm before clipping}``.
+        ``clamp(max_norm / (norm + 1e-6), max=1.0)`` per parameter); returns ``{name: norm before clipping}`` (a
+        :class:`~zero_dtensor.ParamValues` mapping).
         **Communication: one all_reduce of a (k,) float32 vector per process group.**
         """
         return reductions.clip_per_param_(self._state, self._state.pick(params), max_norm, float(norm_type))

@@ -6,6 +6,7 @@ of reaching into the public object above it. Nothing here communicates.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Callable, Collection, Iterable, Mapping
 from functools import cached_property
@@ -35,14 +36,25 @@ def short_names(names: tuple[str, ...] | list[str], limit: int = 8) -> str:
     return f"[{shown}{', …' if len(names) > limit else ''}] ({len(names)} in all)"
 
 
+_NAME = operator.attrgetter("name")
+
+
 class Selection:
     """Selected parameters, grouped: per flat group, the indices (buffer order) into its :class:`GroupPlan`."""
 
-    __slots__ = ("params", "by_group")
+    __slots__ = ("params", "by_group", "_names")
 
     def __init__(self, params: list[ParamLayout], by_group: dict[int, list[int]]) -> None:
         self.params = params  # in the order results are returned
         self.by_group = by_group
+        self._names: tuple[str, ...] | None = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The selected parameters' names, in result order (made once per selection)."""
+        if self._names is None:
+            self._names = tuple(map(_NAME, self.params))
+        return self._names
 
     def whole(self, plan: GroupPlan) -> bool:
         """Whether every parameter of the group is selected."""

@@ -33,33 +33,60 @@ from .plan import GroupPlan
 from .rows import RowMap, row_map
 from .state import GradState, short_names
 
-__all__ = ["set_full_", "validate_full"]
+__all__ = ["CheckedValues", "set_full_", "validate_full"]
 
 _SHAPE = operator.attrgetter("shape")
-_DEVICE = operator.attrgetter("device")
 _NAME = operator.attrgetter("name")
+_GROUP = operator.attrgetter("group")
 _DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
+_NUMEL = operator.attrgetter("numel")
 
 
-def validate_full(state: GradState, mapping: Mapping[str, torch.Tensor]) -> list[tuple[ParamLayout, torch.Tensor]]:
-    """``(param, value)`` pairs of ``mapping`` in its order, every entry checked (see ``ShardedGrads.set_full_``)."""
+@dataclass(frozen=True)
+class CheckedValues:
+    """``mapping``'s entries in its order: parameters, values, names, the values' dtypes. Checked: every type,
+    ``numel`` and dtype, the first value's device; a value's exact shape and the other devices are checked by the
+    write that uses them, before anything is written (:func:`set_full_`)."""
+
+    params: list[ParamLayout]
+    values: list[torch.Tensor]
+    names: list[str]
+    dtypes: frozenset[torch.dtype]
+    devices: frozenset[torch.device]  # where values may be: the engine's device, where the gradient is stored
+
+
+def validate_full(state: GradState, mapping: Mapping[str, torch.Tensor]) -> CheckedValues:
+    """The entries of ``mapping`` (see ``ShardedGrads.set_full_``), checked with three C-level passes over the
+    values (type, ``numel``, dtype); the per-entry check runs only to name the first bad entry."""
     if not isinstance(mapping, Mapping):
         raise TypeError(f"set_full_ takes a mapping name -> full gradient tensor, got {type(mapping).__name__}")
     storage = state.storage
-    devices = {storage.device, *(p.device for p in storage.partitions)}
+    devices = frozenset({storage.device, *(p.device for p in storage.partitions)})
     by_name = state.layout.by_name
     names, values = list(mapping.keys()), list(mapping.values())
-    params = [by_name.get(n) if isinstance(n, str) else None for n in names]
-    if (all(map(operator.is_not, params, repeat(None))) and all(type(v) is torch.Tensor for v in values)
-            and list(map(_SHAPE, values)) == list(map(_SHAPE, params))
-            and all(map(torch.Tensor.is_floating_point, values)) and set(map(_DEVICE, values)) <= devices):
-        return list(zip(params, values))
-    for name, value in zip(names, values):  # something is wrong: find the first bad entry, in order
+    try:
+        params = list(map(by_name.get, names))
+    except TypeError:  # an unhashable key: named by the per-entry check
+        params = [None] * len(names)
+    if (all(map(operator.is_not, params, repeat(None)))
+            and all(map(operator.is_, map(type, values), repeat(torch.Tensor)))
+            and list(map(torch.Tensor.numel, values)) == list(map(_NUMEL, params))
+            and (not values or values[0].device in devices)):
+        dtypes = frozenset(map(_DTYPE, values))
+        if all(d.is_floating_point for d in dtypes):
+            return CheckedValues(params, values, names, dtypes, devices)  # type: ignore[arg-type]
+    _name_bad_entry(state, names, values, devices)
+    raise AssertionError("not reached: _name_bad_entry raised")
+
+
+def _name_bad_entry(state: GradState, names: list[Any], values: list[Any], devices: frozenset[torch.device]) -> None:
+    """Raise for the first bad entry, in order (returns if there is none)."""
+    for name, value in zip(names, values):
         _check_entry(state, name, value, devices)
-    return list(zip(params, values))  # not reached: _check_entry raised
 
 
-def _check_entry(state: GradState, name: object, value: object, devices: set[torch.device]) -> None:
+def _check_entry(state: GradState, name: object, value: object, devices: frozenset[torch.device]) -> None:
     param = state.layout.by_name.get(name) if isinstance(name, str) else None
     if param is None:
         raise KeyError(f"set_full_: {name!r} is not a trainable parameter of this engine; known: "
@@ -80,26 +107,45 @@ def _check_entry(state: GradState, name: object, value: object, devices: set[tor
         )
 
 
-def set_full_(state: GradState, checked: list[tuple[ParamLayout, torch.Tensor]]) -> None:
-    """Write validated ``(param, value)`` pairs (true units) into this rank's fragments, group by group."""
-    grouped: dict[int, list[tuple[ParamLayout, torch.Tensor]]] = {}
-    for pair in checked:
-        grouped.setdefault(pair[0].group, []).append(pair)
-    with torch.no_grad():  # a value that requires grad must not give DeepSpeed's memory an autograd history
-        for g, pairs in grouped.items():
-            _write_group(state, g, pairs)
-    state.storage.after_write([p.name for p, _ in checked])
-
-
-def _write_group(state: GradState, g: int, pairs: list[tuple[ParamLayout, torch.Tensor]]) -> None:
-    plan = state.plan.groups[g]
-    params = [p for p, _ in pairs]
-    values = [v for _, v in pairs]
-    write = _row_write(plan, tuple(map(_NAME, params))) if len(values) > 1 else None
-    if write is not None and len(set(map(_DEVICE, values))) == 1:
-        write.run(state, values)
+def set_full_(state: GradState, checked: CheckedValues) -> None:
+    """Write validated values (true units) into this rank's fragments: every group's values staged (or, for the
+    per-parameter path, their shapes and devices checked) first, then every group written."""
+    params, values = checked.params, checked.values
+    groups = set(map(_GROUP, params))
+    if len(groups) == 1:
+        grouped = {groups.pop(): (params, values)}
     else:
-        _write_direct(state, plan, params, values)
+        grouped = {}
+        for p, v in zip(params, values):
+            mine = grouped.setdefault(p.group, ([], []))
+            mine[0].append(p)
+            mine[1].append(v)
+    with torch.no_grad():  # a value that requires grad must not give DeepSpeed's memory an autograd history
+        staged: list[tuple[_RowWrite, torch.Tensor]] = []
+        direct: list[tuple[GroupPlan, list[ParamLayout], list[torch.Tensor]]] = []
+        for g, (ps, vs) in grouped.items():
+            plan = state.plan.groups[g]
+            write = _row_write(plan, tuple(map(_NAME, ps))) if len(vs) > 1 else None
+            buffer = write.stage(vs, checked.dtypes) if write is not None else None
+            if write is not None and buffer is not None:
+                staged.append((write, buffer))
+            else:
+                direct.append((plan, ps, vs))
+        if direct or len(staged) < len(grouped):
+            _check_shapes(state, checked)
+        for write, buffer in staged:  # nothing was written before this point
+            write.commit(state, buffer)
+        for plan, ps, vs in direct:
+            _write_direct(state, plan, ps, vs)
+    state.storage.after_write(checked.names)
+
+
+def _check_shapes(state: GradState, checked: CheckedValues) -> None:
+    """Every value's exact shape and device (the per-parameter path's; staging checks them by concatenating)."""
+    values = checked.values
+    if not (list(map(_SHAPE, values)) == list(map(_SHAPE, checked.params))
+            and set(map(_DEVICE, values)) <= checked.devices):
+        _name_bad_entry(state, checked.names, values, checked.devices)
 
 
 @dataclass(frozen=True, eq=False)
@@ -123,21 +169,32 @@ class _RowWrite:
     numel: int
     rows: RowMap
 
-    def run(self, state: GradState, values: list[torch.Tensor]) -> None:
-        """One ``cat`` (``stack`` for 0-d values) per trailing shape into the staging buffer, one float32 multiply
-        under loss scaling, one row copy (casting) into the partition."""
-        dtypes = set(map(_DTYPE, values))
-        dtype = dtypes.pop() if len(dtypes) == 1 else functools.reduce(torch.promote_types, dtypes)
+    def stage(self, values: list[torch.Tensor], dtypes: frozenset[torch.dtype]) -> torch.Tensor | None:
+        """The values in one buffer (their promoted dtype, the first value's device): one ``cat`` per trailing
+        shape (``stack`` for 0-d values), which also checks every value's dimensions and device against its
+        block's. ``None`` when a value does not fit (a wrong shape, or values on several devices): the caller
+        checks each entry then."""
+        dtype = functools.reduce(torch.promote_types, dtypes)
         staged = torch.empty(self.numel, dtype=dtype, device=values[0].device)
-        for block in self.blocks:
-            picked = block.pick(values)
-            picked = list(picked) if isinstance(picked, tuple) else [picked]
-            region = staged.narrow(0, block.offset, block.numel)
-            if block.shape is None:
-                torch.stack(picked, out=region)
-            else:
-                torch.cat(picked, out=region.view(-1, *block.shape))
-        if state.loss_scale != 1.0:  # value × scale in float32 (bit-identical to scaling each value alone)
+        try:
+            for block in self.blocks:
+                picked = block.pick(values)
+                picked = list(picked) if isinstance(picked, tuple) else [picked]
+                region = staged.narrow(0, block.offset, block.numel)
+                if block.shape is None:
+                    if any(map(torch.Tensor.dim, picked)):  # stack would take equal non-0-d shapes too
+                        return None
+                    torch.stack(picked, out=region)
+                else:
+                    torch.cat(picked, out=region.view(-1, *block.shape))
+        except RuntimeError:
+            return None
+        return staged
+
+    def commit(self, state: GradState, staged: torch.Tensor) -> None:
+        """One float32 multiply under loss scaling (bit-identical to scaling each value alone), one row copy
+        (casting) into the partition."""
+        if state.loss_scale != 1.0:
             staged = staged.to(torch.float32).mul_(state.loss_scale)
         self.rows.copy(staged, state.storage.partitions[self.group])
 

@@ -2,7 +2,7 @@
 
 A *transfer* is the set of sharded flat groups that share a process group, dtype and device: they travel in one
 (coalesced) collective. Per group, the assembled buffer is brought into parameter order (already so for ZeRO-1/2
-and for the zero-padded all_reduce; one ``split_with_sizes_copy`` for a ZeRO-3 all_gather), converted once if the
+and for the zero-padded all_reduce; one row copy, :mod:`zero_dtensor.rows`, for a ZeRO-3 all_gather), converted once if the
 output dtype or loss scale asks for it, and cut into parameters with one ``split_with_sizes``: a fixed number of
 tensor operations whatever the number of parameters. See ``ShardedGrads.full_tensors`` for the contract.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import operator
 from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import torch
@@ -171,6 +172,11 @@ def _make_cut(plan: GroupPlan, values: torch.Tensor) -> tuple[torch.Tensor, ...]
 
 
 # --- validation ------------------------------------------------------------------------------------------------------
+def _request_names(state: GradState, params: list[ParamLayout]) -> tuple[str, ...]:
+    """The requested names in request order (the layout's own tuple for every parameter in model order)."""
+    return state.layout.names if state.plan.is_everything(params) else tuple(map(_NAME, params))
+
+
 def _target_dtype(state: GradState, p: ParamLayout, dtype: torch.dtype | None) -> torch.dtype:
     if dtype is not None:
         return dtype
@@ -181,7 +187,7 @@ def _validate_out(state: GradState, params: list[ParamLayout], out: Any, dtype: 
     if not isinstance(out, MutableMapping):
         raise TypeError(f"out= must be a dict name -> tensor (e.g. a previous full_tensors result), got "
                         f"{type(out).__name__}")
-    if isinstance(out, GatheredGrads) and out.holds_issued(params, dtype):
+    if isinstance(out, GatheredGrads) and out.holds_issued(_request_names(state, params), dtype):
         return  # exactly the tensors an earlier call of the same request made: shapes, dtype, device known
     storage = state.storage
     wants: dict[int, tuple[torch.dtype, torch.device]] = {}
@@ -304,7 +310,9 @@ def _emit(state: GradState, params: list[ParamLayout], regions: dict[int, tuple[
     """Fill ``result`` in request order: per group one parameter-order buffer (converted once if needed), cut into
     views; entries of a user-made ``out=`` dict are filled with one ``_foreach_copy_`` per group."""
     user_dict = reuse and not isinstance(result, GatheredGrads)
+    everything = state.plan.is_everything(params) and len(params) > 1 and not user_dict
     views: dict[str, torch.Tensor] = {}
+    cuts: list[tuple[torch.Tensor, ...]] = []  # every parameter's view, per group (the fast path below)
     for g, members in state.plan.by_group(params).items():
         group, plan = state.group(g), state.plan.groups[g]
         want = _target_dtype(state, members[0], dtype)
@@ -328,7 +336,19 @@ def _emit(state: GradState, params: list[ParamLayout], regions: dict[int, tuple[
             views.update((p.name, cut[p.name]) for p in missing)
         else:
             values = _converted(state, g, order, want, buffers, copy=live)
-            views.update(zip(plan.names, _cut(plan, values, result)))
+            if everything:
+                cuts.append(_cut(plan, values, result))
+            else:
+                views.update(zip(plan.names, _cut(plan, values, result)))
+    if everything:  # every parameter in model order into our own dict: one cached pick, no per-name lookups
+        assert isinstance(result, GatheredGrads)
+        flat = cuts[0] if len(cuts) == 1 else tuple(chain.from_iterable(cuts))
+        take = state.plan.model_order_take
+        names = state.layout.names
+        if reuse and not result.in_order(names):  # a dict of other names: start over, in request order
+            dict.clear(result)
+        result.fill(names, flat if take is None else take(flat), dtype)
+        return result  # type: ignore[return-value]
     names = list(map(_NAME, params))
     if user_dict:
         result.update((n, views[n]) for n in names if n in views)

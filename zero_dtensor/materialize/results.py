@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -28,7 +28,54 @@ class GatheredGrads(dict):
         super().__init__(*args, **kwargs)
         self.buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self._issued: tuple[tuple[str, ...], tuple[torch.Tensor, ...], Any] | None = None
+        self._touched = False  # an entry was set, replaced or removed since the last call filled this dict
         self._caches: dict[int, ViewCache] = {}  # cut views of buffers the pool does not keep, per storage
+
+    # every way of changing the entries marks the dict touched (the last call's record no longer describes it)
+    def __setitem__(self, key: str, value: torch.Tensor) -> None:
+        self._touched = True
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        self._touched = True
+        super().__delitem__(key)
+
+    def __ior__(self, other: Any) -> GatheredGrads:  # type: ignore[override,misc]
+        self._touched = True
+        return super().__ior__(other)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        self._touched = True
+        super().update(*args, **kwargs)
+
+    def setdefault(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        self._touched = True
+        return super().setdefault(key, default)
+
+    def pop(self, *args: Any) -> Any:  # type: ignore[override]
+        self._touched = True
+        return super().pop(*args)
+
+    def popitem(self) -> tuple[str, torch.Tensor]:
+        self._touched = True
+        return super().popitem()
+
+    def clear(self) -> None:
+        self._touched = True
+        super().clear()
+
+    def in_order(self, names: tuple[str, ...]) -> bool:
+        """Whether this dict's keys are exactly ``names``, in that order (O(1) when it holds what the last call
+        issued for them)."""
+        if self._issued is not None and not self._touched and (self._issued[0] is names or self._issued[0] == names):
+            return True
+        return len(self) == len(names) and all(map(operator.eq, self, names))
+
+    def fill(self, names: tuple[str, ...], tensors: Sequence[torch.Tensor], dtype: Any) -> None:
+        """Put ``tensors`` under ``names`` (request order) and remember them as what this call issued."""
+        dict.update(self, zip(names, tensors))
+        self._issued = (names, tuple(tensors), dtype)
+        self._touched = False
 
     def view_cache(self, t: torch.Tensor) -> ViewCache | None:
         """The view cache of the buffer in :attr:`buffers` that ``t`` is a view of (None if it is none of them)."""
@@ -41,23 +88,25 @@ class GatheredGrads(dict):
                 return cache
         return None
 
-    def record_issued(self, names: list[str], dtype: Any) -> None:
+    def record_issued(self, names: Sequence[str], dtype: Any) -> None:
         """Remember the tensors ``full_tensors`` just placed here (for the ``out=`` check of a later call)."""
         self._issued = (tuple(names), tuple(map(self.__getitem__, names)), dtype)
+        self._touched = False
 
-    def holds_issued(self, params: Any, dtype: Any) -> bool:
-        """Whether this dict still holds exactly the tensors the last call made for the same names and ``dtype``
-        (nobody replaced one; identity only, one C-level pass): ``out=`` needs no per-tensor check then. The
-        memory is the call's own buffers, written by collectives and copies that record no autograd history, so a
-        tensor the caller made require grad is refilled as it is."""
+    def holds_issued(self, names: tuple[str, ...], dtype: Any) -> bool:
+        """Whether this dict still holds exactly the tensors the last call made for the same ``names`` (request
+        order) and ``dtype``: no entry set, replaced or removed since (O(1) then; after such a change, an identity
+        pass over the entries). ``out=`` needs no per-tensor check then. The memory is the call's own buffers,
+        written by collectives and copies that record no autograd history, so a tensor the caller made require
+        grad is refilled as it is."""
         if self._issued is None:
             return False
-        names, tensors, issued_dtype = self._issued
-        if issued_dtype != dtype or len(names) != len(params) or len(self) != len(names):
+        issued, tensors, issued_dtype = self._issued
+        if issued_dtype != dtype or len(issued) != len(names) or len(self) != len(issued):
             return False
-        if tuple(map(_NAME, params)) != names:
+        if issued is not names and issued != names:
             return False
-        return all(map(operator.is_, map(self.get, names), tensors))
+        return not self._touched or all(map(operator.is_, map(self.get, issued), tensors))
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (dict, (dict(self),))

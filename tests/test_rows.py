@@ -133,7 +133,9 @@ any_shapes = st.lists(st.one_of(st.tuples(st.integers(1, 40)), st.tuples(st.inte
 @settings(max_examples=60, deadline=None)
 @given(st.sampled_from([1, 2, 4]), wide_shapes, st.sampled_from([0, 64]))
 def test_chunked_reorder_by_rows(world, shapes, extra) -> None:
-    assert check_reorder(chunked_layouts(world, shapes, extra)), "wide chunks must take the row path"
+    took_rows = check_reorder(chunked_layouts(world, shapes, extra))
+    if world > 1:  # one rank: the whole group is one run, copied as such (rows.LONG_RUN)
+        assert took_rows, "wide chunks must take the row path"
 
 
 @settings(max_examples=60, deadline=None)
@@ -152,7 +154,10 @@ def test_chunked_reorder_fallback_matches(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("element_size", [2, 4])
-def test_narrow_rows_declined(element_size) -> None:
+def test_narrow_and_long_rows_declined(element_size) -> None:
     width = MIN_ROW_BYTES // element_size
     assert row_map([0], [width], [width], width, 2 * width, element_size) is not None
     assert row_map([0], [width // 2], [width // 2], width, 2 * width, element_size) is None
+    long = rows_mod.LONG_RUN  # a copy per run is cheaper than rows once runs are this long on average
+    assert row_map([0, long], [long, 0], [long, long], 2 * long, 2 * long, element_size) is None
+    assert row_map([0, long], [long, 0], [long // 2, long // 2], 2 * long, 2 * long, element_size) is not None

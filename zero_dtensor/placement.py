@@ -26,7 +26,8 @@ Cutting into parameters: ``RaggedShard`` and ``Replicated`` buffers are in param
 ``split_with_sizes`` gives every parameter as a view); ``ChunkShard`` buffers are rank-major, and parameter ``p``
 is the row-major flattening of its ``(N, chunk_p)`` column block, so the whole group is reordered into a
 parameter-order buffer by one row copy (:mod:`zero_dtensor.rows`: one ``index_select`` of rows as wide as the
-chunks' common divisor), or, where that width is under 32 bytes, by one ``torch.split_with_sizes_copy`` along
+chunks' common divisor), or, where rows do not pay (under 32 bytes wide, or chunks of 4,096 elements or more on
+average), by one ``torch.split_with_sizes_copy`` along
 dimension 1 (as FSDP2 copies out its all-gather; one kernel on CUDA, a copy per block on the CPU) — and, for the
 zero-padded ``all_reduce``, each rank writes its chunks straight into parameter order (one row copy likewise).
 
@@ -319,8 +320,8 @@ class ChunkShard(GroupPlacement):
                         pieces: tuple[torch.Tensor, ...] | None, cache: ViewCache | None = None) -> None:
         """Rank ``r``'s chunk of parameter ``p`` goes to row ``r`` of ``p``'s ``(N, chunk)`` block: one zero fill,
         then one row copy of the whole partition (:attr:`~zero_dtensor.plan.GroupPlan.own_column_rows`; the
-        chunks' padding lands in the blocks' padding, which no result shows), or, where the pieces' common width is
-        too narrow for rows, one ``_foreach_copy_`` of the fragments."""
+        chunks' padding lands in the blocks' padding, which no result shows), or, where rows do not pay
+        (:func:`~zero_dtensor.rows.row_map`), one ``_foreach_copy_`` of the fragments."""
         region.zero_()
         rows = plan.own_column_rows
         if rows is not None:
@@ -341,8 +342,8 @@ class ChunkShard(GroupPlacement):
     def to_param_order(self, gathered: torch.Tensor, group: GroupLayout, plan: GroupPlan,
                        area: torch.Tensor | None, cache: ViewCache | None = None) -> torch.Tensor:
         """The ``(N, P)`` rows cut into column blocks in ``area``: one row copy
-        (:attr:`~zero_dtensor.plan.GroupPlan.column_rows`: one ``index_select``), or, where the pieces' common width
-        is too narrow for rows, one ``split_with_sizes_copy`` (FSDP2's copy-out; one kernel on CUDA, a copy per
+        (:attr:`~zero_dtensor.plan.GroupPlan.column_rows`: one ``index_select``), or, where rows do not pay
+        (:func:`~zero_dtensor.rows.row_map`), one ``split_with_sizes_copy`` (FSDP2's copy-out; one kernel on CUDA, a copy per
         block elsewhere)."""
         assert area is not None
         N = group.world_size

@@ -123,7 +123,7 @@ class GroupPlan:
     def column_rows(self) -> RowMap | None:
         """Chunked groups: the ``(N, P)`` rows of an all_gather (flattened) to parameter order, every piece of
         :attr:`gathered` (gaps too) as its ``(N, width)`` block, as one row copy (:mod:`zero_dtensor.rows`);
-        ``None`` for other groups or when the pieces' common width is too narrow."""
+        ``None`` for other groups or where rows do not pay (:func:`~zero_dtensor.rows.row_map`)."""
         if self.group.placement.param_order_gather:
             return None
         return self._columns(range(self.group.world_size), local=False)

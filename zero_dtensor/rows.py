@@ -9,8 +9,9 @@ one ``index_select`` (and one ``index_copy_`` when the runs do not tile the dest
 operations whatever the number of runs, one kernel on a GPU.
 
 The row indices cost ``8 / width`` bytes per element moved; :func:`row_map` declines (returns ``None``) when they
-would cost more than a quarter of the data they move (``width · element size <`` :data:`MIN_ROW_BYTES`), and callers keep their
-per-run path. Index tensors are built once per device, with a few tensor operations, and cached on the map. Nothing
+would cost more than a quarter of the data they move (``width · element size <`` :data:`MIN_ROW_BYTES`), or when
+the runs are long (:data:`LONG_RUN` elements on average: a dispatch per run is then cheap next to its bytes, and a
+block copy beats an indexed one), and callers keep their per-run path. Index tensors are built once per device, with a few tensor operations, and cached on the map. Nothing
 here communicates.
 """
 
@@ -22,10 +23,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["MIN_ROW_BYTES", "RowMap", "row_map"]
+__all__ = ["LONG_RUN", "MIN_ROW_BYTES", "RowMap", "row_map"]
 
 #: rows narrower than this many bytes are declined: their int64 indices would cost over a quarter of the data
 MIN_ROW_BYTES = 32
+#: runs this long on average (elements) are declined: one copy per run costs less than a dispatch's overhead then,
+#: and beats an indexed copy of many rows
+LONG_RUN = 4096
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,8 +91,8 @@ class RowMap:
 def row_map(src_starts: Sequence[int], dst_starts: Sequence[int], lengths: Sequence[int], src_numel: int,
             dst_numel: int, element_size: int) -> RowMap | None:
     """A :class:`RowMap` for runs ``(src_starts[i], dst_starts[i], lengths[i])`` (empty runs skipped; adjacent
-    ones merged), or ``None`` when the common row width is too narrow for ``element_size``-byte elements (see the
-    module docstring) or there is nothing to copy."""
+    ones merged), or ``None`` when the common row width is too narrow for ``element_size``-byte elements, the runs
+    are long (see the module docstring), or there is nothing to copy."""
     runs: list[list[int]] = []
     for s, d, n in sorted(zip(src_starts, dst_starts, lengths), key=lambda run: run[1]):  # destination order
         if not n:
@@ -100,7 +104,7 @@ def row_map(src_starts: Sequence[int], dst_starts: Sequence[int], lengths: Seque
     if not runs:
         return None
     width = math.gcd(src_numel, dst_numel, *(v for run in runs for v in run))
-    if width * element_size < MIN_ROW_BYTES:
+    if width * element_size < MIN_ROW_BYTES or sum(r[2] for r in runs) >= LONG_RUN * len(runs):
         return None
     ends = [d + n for _, d, n in runs]
     tiles = runs[0][1] == 0 and ends[-1] == dst_numel and all(e == r[1] for e, r in zip(ends, runs[1:]))

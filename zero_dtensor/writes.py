@@ -1,8 +1,11 @@
 """``set_full_``: validate full tensors, then write each rank's fragments into DeepSpeed's storage. **No
 communication.**
 
-Validation runs over all values with C-level passes (types, shapes, dtypes, devices); only when one fails does a
-per-entry pass run, to name the first bad entry. Nothing is written before everything is checked.
+Validation runs over all values with C-level passes (types, ``numel``, dtypes, the first value's device); the
+staging ``cat`` below checks every value's dimensions and device against its block (so with the ``numel`` its
+exact shape), and the per-parameter path checks shapes and devices in two more passes. Only when something fails
+does a per-entry pass run, to name the first bad entry. Every group is staged (or checked) before the first write:
+nothing is half-applied.
 
 Writing, per flat group (:class:`_RowWrite`, planned once per request and cached): the values are staged in one
 buffer with one ``cat`` per trailing shape (values of shape ``(d, *rest)`` concatenated along dimension 0; 0-d
@@ -10,8 +13,10 @@ values stacked), so reading 10,000 separate tensors costs a C++ loop of memcpys,
 fragment this rank holds moves from the staging buffer into the partition with one row copy
 (:mod:`zero_dtensor.rows`: one ``index_select``, plus an ``index_copy_`` for a subset), casting to the stored dtype.
 Under fp16 loss scaling the staged values are scaled in float32 first (one multiply: bit-identical to scaling each
-value alone). Where rows are too narrow, values lie on several devices, or a request has over
-:data:`MAX_SHAPE_CLASSES` trailing shapes, one ``_foreach_copy_`` copies each value into a cached view of its
+value alone). Staging copies every value, ``N`` times the bytes a rank keeps, so it serves requests of small
+parameters (under :data:`STAGE_BELOW` elements on average), where a dispatch per parameter costs more than the
+bytes. Otherwise (large parameters, rows too narrow, values on several devices, over :data:`MAX_SHAPE_CLASSES`
+trailing shapes) one ``_foreach_copy_`` copies each value into a cached view of its
 fragment (whole local parameters) or a view of its part. Writes never record autograd history.
 """
 
@@ -71,13 +76,22 @@ def validate_full(state: GradState, mapping: Mapping[str, torch.Tensor]) -> Chec
         params = [None] * len(names)
     if (all(map(operator.is_not, params, repeat(None)))
             and all(map(operator.is_, map(type, values), repeat(torch.Tensor)))
-            and list(map(torch.Tensor.numel, values)) == list(map(_NUMEL, params))
+            and _numels_match(values, params)
             and (not values or values[0].device in devices)):
         dtypes = frozenset(map(_DTYPE, values))
         if all(d.is_floating_point for d in dtypes):
             return CheckedValues(params, values, names, dtypes, devices)  # type: ignore[arg-type]
     _name_bad_entry(state, names, values, devices)
     raise AssertionError("not reached: _name_bad_entry raised")
+
+
+def _numels_match(values: list[torch.Tensor], params: list[ParamLayout]) -> bool:
+    """Every value has its parameter's ``numel``; empty parameters' values also its shape (staging's ``cat``
+    skips empty 1-D values, so it would not check theirs)."""
+    numels = list(map(_NUMEL, params))
+    if list(map(torch.Tensor.numel, values)) != numels:
+        return False
+    return 0 not in numels or all(v.shape == p.shape for v, p in zip(values, params) if not p.numel)
 
 
 def _name_bad_entry(state: GradState, names: list[Any], values: list[Any], devices: frozenset[torch.device]) -> None:
@@ -131,7 +145,7 @@ def set_full_(state: GradState, checked: CheckedValues) -> None:
                 staged.append((write, buffer))
             else:
                 direct.append((plan, ps, vs))
-        if direct or len(staged) < len(grouped):
+        if direct:
             _check_shapes(state, checked)
         for write, buffer in staged:  # nothing was written before this point
             write.commit(state, buffer)
@@ -240,11 +254,15 @@ _ROW_WRITES: OrderedDict[tuple[GroupPlan, tuple[str, ...]], _RowWrite | None] = 
 _ROW_WRITES_KEPT = 16
 #: a request with more distinct trailing shapes than this is written by the per-parameter path
 MAX_SHAPE_CLASSES = 16
+#: staging copies every value (``N``× the bytes a rank keeps): only for requests of parameters this small on average
+#: (elements), where a dispatch per parameter costs more than the bytes
+STAGE_BELOW = 4096
 
 
 def _row_write(plan: GroupPlan, names: tuple[str, ...]) -> _RowWrite | None:
     """The cached staging plan of ``names`` (request order) in ``plan``'s group, or ``None`` where the group's
-    pieces are too narrow for rows or the request has over :data:`MAX_SHAPE_CLASSES` trailing shapes."""
+    pieces are too narrow or too long for rows, the parameters are :data:`STAGE_BELOW` elements or more on average,
+    or the request has over :data:`MAX_SHAPE_CLASSES` trailing shapes."""
     key = (plan, names)
     if key in _ROW_WRITES:
         _ROW_WRITES.move_to_end(key)
@@ -262,7 +280,7 @@ def _build_row_write(plan: GroupPlan, names: tuple[str, ...]) -> _RowWrite | Non
     for i, k in enumerate(ks):
         shape = tuple(plan.params[k].shape)
         classes.setdefault(shape[1:] if shape else None, []).append(i)
-    if len(classes) > MAX_SHAPE_CLASSES:
+    if len(classes) > MAX_SHAPE_CLASSES or sum(plan.params[k].numel for k in ks) >= STAGE_BELOW * len(ks):
         return None
     blocks: list[_ClassBlock] = []
     staged_at = [0] * len(ks)  # where request entry i starts in the staging buffer

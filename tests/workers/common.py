@@ -77,7 +77,20 @@ class DeepModel(torch.nn.Module):
         return self.out(x)
 
 
-MODELS = {"odd": OddModel, "tied": TiedModel, "deep": DeepModel}
+class WideModel(torch.nn.Module):
+    """Every size a multiple of 96, so that fragments share a wide common width (16 elements: 32 bytes even in fp16)
+    on 2 and 3 ranks: the row-copy paths (``zero_dtensor.rows``) apply."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(33, 96)
+        self.fc2 = torch.nn.Linear(96, 96)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+MODELS = {"odd": OddModel, "tied": TiedModel, "deep": DeepModel, "wide": WideModel}
 FROZEN = ("fc1.bias", "tiny.bias")  # two-group cases freeze these by default (absent from the gradient dict)
 OPTIMIZERS = ("adam", "sgd", "client_adam")
 

@@ -80,7 +80,7 @@ def check_result_views_reused(case: EngineCase) -> None:
         raise AssertionError("a wrong out= entry was accepted")
 
 
-def check_write_paths(case: EngineCase, max_classes: int) -> None:
+def check_write_paths(case: EngineCase, max_classes: int) -> dict[str, bool]:
     """set_full_ through the staged row copy and through per-parameter views write the same values."""
     writes.MAX_SHAPE_CLASSES = max_classes
     writes._ROW_WRITES.clear()
@@ -99,6 +99,30 @@ def check_write_paths(case: EngineCase, max_classes: int) -> None:
     for name, value in subset.items():
         assert torch.equal(full[name], expected(name, value).to(full[name].dtype)), name
     grads.set_full_(values)
+    staged = any(w is not None for w in writes._ROW_WRITES.values())
     full = grads.full_tensors()
     for name, value in values.items():
         assert torch.equal(full[name], expected(name, value).to(full[name].dtype)), name
+    return {"staged": staged}
+
+
+def check_row_reorder(case: EngineCase) -> dict[str, bool]:
+    """ZeRO-3 with sizes that share a wide width: full_tensors by all_gather (the row reorder) and by all_reduce (the
+    row fill) equal DeepSpeed's ``safe_get_full_grad``, twice (recycled buffers), and after a write."""
+    engine = build_engine(case)
+    forward_backward(engine)
+    grads = zd.sharded_grads(engine)
+    expected = _reference(engine)
+    plans = grads._state.plan.groups
+    for strategy in ("all_gather", "all_reduce", "all_gather"):
+        full = grads.full_tensors(strategy=strategy)
+        for name, value in expected.items():
+            assert torch.equal(full[name], value.to(full[name].dtype)), (strategy, name)
+        del full
+    values = {n: fill_value(n, grads[n].shape) for n in grads.names}
+    grads.set_full_(values)
+    for strategy in ("all_gather", "all_reduce"):
+        full = grads.full_tensors(strategy=strategy)
+        for name, value in values.items():
+            assert torch.equal(full[name], value.to(full[name].dtype)), (strategy, name)
+    return {"rows": all(p.column_rows is not None and p.own_column_rows is not None for p in plans)}

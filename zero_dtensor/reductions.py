@@ -137,17 +137,13 @@ def _per_param(state: GradState, sel: Selection, parts: list[_Part], values: Cal
     return torch.empty_like(stacked).index_copy_(0, order, stacked)
 
 
-def _names(sel: Selection) -> tuple[str, ...]:
-    return sel.names
-
-
 def _reduce(state: GradState, sel: Selection, local: torch.Tensor, op: Any,
-            names: list[str] | None = None) -> torch.Tensor:
+            names: Sequence[str] | None = None) -> torch.Tensor:
     """All-reduce the rows of ``local`` (one per selected parameter) over each distinct process group of the
     multi-rank sharded groups (one collective per process group). Returns the reduced rows on the engine's
     device."""
     if is_debug():
-        check_grads_call(state.storage, "reduce", names if names is not None else _names(sel), str(op),
+        check_grads_call(state.storage, "reduce", names if names is not None else sel.names, str(op),
                          tuple(local.shape[1:]))
     storage = state.storage
     local = local.to(storage.device)  # where the process group communicates (offloaded partitions are host memory)
@@ -178,7 +174,7 @@ def _partials(state: GradState, sel: Selection, norm_type: float) -> torch.Tenso
 
 
 def _reduced_partials(state: GradState, sel: Selection, norm_type: float,
-                      names: list[str] | None = None) -> tuple[torch.Tensor, bool]:
+                      names: Sequence[str] | None = None) -> tuple[torch.Tensor, bool]:
     if not (norm_type > 0):
         raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
     is_inf = math.isinf(norm_type)
@@ -187,7 +183,7 @@ def _reduced_partials(state: GradState, sel: Selection, norm_type: float,
 
 
 def norm_values(state: GradState, sel: Selection, norm_type: float,
-                names: list[str] | None = None) -> torch.Tensor:
+                names: Sequence[str] | None = None) -> torch.Tensor:
     """Per-parameter true norms, (k,) float32: one collective per process group."""
     reduced, is_inf = _reduced_partials(state, sel, norm_type, names)
     values = reduced if is_inf else (reduced.sqrt() if norm_type == 2.0 else reduced.pow(1.0 / norm_type))
@@ -197,7 +193,7 @@ def norm_values(state: GradState, sel: Selection, norm_type: float,
 def norms(state: GradState, sel: Selection, norm_type: float) -> ParamValues:
     """Per-parameter true norms, ``{name: 0-d float32}`` backed by one ``(k,)`` vector: one collective per process
     group."""
-    names = _names(sel)
+    names = sel.names
     return ParamValues(names, norm_values(state, sel, norm_type, names))
 
 
@@ -228,7 +224,7 @@ def dots(state: GradState, other: GradState, sel: Selection, with_norms: bool) -
 
     width = 3 if with_norms else 1
     local = _per_param(state, sel, _parts((state, other), sel), values, torch.float32, (width,))
-    names = _names(sel)
+    names = sel.names
     reduced = _reduce(state, sel, local, dist.ReduceOp.SUM, names)
     s, so = state.loss_scale, other.loss_scale
     result = ParamValues(names, reduced[:, 0] / (s * so))
@@ -257,7 +253,7 @@ def stats(state: GradState, sel: Selection) -> ParamStatsMap[GradStats]:
     squares, sums, maxima), nan/inf counts only when some value is not finite (a host sync per group); then one
     host copy of the results."""
     local = _per_param(state, sel, _parts((state,), sel), _stat_columns, torch.float64, (5,))
-    names = _names(sel)
+    names = sel.names
     sums = _reduce(state, sel, local[:, :4].contiguous(), dist.ReduceOp.SUM, names)
     maxes = _reduce(state, sel, local[:, 4].to(torch.float32), dist.ReduceOp.MAX, names)
     scale = state.loss_scale
@@ -301,4 +297,4 @@ def clip_per_param_(state: GradState, sel: Selection, max_norm: float, norm_type
     values = norm_values(state, sel, norm_type)
     coefs = torch.clamp(max_norm / (values + 1e-6), max=1.0)
     mul_(state, sel, PerParam(list(coefs.unbind(0))))
-    return ParamValues(_names(sel), values)
+    return ParamValues(sel.names, values)

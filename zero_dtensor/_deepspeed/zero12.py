@@ -63,7 +63,6 @@ class _FlatSlot:
     shapes: list[torch.Size]
     rebound: Any  # a GradPartitionBufferGroup or _FlatViews
     data_ptr: int
-    concat: bool  # DeepSpeed's pieces are 1-D and fill the flat exactly: one cat copies them
 
     @property
     def flat(self) -> torch.Tensor:
@@ -91,8 +90,7 @@ def _new_slot(pieces: Sequence[torch.Tensor], shapes: list[torch.Size], numel: i
     else:
         rebound = _FlatViews(views)
         rebound.flat_partition = cache.buffer
-    concat = all(len(s) == 1 for s in shapes) and sum(s[0] for s in shapes) == numel
-    return _FlatSlot(cache, views, shapes, rebound, cache.buffer.data_ptr(), concat)
+    return _FlatSlot(cache, views, shapes, rebound, cache.buffer.data_ptr())
 
 
 _SHAPE = operator.attrgetter("shape")
@@ -118,7 +116,7 @@ def _contiguous_partition(opt: Any, group: int) -> ViewCache:
     """This rank's partition of group ``group`` as one tensor that the optimizer step reads, with its view cache.
 
     The compact buffer and the offload buffer already are one tensor. The default list of views is copied (one
-    ``cat``, or a ``_foreach_copy_`` where the pieces are not 1-D) into a flat tensor kept across steps (:class:`_FlatSlot`), and ``averaged_gradients[group]``
+    ``_foreach_copy_``) into a flat tensor kept across steps (:class:`_FlatSlot`), and ``averaged_gradients[group]``
     is rebound to views of it (a ``GradPartitionBufferGroup`` where DeepSpeed has that class, so its step reads the
     flat tensor without flattening again).
     """
@@ -137,10 +135,7 @@ def _contiguous_partition(opt: Any, group: int) -> ViewCache:
                 return slot.cache
         return ViewCache(flat.view(-1))  # DeepSpeed's compact buffer: new memory every step
     slot = _slot_for(opt, group, pieces)
-    if slot.concat:  # one C++ loop of memcpys (a dispatch per piece would cost ~1 µs each)
-        torch.cat(list(pieces), out=slot.flat)
-    else:
-        torch._foreach_copy_(list(slot.views), list(pieces))
+    torch._foreach_copy_(list(slot.views), list(pieces))
     opt.averaged_gradients[group] = slot.rebound
     return slot.cache
 

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROWS = {
     "ds get loop", "ds set loop", "full_tensors out=prev", "full_tensors all_gather", "full_tensors all_reduce",
     "set_full_", "floor: bare all_gather", "ref: bare all_reduce",
@@ -104,11 +106,13 @@ def test_tensor_sweep_writes_every_row_per_k(tmp_path) -> None:
             floor = rows[FLOOR]
             assert floor["ratio_to_floor"] == 1.0 and floor["us_per_tensor_above_floor"] == 0.0
             assert floor["collectives"] == 1
+            assert floor["repeat"] == 2 * (len(SWEEP_ROWS) - 1)  # the floor repetitions interleaved with every row
             for r in rows.values():
                 assert 0 < r["min_s"] <= r["median_s"] <= r["max_s"], r
-                assert r["repeat"] == 2
-                assert r["ratio_to_floor"] > 0
-                expected = 1e6 * (r["median_s"] - floor["median_s"]) / k
+                assert r["repeat"] == 2 or r is floor
+                assert floor["min_s"] <= r["floor_median_s"] <= floor["max_s"], r  # its own floor, from the same run
+                assert r["ratio_to_floor"] == pytest.approx(r["median_s"] / r["floor_median_s"])
+                expected = 1e6 * (r["median_s"] - r["floor_median_s"]) / k
                 assert abs(r["us_per_tensor_above_floor"] - expected) <= 1e-6 * max(1.0, abs(expected)), r
             assert rows["set_full_"]["collectives"] == 0
             assert rows["first sharded_grads"]["collectives"] == 0

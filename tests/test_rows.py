@@ -6,7 +6,10 @@
 - a chunked (ZeRO-3) group's ``to_param_order`` (all_gather rows to parameter order) and ``fill_for_reduce`` (each
   rank's partition into its rows, summed over ranks as the all_reduce does) give the same buffer as the reference
   ``split_with_sizes_copy`` on the row path and on the per-piece fallback, for parameters whose chunks share a
-  wide common width (the row path) and for any shapes (mostly the fallback).
+  wide common width (the row path) and for any shapes (mostly the fallback);
+- ``piece_copy``: a list of pieces (views of one buffer in any order, 2-D ones among them, plus tensors of their
+  own) is written into a flat buffer exactly as ``torch.cat`` of the pieces, by rows, by runs or piece by piece, and
+  ``piece_key`` refuses pieces that are not runs of memory (non-contiguous, another dtype).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from hypothesis import strategies as st
 from zero_dtensor import rows as rows_mod
 from zero_dtensor.layout import GradLayout, GroupLayout, Packing, ParamLayout
 from zero_dtensor.plan import plan_for
-from zero_dtensor.rows import MIN_ROW_BYTES, row_map
+from zero_dtensor.rows import MIN_ROW_BYTES, piece_copy, piece_key, row_map
 
 
 @st.composite
@@ -161,3 +164,59 @@ def test_narrow_and_long_rows_declined(element_size) -> None:
     long = rows_mod.LONG_RUN  # a copy per run is cheaper than rows once runs are this long on average
     assert row_map([0, long], [long, 0], [long, long], 2 * long, 2 * long, element_size) is None
     assert row_map([0, long], [long, 0], [long // 2, long // 2], 2 * long, 2 * long, element_size) is not None
+
+
+@st.composite
+def pieces_of_a_block(draw):
+    """``(pieces, padding)``: views of one block in a random order (some 2-D), and maybe tensors of their own."""
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    unit = draw(st.sampled_from([1, 8, 16]))
+    n = draw(st.integers(1, 10))
+    numels = [unit * draw(st.integers(1, 6)) for _ in range(n)]
+    gap = unit * draw(st.integers(0, 2))
+    block = torch.randn(sum(numels) + gap * (n + 1)).to(dtype)
+    order = draw(st.permutations(list(range(n))))
+    starts, at = [0] * n, gap
+    for i in order:  # where piece i lies in the block
+        starts[i] = at
+        at += numels[i] + gap
+    pieces = []
+    for i, (s0, k) in enumerate(zip(starts, numels)):
+        view = block.narrow(0, s0, k)
+        pieces.append(view.view(unit, k // unit) if draw(st.booleans()) else view)
+    for _ in range(draw(st.integers(0, 2))):  # e.g. DeepSpeed's zero padding: a tensor of its own
+        pieces.insert(draw(st.integers(0, len(pieces))), torch.randn(unit * draw(st.integers(1, 3))).to(dtype))
+    return pieces, draw(st.integers(0, 2)) * unit
+
+
+@settings(max_examples=150, deadline=None)
+@given(pieces_of_a_block())
+def test_piece_copy_equals_cat(case) -> None:
+    pieces, tail = case
+    expected = torch.cat([p.reshape(-1) for p in pieces])
+    flat = torch.full((expected.numel() + tail,), float("nan"), dtype=expected.dtype)
+    key = piece_key(pieces)
+    assert key is not None
+    plan = piece_copy(key, flat.element_size(), flat.numel())
+    plan.copy(pieces, flat)
+    assert torch.equal(flat[: expected.numel()], expected)
+    assert flat[expected.numel():].isnan().all(), "nothing past the pieces is written"
+    if pieces[0]._base is not None:  # the block is the first piece's storage: every view of it is read as runs
+        assert len(plan.outside) == sum(p._base is None for p in pieces)
+
+
+def test_piece_plans_by_rows_runs_and_pieces() -> None:
+    """ZeRO-1's layout (views in order) is one block copy, ZeRO-2's (reversed) one row copy; a non-contiguous piece
+    or one of another dtype refuses the plan."""
+    block = torch.randn(96 * 50)  # over rows.LONG_RUN in all: in order, one run copied as such
+    in_order = [block.narrow(0, 96 * i, 96).view(8, 12) for i in range(50)]
+    reversed_ = in_order[::-1]
+    for pieces, by_rows in ((in_order, False), (reversed_, True)):
+        key = piece_key(pieces)
+        plan = piece_copy(key, 4, block.numel())
+        assert (plan.rows is not None) == by_rows and (by_rows or len(plan.runs) == 1) and not plan.outside
+        flat = torch.empty(block.numel())
+        plan.copy(pieces, flat)
+        assert torch.equal(flat, torch.cat([p.reshape(-1) for p in pieces]))
+    assert piece_key([block.view(50, 96).t()]) is None  # not contiguous
+    assert piece_key([block[:4], block.double()[:4]]) is None  # another dtype

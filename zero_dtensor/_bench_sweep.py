@@ -7,14 +7,16 @@ For each ``K`` a model of ``K`` tensors is built from ``Linear(32, 32)`` layers 
 
 - ``full_tensors()``, ``full_tensors(out=prev)``, ``set_full_``, ``clip_grad_norm_``, ``norms``, ``global_norm``,
   ``stats()``;
-- ``first sharded_grads`` of a step: a fresh backward before each repetition (and a step after it); only the
+- ``first sharded_grads`` of a step: a step and a fresh backward before each repetition; only the
   ``zd.sharded_grads(engine)`` call is timed;
-- the floor: one bare ``all_gather_into_tensor`` of the padded flat partitions into a preallocated buffer, measured
-  in the same run.
+- the floor: one bare ``all_gather_into_tensor`` of the padded flat partitions (copies of them) into a preallocated
+  buffer.
 
-Every row: ``--repeat`` repetitions after one warm-up, each starting at a barrier; a repetition's time is the
-slowest rank's; the row's time is the median. ``÷ floor`` is that median over the floor's, ``µs/tensor`` is
-``(t - floor) / K``: the cost per tensor above the wire time. Collectives are counted in one untimed call under
+Every row: ``--repeat`` repetitions after one warm-up, each starting at a barrier and each right after one timed
+repetition of the floor; a repetition's time is the slowest rank's; the row's time is the median. ``÷ floor`` is
+that median over the median of the floor repetitions interleaved with it (a shared machine's speed drifts within a
+run: a floor measured once, minutes away from a row, moved ratios by 2x), ``µs/tensor`` is ``(t - floor) / K``: the
+cost per tensor above the wire time; the floor row shows every floor repetition of the run. Collectives are counted in one untimed call under
 ``CommDebugMode``. The layers are applied side by side (``sum(layer(x))``), not stacked, so that every gradient
 is of the same magnitude (no vanishing into denormals, which would slow the CPU arithmetic of deep layers).
 """
@@ -98,13 +100,22 @@ def _sweep_stage(args: argparse.Namespace, stage: int, tensors: int, progress: C
         engine.backward(engine(x).float().pow(2).mean())
 
     rows: list[dict[str, Any]] = []
+    all_floors: list[float] = []
 
-    def record(name: str, times: list[float], collectives: int) -> None:
+    def slowest(times: list[float]) -> list[float]:
         t = torch.tensor(times, dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a repetition takes as long as its slowest rank
-        times = t.cpu().tolist()
-        rows.append({"stage": stage, "tensors": tensors, "row": name, "median_s": statistics.median(times),
-                     "min_s": min(times), "max_s": max(times), "repeat": len(times), "collectives": collectives})
+        return t.cpu().tolist()
+
+    def record(name: str, times: list[float], floors: list[float], collectives: int) -> None:
+        times = slowest(times)
+        row = {"stage": stage, "tensors": tensors, "row": name, "median_s": statistics.median(times),
+               "min_s": min(times), "max_s": max(times), "repeat": len(times), "collectives": collectives}
+        if floors:
+            floors = slowest(floors)
+            all_floors.extend(floors)
+            row["floor_median_s"] = statistics.median(floors)
+        rows.append(row)
 
     def timed(fn: Callable[[], Any]) -> float:
         dist.barrier()
@@ -116,25 +127,63 @@ def _sweep_stage(args: argparse.Namespace, stage: int, tensors: int, progress: C
         del result
         return elapsed
 
-    # the first sharded_grads of a step: a fresh backward (untimed) before, a step after every repetition
-    progress(f"ZeRO-{stage}, {tensors} tensors: first sharded_grads")
-    firsts = []
-    for _ in range(args.repeat + 1):
-        backward()
-        firsts.append(timed(lambda: zd.sharded_grads(engine)))
-        engine.step()
+    # the floor: one bare all_gather of the same bytes into preallocated buffers. Its inputs are copies of the
+    # partitions: holding the partitions themselves would keep the adapter's kept buffers busy.
     backward()
+    grads = zd.sharded_grads(engine)  # also builds the layout (once per engine)
+    parts = grads.local_partitions
+    sharded = [g for g in grads.layout.groups if g.placement.is_sharded]
+    meta = {"stage": stage, "tensors": tensors, "model_tensors": len(grads.layout.params),
+            "layers": len(model.layers), "params": sum(p.numel for p in grads.layout.params),
+            "groups": len(grads.layout.groups), "stored_dtype": str(parts[0].dtype),
+            "stored_bytes": sum(g.flat_numel * parts[g.index].element_size() for g in sharded),
+            "optimizer": type(engine.optimizer).__name__}
+    floor: Callable[[], Any] | None = None
+    if sharded:
+        pg = grads.groups[sharded[0].index].device_mesh.get_group()
+        ins = [parts[g.index].clone() for g in sharded]
+        outs = [torch.empty(g.flat_numel, dtype=parts[g.index].dtype, device=parts[g.index].device) for g in sharded]
+        if len(ins) == 1:
+            def floor() -> Any:
+                return dist.all_gather_into_tensor(outs[0], ins[0], group=pg)
+        else:  # several flat groups: one coalesced all_gather, as full_tensors() issues
+            def floor() -> Any:
+                return all_gather_into(outs, ins, pg)
+    del grads, parts
+
+    def repetitions(fn: Callable[[], Any], before: Callable[[], Any] | None = None
+                    ) -> tuple[list[float], list[float]]:
+        """``--repeat`` timed calls of ``fn``, each after ``before()`` (untimed) and one timed floor."""
+        times, floors = [], []
+        for _ in range(args.repeat):
+            if before is not None:
+                before()
+            if floor is not None:
+                floors.append(timed(floor))
+            times.append(timed(fn))
+        return times, floors
+
+    # the first sharded_grads of a step: a step and a fresh backward (untimed) before every repetition
+    progress(f"ZeRO-{stage}, {tensors} tensors: first sharded_grads")
+
+    def next_step() -> None:
+        engine.step()
+        backward()
+
+    next_step()
+    zd.sharded_grads(engine)  # warm-up: the first call after a step that followed the layout's build
+    firsts, first_floors = repetitions(lambda: zd.sharded_grads(engine), next_step)
+    next_step()
     with CommDebugMode() as mode:
         grads = zd.sharded_grads(engine)
     first_comms = int(mode.get_total_counts())
-    firsts = firsts[1:]  # the first one also built the layout (once per engine)
 
     def measure(name: str, fn: Callable[[], Any]) -> None:
         progress(f"ZeRO-{stage}, {tensors} tensors: {name}")
         fn()  # warm-up (also calibrates strategy="auto" on gloo)
         with CommDebugMode() as comm:
             fn()
-        record(name, [timed(fn) for _ in range(args.repeat)], int(comm.get_total_counts()))
+        record(name, *repetitions(fn), int(comm.get_total_counts()))
 
     measure("full_tensors()", lambda: grads.full_tensors())
     state: dict[str, Any] = {"prev": grads.full_tensors()}
@@ -147,30 +196,20 @@ def _sweep_stage(args: argparse.Namespace, stage: int, tensors: int, progress: C
     measure("norms", lambda: grads.norms())
     measure("global_norm", lambda: grads.global_norm())
     measure("stats()", lambda: grads.stats())
-    record("first sharded_grads", firsts, first_comms)
-
-    # the floor: one bare all_gather of the same partitions into preallocated buffers
-    parts = grads.local_partitions
-    sharded = [g for g in grads.layout.groups if g.placement.is_sharded]
-    stored_bytes = sum(g.flat_numel * parts[g.index].element_size() for g in sharded)
-    if sharded:
-        pg = grads.groups[sharded[0].index].device_mesh.get_group()
-        ins = [parts[g.index] for g in sharded]
-        outs = [torch.empty(g.flat_numel, dtype=parts[g.index].dtype, device=parts[g.index].device) for g in sharded]
-        if len(ins) == 1:
-            measure(FLOOR, lambda: dist.all_gather_into_tensor(outs[0], ins[0], group=pg))
-        else:  # several flat groups: one coalesced all_gather, as full_tensors() issues
-            measure(FLOOR, lambda: all_gather_into(outs, ins, pg))
-    n_tensors = len(grads.layout.params)  # K rounded down to even: K // 2 layers
-    meta = {"stage": stage, "tensors": tensors, "model_tensors": n_tensors, "layers": len(model.layers),
-            "params": sum(p.numel for p in grads.layout.params), "groups": len(grads.layout.groups),
-            "stored_dtype": str(parts[0].dtype), "stored_bytes": stored_bytes,
-            "optimizer": type(engine.optimizer).__name__}
-    floor = next((r["median_s"] for r in rows if r["row"] == FLOOR), None)
+    record("first sharded_grads", firsts, first_floors, first_comms)
+    if floor is not None:  # every floor repetition of this run, interleaved with the rows'
+        with CommDebugMode() as comm:
+            floor()
+        floor_comms = int(comm.get_total_counts())
+        rows.append({"stage": stage, "tensors": tensors, "row": FLOOR, "median_s": statistics.median(all_floors),
+                     "min_s": min(all_floors), "max_s": max(all_floors), "repeat": len(all_floors),
+                     "collectives": floor_comms, "floor_median_s": statistics.median(all_floors)})
+    n_tensors = meta["model_tensors"]  # K rounded down to even: K // 2 layers
     for r in rows:
-        r["ratio_to_floor"] = r["median_s"] / floor if floor else None
-        r["us_per_tensor_above_floor"] = 1e6 * (r["median_s"] - floor) / n_tensors if floor is not None else None
-    del engine, grads, parts
+        own = r.get("floor_median_s")
+        r["ratio_to_floor"] = r["median_s"] / own if own else None
+        r["us_per_tensor_above_floor"] = 1e6 * (r["median_s"] - own) / n_tensors if own is not None else None
+    del engine, grads
     return meta, rows
 
 
@@ -237,8 +276,9 @@ def render(results: dict[str, Any], console: Any = None) -> None:
             table.add_row(*cells)
         console.print(table)
     console.print(
-        "[dim]Median over --repeat repetitions (after one warm-up) of the slowest rank. ÷ floor: row median / bare "
-        "all_gather_into_tensor of the same padded flat partitions, same run. µs/tensor: (row - floor) / K. "
+        "[dim]Median over --repeat repetitions (after one warm-up) of the slowest rank. ÷ floor: row median / median "
+        "of a bare all_gather_into_tensor of the same padded flat partitions timed right before each of the row's "
+        "repetitions. µs/tensor: (row - its floor) / K. "
         "first sharded_grads: a fresh backward before every repetition, only the call timed. CPU timings on a "
         "shared machine are noisy.[/dim]"
     )

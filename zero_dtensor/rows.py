@@ -11,19 +11,26 @@ operations whatever the number of runs, one kernel on a GPU.
 The row indices cost ``8 / width`` bytes per element moved; :func:`row_map` declines (returns ``None``) when they
 would cost more than a quarter of the data they move (``width · element size <`` :data:`MIN_ROW_BYTES`), or when
 the runs are long (:data:`LONG_RUN` elements on average: a dispatch per run is then cheap next to its bytes, and a
-block copy beats an indexed one), and callers keep their per-run path. Index tensors are built once per device, with a few tensor operations, and cached on the map. Nothing
-here communicates.
+block copy beats an indexed one), and callers keep their per-run path. Index tensors are built once per device, with
+a few tensor operations, and cached on the map.
+
+:class:`PieceCopy` applies the same to a *list* of tensors (DeepSpeed's per-parameter gradient views) whose values,
+concatenated, are a partition: where the pieces lie in one memory block (views of one flat buffer, in any order),
+their concatenation is a set of runs of that block, copied with one :class:`RowMap` (or one block copy when they
+lie in order) instead of a copy per piece. Nothing here communicates.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["LONG_RUN", "MIN_ROW_BYTES", "RowMap", "row_map"]
+__all__ = ["LONG_RUN", "MIN_ROW_BYTES", "PieceCopy", "PieceKey", "RowMap", "piece_copy", "piece_key", "row_map"]
 
 #: rows narrower than this many bytes are declined: their int64 indices would cost over a quarter of the data
 MIN_ROW_BYTES = 32
@@ -93,14 +100,7 @@ def row_map(src_starts: Sequence[int], dst_starts: Sequence[int], lengths: Seque
     """A :class:`RowMap` for runs ``(src_starts[i], dst_starts[i], lengths[i])`` (empty runs skipped; adjacent
     ones merged), or ``None`` when the common row width is too narrow for ``element_size``-byte elements, the runs
     are long (see the module docstring), or there is nothing to copy."""
-    runs: list[list[int]] = []
-    for s, d, n in sorted(zip(src_starts, dst_starts, lengths), key=lambda run: run[1]):  # destination order
-        if not n:
-            continue
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1][2] += n
-        else:
-            runs.append([s, d, n])
+    runs = _merged_runs(src_starts, dst_starts, lengths)
     if not runs:
         return None
     width = math.gcd(src_numel, dst_numel, *(v for run in runs for v in run))
@@ -110,3 +110,96 @@ def row_map(src_starts: Sequence[int], dst_starts: Sequence[int], lengths: Seque
     tiles = runs[0][1] == 0 and ends[-1] == dst_numel and all(e == r[1] for e, r in zip(ends, runs[1:]))
     return RowMap(width, src_numel, dst_numel, tuple(r[0] // width for r in runs), tuple(r[1] // width for r in runs),
                   tuple(r[2] // width for r in runs), tiles)
+
+
+def _merged_runs(src_starts: Sequence[int], dst_starts: Sequence[int], lengths: Sequence[int]) -> list[list[int]]:
+    """``[src, dst, length]`` runs in destination order, empty ones skipped, adjacent ones merged."""
+    runs: list[list[int]] = []
+    for s, d, n in sorted(zip(src_starts, dst_starts, lengths), key=lambda run: run[1]):
+        if not n:
+            continue
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1][2] += n
+        else:
+            runs.append([s, d, n])
+    return runs
+
+
+#: ``(numels, byte offsets from the first piece's storage start, that storage's bytes)`` of a list of pieces
+PieceKey = tuple[tuple[int, ...], tuple[int, ...], int]
+
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
+
+
+@dataclass(frozen=True, eq=False)
+class PieceCopy:
+    """How to write the concatenation of a list of pieces into a flat buffer with a fixed number of copies.
+
+    Built by :func:`piece_copy` for one structure of pieces (``key``: their numels and where each lies relative to
+    the first piece's storage); reusable for later lists with the same ``key`` (:meth:`matches`). Pieces inside the
+    first piece's storage (``inside``) are read as runs of the block ``[block_start, block_start + block_numel)`` of
+    that storage: with ``rows`` (one ``index_select``, see :class:`RowMap`) or, when their runs are few and long, one
+    copy per run (``runs``: ``(block start, flat start, length)``; one run when the pieces lie in order). Pieces
+    elsewhere (``outside``, e.g. a zero-padding tensor of its own) are copied with one ``_foreach_copy_``.
+    """
+
+    key: PieceKey
+    block_start: int
+    block_numel: int
+    rows: RowMap | None
+    runs: tuple[tuple[int, int, int], ...]
+    outside: tuple[int, ...]
+    flat_starts: tuple[int, ...]
+
+    def copy(self, pieces: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+        """Write ``pieces`` (of this structure: check with :meth:`matches`) into ``flat`` in order."""
+        first = pieces[0]
+        block = first.as_strided((self.block_numel,), (1,), self.block_start) if self.block_numel else None
+        if self.rows is not None:
+            self.rows.copy(block, flat)
+        elif self.runs:
+            torch._foreach_copy_([flat.narrow(0, d, n) for _, d, n in self.runs],
+                                 [block.narrow(0, s, n) for s, _, n in self.runs])
+        if self.outside:
+            torch._foreach_copy_([flat.narrow(0, self.flat_starts[i], pieces[i].numel()) for i in self.outside],
+                                 [pieces[i].reshape(-1) for i in self.outside])
+
+
+def piece_key(pieces: Sequence[torch.Tensor]) -> PieceKey | None:
+    """``(numels, byte offsets from the first piece's storage start, storage bytes)`` of ``pieces``, or ``None``
+    when they cannot be read as runs of memory (a piece not contiguous, or of another dtype or device than the
+    first). A few C-level passes over the list: no tensor operation."""
+    first = pieces[0]
+    if not all(map(torch.Tensor.is_contiguous, pieces)):
+        return None
+    dtype, device = first.dtype, first.device
+    if any(map(dtype.__ne__, map(_DTYPE, pieces))) or any(map(device.__ne__, map(_DEVICE, pieces))):
+        return None
+    storage = first.untyped_storage()
+    base = storage.data_ptr()
+    offsets = tuple(map(base.__rsub__, map(torch.Tensor.data_ptr, pieces)))
+    return tuple(map(torch.Tensor.numel, pieces)), offsets, storage.nbytes()
+
+
+def piece_copy(key: PieceKey, element_size: int, flat_numel: int) -> PieceCopy:
+    """The :class:`PieceCopy` for pieces of ``key`` (from :func:`piece_key`) into a flat buffer of ``flat_numel``
+    elements (their concatenation, zero-padded or not)."""
+    numels, offsets, nbytes = key
+    flat_starts = tuple(itertools.accumulate(numels, initial=0))[:-1]
+    inside, outside = [], []
+    for i, (n, off) in enumerate(zip(numels, offsets)):
+        if not n:
+            continue
+        (inside if off >= 0 and off % element_size == 0 and off + n * element_size <= nbytes else outside).append(i)
+    if not inside:
+        return PieceCopy(key, 0, 0, None, (), tuple(outside), flat_starts)
+    starts = [offsets[i] // element_size for i in inside]
+    lo = min(starts)
+    hi = max(s + numels[i] for s, i in zip(starts, inside))
+    src = [s - lo for s in starts]
+    dst = [flat_starts[i] for i in inside]
+    lengths = [numels[i] for i in inside]
+    rows = row_map(src, dst, lengths, hi - lo, flat_numel, element_size)
+    runs = () if rows is not None else tuple(tuple(r) for r in _merged_runs(src, dst, lengths))
+    return PieceCopy(key, lo, hi - lo, rows, runs, tuple(outside), flat_starts)

@@ -15,7 +15,6 @@ Facts used (``deepspeed/runtime/zero/stage_1_and_2.py``, DeepSpeed 0.19.8; 0.18.
 
 from __future__ import annotations
 
-import operator
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ import torch.distributed as dist
 from ..errors import GradientsNotReadyError
 from ..layout import GradLayout, GroupLayout, Packing, ParamLayout
 from ..plan import plan_for
+from ..rows import PieceCopy, PieceKey, piece_copy, piece_key
 from ..storage import GradStorage
 from ..views import ViewCache
 from ._common import (
@@ -53,32 +53,35 @@ class _FlatViews(list):
 class _FlatSlot:
     """A flat partition this adapter keeps across steps, with the per-parameter views DeepSpeed reads from it.
 
-    ``views`` are shaped like DeepSpeed's own list of pieces (``shapes``); ``rebound`` is the object
+    ``views`` cut the flat tensor like DeepSpeed's own list of pieces (``numels``), as 1-D views: DeepSpeed reads
+    them flat (the step's norm, overflow check and flattening, ``safe_get_full_grad``'s fragment), and comparing
+    numels costs one pass where comparing shapes makes a ``torch.Size`` per piece. ``rebound`` is the object
     ``averaged_gradients[group]`` is rebound to (views + ``flat_partition``), reused every step. The slot is reused
     only when nothing outside its view cache refers to its memory (no user view of the previous step is alive).
     """
 
     cache: ViewCache
     views: tuple[torch.Tensor, ...]
-    shapes: list[torch.Size]
+    numels: tuple[int, ...]
     rebound: Any  # a GradPartitionBufferGroup or _FlatViews
     data_ptr: int
+    copy_plan: PieceCopy | None = None  # how the last pieces lay in memory (reused while they lie the same way)
 
     @property
     def flat(self) -> torch.Tensor:
         return self.cache.buffer
 
-    def fits(self, pieces: Sequence[torch.Tensor], shapes: list[torch.Size]) -> bool:
-        first = pieces[0]
+    def fits(self, first: torch.Tensor, numels: tuple[int, ...]) -> bool:
         return (self.flat.dtype == first.dtype and self.flat.device == first.device
                 and self.flat.data_ptr() == self.data_ptr and self.rebound.flat_partition is self.flat
-                and shapes == self.shapes)
+                and numels == self.numels)
 
 
-def _new_slot(pieces: Sequence[torch.Tensor], shapes: list[torch.Size], numel: int) -> _FlatSlot:
+def _new_slot(pieces: Sequence[torch.Tensor], numels: tuple[int, ...], numel: int) -> _FlatSlot:
     first = pieces[0]
     cache = ViewCache(torch.empty(numel, dtype=first.dtype, device=first.device))
-    views = cache.get("deepspeed", lambda flat: torch._C._nn.unflatten_dense_tensors(flat, list(pieces)))
+    sizes = [*numels, numel - sum(numels)] if sum(numels) < numel else list(numels)
+    views = cache.get("deepspeed", lambda flat: flat.split_with_sizes(sizes)[: len(numels)])
     for view, piece in zip(views, pieces):
         if getattr(piece, "_zero_padding", False):
             view._zero_padding = True
@@ -90,23 +93,23 @@ def _new_slot(pieces: Sequence[torch.Tensor], shapes: list[torch.Size], numel: i
     else:
         rebound = _FlatViews(views)
         rebound.flat_partition = cache.buffer
-    return _FlatSlot(cache, views, shapes, rebound, cache.buffer.data_ptr())
+    return _FlatSlot(cache, views, numels, rebound, cache.buffer.data_ptr())
 
 
-_SHAPE = operator.attrgetter("shape")
 _SLOTS: weakref.WeakKeyDictionary[Any, dict[int, list[_FlatSlot]]] = weakref.WeakKeyDictionary()
 _MAX_SLOTS = 2  # a loop that keeps last step's views until the next call alternates between two
 
 
-def _slot_for(opt: Any, group: int, pieces: Sequence[torch.Tensor]) -> _FlatSlot:
-    """A kept slot that fits ``pieces`` and is idle, else a new one (kept if there is room)."""
-    shapes = list(map(_SHAPE, pieces))
+def _slot_for(opt: Any, group: int, pieces: Sequence[torch.Tensor], numels: tuple[int, ...]) -> _FlatSlot:
+    """A kept slot that fits ``pieces`` (of ``numels`` elements) and is idle, else a new one (kept if there is
+    room)."""
+    first = pieces[0]
     slots = _SLOTS.setdefault(opt, {}).setdefault(group, [])
-    slots[:] = [s for s in slots if s.fits(pieces, shapes)]  # a changed structure (or moved memory) drops a slot
+    slots[:] = [s for s in slots if s.fits(first, numels)]  # a changed structure (or moved memory) drops a slot
     for slot in slots:
         if slot.cache.is_idle():
             return slot
-    slot = _new_slot(pieces, shapes, int(opt.partition_size[group]))
+    slot = _new_slot(pieces, numels, int(opt.partition_size[group]))
     if len(slots) < _MAX_SLOTS:
         slots.append(slot)
     return slot
@@ -115,8 +118,8 @@ def _slot_for(opt: Any, group: int, pieces: Sequence[torch.Tensor]) -> _FlatSlot
 def _contiguous_partition(opt: Any, group: int) -> ViewCache:
     """This rank's partition of group ``group`` as one tensor that the optimizer step reads, with its view cache.
 
-    The compact buffer and the offload buffer already are one tensor. The default list of views is copied (one
-    ``_foreach_copy_``) into a flat tensor kept across steps (:class:`_FlatSlot`), and ``averaged_gradients[group]``
+    The compact buffer and the offload buffer already are one tensor. The default list of views is copied
+    (:func:`_copy_pieces`) into a flat tensor kept across steps (:class:`_FlatSlot`), and ``averaged_gradients[group]``
     is rebound to views of it (a ``GradPartitionBufferGroup`` where DeepSpeed has that class, so its step reads the
     flat tensor without flattening again).
     """
@@ -134,10 +137,26 @@ def _contiguous_partition(opt: Any, group: int) -> ViewCache:
             if slot.rebound is pieces:  # rebound by an earlier call of this step
                 return slot.cache
         return ViewCache(flat.view(-1))  # DeepSpeed's compact buffer: new memory every step
-    slot = _slot_for(opt, group, pieces)
-    torch._foreach_copy_(list(slot.views), list(pieces))
+    key = piece_key(pieces)
+    numels = key[0] if key is not None else tuple(map(torch.Tensor.numel, pieces))
+    slot = _slot_for(opt, group, pieces, numels)
+    _copy_pieces(slot, pieces, key)
     opt.averaged_gradients[group] = slot.rebound
     return slot.cache
+
+
+def _copy_pieces(slot: _FlatSlot, pieces: Sequence[torch.Tensor], key: PieceKey | None) -> None:
+    """DeepSpeed's pieces into the slot's flat tensor. DeepSpeed's views of one reduced buffer (ZeRO-1: in order;
+    ZeRO-2: in the order gradients arrived) are copied as runs of that buffer, a fixed number of copies whatever the
+    number of pieces (:class:`~zero_dtensor.rows.PieceCopy`, its plan kept while the pieces lie the same way);
+    pieces that are not runs of memory (``key`` None) with one ``_foreach_copy_``."""
+    if key is None:
+        torch._foreach_copy_(list(slot.views), [p.reshape(-1) for p in pieces])
+        return
+    plan = slot.copy_plan
+    if plan is None or plan.key != key:
+        plan = slot.copy_plan = piece_copy(key, slot.flat.element_size(), slot.flat.numel())
+    plan.copy(pieces, slot.flat)
 
 
 def _offload_consumed(opt: Any, partitions: tuple[torch.Tensor, ...]) -> bool:

@@ -12,11 +12,12 @@ For each ``K`` a model of ``K`` tensors is built from ``Linear(32, 32)`` layers 
 - the floor: one bare ``all_gather_into_tensor`` of the padded flat partitions (copies of them) into a preallocated
   buffer.
 
-Every row: ``--repeat`` repetitions after one warm-up, each starting at a barrier and each right after one timed
-repetition of the floor; a repetition's time is the slowest rank's; the row's time is the median. ``÷ floor`` is
-that median over the median of the floor repetitions interleaved with it (a shared machine's speed drifts within a
-run: a floor measured once, minutes away from a row, moved ratios by 2x), ``µs/tensor`` is ``(t - floor) / K``: the
-cost per tensor above the wire time; the floor row shows every floor repetition of the run. Collectives are counted in one untimed call under
+Every row: ``--repeat`` repetitions of the floor, then one warm-up and ``--repeat`` repetitions of the call, back to
+back (as a training loop makes the call, on gradients or values it has just computed), each starting at a barrier;
+a repetition's time is the slowest rank's; the row's time is the median. ``÷ floor`` is that median over the median
+of the floor repetitions timed just before it (a shared machine's speed drifts within a run: a floor measured once,
+minutes away from a row, moved ratios by 2x), ``µs/tensor`` is ``(t - floor) / K``: the cost per tensor above the
+wire time; the floor row shows every floor repetition of the run. Collectives are counted in one untimed call under
 ``CommDebugMode``. The layers are applied side by side (``sum(layer(x))``), not stacked, so that every gradient
 is of the same magnitude (no vanishing into denormals, which would slow the CPU arithmetic of deep layers).
 """
@@ -153,13 +154,15 @@ def _sweep_stage(args: argparse.Namespace, stage: int, tensors: int, progress: C
 
     def repetitions(fn: Callable[[], Any], before: Callable[[], Any] | None = None
                     ) -> tuple[list[float], list[float]]:
-        """``--repeat`` timed calls of ``fn``, each after ``before()`` (untimed) and one timed floor."""
-        times, floors = [], []
+        """``--repeat`` timed floors, then ``--repeat`` timed calls of ``fn``, each after ``before()`` (untimed);
+        without ``before``, one untimed call of ``fn`` between the two (a warm-up)."""
+        floors = [timed(floor) for _ in range(args.repeat)] if floor is not None else []
+        if before is None:
+            fn()
+        times = []
         for _ in range(args.repeat):
             if before is not None:
                 before()
-            if floor is not None:
-                floors.append(timed(floor))
             times.append(timed(fn))
         return times, floors
 
@@ -180,7 +183,7 @@ def _sweep_stage(args: argparse.Namespace, stage: int, tensors: int, progress: C
 
     def measure(name: str, fn: Callable[[], Any]) -> None:
         progress(f"ZeRO-{stage}, {tensors} tensors: {name}")
-        fn()  # warm-up (also calibrates strategy="auto" on gloo)
+        fn()  # the first call also calibrates strategy="auto" on gloo: not counted
         with CommDebugMode() as comm:
             fn()
         record(name, *repetitions(fn), int(comm.get_total_counts()))
@@ -277,8 +280,7 @@ def render(results: dict[str, Any], console: Any = None) -> None:
         console.print(table)
     console.print(
         "[dim]Median over --repeat repetitions (after one warm-up) of the slowest rank. ÷ floor: row median / median "
-        "of a bare all_gather_into_tensor of the same padded flat partitions timed right before each of the row's "
-        "repetitions. µs/tensor: (row - its floor) / K. "
+        "of a bare all_gather_into_tensor of the same padded flat partitions, --repeat times just before the row. µs/tensor: (row - its floor) / K. "
         "first sharded_grads: a fresh backward before every repetition, only the call timed. CPU timings on a "
         "shared machine are noisy.[/dim]"
     )

@@ -10,7 +10,6 @@ explicitly: :mod:`~zero_dtensor.materialize` (full tensors), :mod:`~zero_dtensor
 from __future__ import annotations
 
 import numbers
-import operator
 from collections.abc import Callable, Iterator, Mapping
 from functools import cached_property
 from typing import Any
@@ -311,7 +310,8 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         """Overwrite the gradients of the named parameters with full tensors. **No communication**.
 
         Each rank copies its own fragment of each value (rescaled by ``loss_scale`` under fp16) into DeepSpeed's
-        storage: one ``_foreach_copy_`` per flat group. Values must be equal on every rank (for replicated groups
+        storage: per flat group, small values staged with one ``cat`` per trailing shape and moved with one row
+        copy, large ones with one ``_foreach_copy_`` (see :mod:`zero_dtensor.writes`). Values must be equal on every rank (for replicated groups
         each rank writes the whole value). Everything is validated before the first write: a bad entry raises and
         nothing is changed. Values may be any floating dtype (cast on write), on the engine's device or where the
         gradient is stored; writes never record autograd history.

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .layout import ParamLayout
-from .plan import GroupPlan
+from .plan import GradPlan, GroupPlan
 from .rows import RowMap, row_map
 from .state import GradState, short_names
 
@@ -42,7 +43,6 @@ __all__ = ["CheckedValues", "set_full_", "validate_full"]
 
 _SHAPE = operator.attrgetter("shape")
 _NAME = operator.attrgetter("name")
-_GROUP = operator.attrgetter("group")
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
 _NUMEL = operator.attrgetter("numel")
@@ -50,48 +50,101 @@ _NUMEL = operator.attrgetter("numel")
 
 @dataclass(frozen=True)
 class CheckedValues:
-    """``mapping``'s entries in its order: parameters, values, names, the values' dtypes. Checked: every type,
-    ``numel`` and dtype, the first value's device; a value's exact shape and the other devices are checked by the
-    write that uses them, before anything is written (:func:`set_full_`)."""
+    """``mapping``'s entries in its order: the request (its names and parameters), the values, the values' dtypes.
+    Checked: every type, ``numel`` and dtype, the first value's device; a value's exact shape and the other devices
+    are checked by the write that uses them, before anything is written (:func:`set_full_`)."""
 
-    params: list[ParamLayout]
+    request: _Request
     values: list[torch.Tensor]
-    names: list[str]
     dtypes: frozenset[torch.dtype]
     devices: frozenset[torch.device]  # where values may be: the engine's device, where the gradient is stored
+
+    @property
+    def names(self) -> list[str]:
+        return self.request.names
+
+    @property
+    def params(self) -> list[ParamLayout]:
+        return self.request.params
 
 
 def validate_full(state: GradState, mapping: Mapping[str, torch.Tensor]) -> CheckedValues:
     """The entries of ``mapping`` (see ``ShardedGrads.set_full_``), checked with three C-level passes over the
-    values (type, ``numel``, dtype); the per-entry check runs only to name the first bad entry."""
+    values (type, ``numel``, dtype; the names' parameters come from the last request's when the names are the same);
+    the per-entry check runs only to name the first bad entry."""
     if not isinstance(mapping, Mapping):
         raise TypeError(f"set_full_ takes a mapping name -> full gradient tensor, got {type(mapping).__name__}")
     storage = state.storage
     devices = frozenset({storage.device, *(p.device for p in storage.partitions)})
-    by_name = state.layout.by_name
     names, values = list(mapping.keys()), list(mapping.values())
-    try:
-        params = list(map(by_name.get, names))
-    except TypeError:  # an unhashable key: named by the per-entry check
-        params = [None] * len(names)
-    if (all(map(operator.is_not, params, repeat(None)))
+    request = _request(state, names)
+    if (request is not None
             and all(map(operator.is_, map(type, values), repeat(torch.Tensor)))
-            and _numels_match(values, params)
+            and list(map(torch.Tensor.numel, values)) == request.numels
+            and (not request.empty or all(v.shape == p.shape for v, p in zip(values, request.params) if not p.numel))
             and (not values or values[0].device in devices)):
         dtypes = frozenset(map(_DTYPE, values))
         if all(d.is_floating_point for d in dtypes):
-            return CheckedValues(params, values, names, dtypes, devices)  # type: ignore[arg-type]
+            return CheckedValues(request, values, dtypes, devices)
     _name_bad_entry(state, names, values, devices)
     raise AssertionError("not reached: _name_bad_entry raised")
 
 
-def _numels_match(values: list[torch.Tensor], params: list[ParamLayout]) -> bool:
-    """Every value has its parameter's ``numel``; empty parameters' values also its shape (staging's ``cat``
-    skips empty 1-D values, so it would not check theirs)."""
+@dataclass(frozen=True, eq=False)
+class _Request:
+    """The parameters a ``set_full_`` request names, in its order, and how they fall into flat groups: made once
+    per plan and set of names (a training loop sends the same names every step), so that a request of 10,000
+    values costs no pass over parameter records. ``groups``: per flat group its index, its parameters, their
+    names and the request positions (``None``: all of them, in order)."""
+
+    names: list[str]
+    params: list[ParamLayout]
+    numels: list[int]
+    empty: bool  # some parameter has no elements (staging's ``cat`` skips empty 1-D values: their shape is checked)
+    groups: tuple[tuple[int, list[ParamLayout], tuple[str, ...], Callable[[list[Any]], Any] | None], ...]
+
+    def grouped(self, values: list[torch.Tensor]) -> list[tuple[int, list[ParamLayout], tuple[str, ...],
+                                                               list[torch.Tensor]]]:
+        """``(group, params, names, values)`` per flat group."""
+        out = []
+        for g, params, names, pick in self.groups:
+            if pick is None:
+                mine = values
+            else:
+                picked = pick(values)
+                mine = list(picked) if isinstance(picked, tuple) else [picked]
+            out.append((g, params, names, mine))
+        return out
+
+
+_REQUESTS: weakref.WeakKeyDictionary[GradPlan, _Request] = weakref.WeakKeyDictionary()
+
+
+def _request(state: GradState, names: list[Any]) -> _Request | None:
+    """The :class:`_Request` of ``names`` (the last one of this plan when the names are the same), ``None`` when a
+    name is not a parameter (or not hashable)."""
+    plan = state.plan
+    found = _REQUESTS.get(plan)
+    if found is not None and found.names == names:
+        return found
+    try:
+        params = list(map(state.layout.by_name.get, names))
+    except TypeError:  # an unhashable key: named by the per-entry check
+        return None
+    if not all(map(operator.is_not, params, repeat(None))):
+        return None
+    members: dict[int, list[int]] = {}
+    for i, p in enumerate(params):
+        members.setdefault(p.group, []).append(i)
+    groups = []
+    for g, idx in members.items():
+        whole = len(members) == 1
+        groups.append((g, params if whole else [params[i] for i in idx],
+                       tuple(names) if whole else tuple(names[i] for i in idx),
+                       None if whole else operator.itemgetter(*idx)))
     numels = list(map(_NUMEL, params))
-    if list(map(torch.Tensor.numel, values)) != numels:
-        return False
-    return 0 not in numels or all(v.shape == p.shape for v, p in zip(values, params) if not p.numel)
+    found = _REQUESTS[plan] = _Request(list(names), params, numels, 0 in numels, tuple(groups))
+    return found
 
 
 def _name_bad_entry(state: GradState, names: list[Any], values: list[Any], devices: frozenset[torch.device]) -> None:
@@ -124,22 +177,12 @@ def _check_entry(state: GradState, name: object, value: object, devices: frozens
 def set_full_(state: GradState, checked: CheckedValues) -> None:
     """Write validated values (true units) into this rank's fragments: every group's values staged (or, for the
     per-parameter path, their shapes and devices checked) first, then every group written."""
-    params, values = checked.params, checked.values
-    groups = set(map(_GROUP, params))
-    if len(groups) == 1:
-        grouped = {groups.pop(): (params, values)}
-    else:
-        grouped = {}
-        for p, v in zip(params, values):
-            mine = grouped.setdefault(p.group, ([], []))
-            mine[0].append(p)
-            mine[1].append(v)
     with torch.no_grad():  # a value that requires grad must not give DeepSpeed's memory an autograd history
         staged: list[tuple[_RowWrite, torch.Tensor]] = []
         direct: list[tuple[GroupPlan, list[ParamLayout], list[torch.Tensor]]] = []
-        for g, (ps, vs) in grouped.items():
+        for g, ps, names, vs in checked.request.grouped(checked.values):
             plan = state.plan.groups[g]
-            write = _row_write(plan, tuple(map(_NAME, ps))) if len(vs) > 1 else None
+            write = _row_write(plan, names) if len(vs) > 1 else None
             buffer = write.stage(vs, checked.dtypes) if write is not None else None
             if write is not None and buffer is not None:
                 staged.append((write, buffer))

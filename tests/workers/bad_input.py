@@ -81,7 +81,22 @@ def bad_writes(case: EngineCase) -> int:
     assert not _same_bytes(before, deepspeed_storage(engine))
     for name in names:
         assert torch.equal(grads[name].full_tensor(dtype=torch.float32), good[name].to(grads[name].dtype).float())
-    return len(cases)
+    # the same names again: their parameters now come from the kept request, and bad values still raise on every
+    # rank before anything is written (a wrong numel, a same-numel wrong shape, an integer dtype)
+    written = deepspeed_storage(engine)
+    bad_values = [torch.zeros(shape[0] + 1, *shape[1:]), good[last].reshape(-1, 1),
+                  torch.zeros(shape, dtype=torch.int64)]
+    for bad in bad_values:
+        with pytest.raises((ValueError, TypeError), match=repr(last)):
+            grads.set_full_({**good, last: bad})
+        assert _same_bytes(written, deepspeed_storage(engine)), f"storage changed by a rejected write: {bad.shape}"
+    # the same names in another order are another request: every value still lands on its parameter
+    doubled = {n: good[n] * 2 for n in reversed(names)}
+    grads.set_full_(doubled)
+    for name in names:
+        assert torch.equal(grads[name].full_tensor(dtype=torch.float32),
+                           doubled[name].to(grads[name].dtype).float()), name
+    return len(cases) + len(bad_values)
 
 
 def disagreeing_collectives(stage: int) -> list[str]:

@@ -259,8 +259,7 @@ def stats(state: GradState, sel: Selection) -> ParamStatsMap[GradStats]:
     scale = state.loss_scale
     host = torch.cat([sums, maxes.to(torch.float64).unsqueeze(1)], dim=1).cpu()
     sumsq, total, nans, infs, top = host.unbind(1)
-    numels = [p.numel for p in sel.params]
-    counts = torch.tensor(numels, dtype=torch.float64)
+    numels, counts = sel.numels()
     norm = list(map(math.sqrt, sumsq.tolist()))  # correctly rounded (torch's vectorized sqrt may be 1 ulp off)
     if scale != 1.0:
         norm = [x / scale for x in norm]

@@ -37,17 +37,19 @@ def short_names(names: tuple[str, ...] | list[str], limit: int = 8) -> str:
 
 
 _NAME = operator.attrgetter("name")
+_NUMEL = operator.attrgetter("numel")
 
 
 class Selection:
     """Selected parameters, grouped: per flat group, the indices (buffer order) into its :class:`GroupPlan`."""
 
-    __slots__ = ("params", "by_group", "_names")
+    __slots__ = ("params", "by_group", "_names", "_numels")
 
     def __init__(self, params: list[ParamLayout], by_group: dict[int, list[int]]) -> None:
         self.params = params  # in the order results are returned
         self.by_group = by_group
         self._names: tuple[str, ...] | None = None
+        self._numels: tuple[list[int], torch.Tensor] | None = None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -55,6 +57,15 @@ class Selection:
         if self._names is None:
             self._names = tuple(map(_NAME, self.params))
         return self._names
+
+    def numels(self) -> tuple[list[int], torch.Tensor]:
+        """The selected parameters' element counts, in result order, as a list and as a float64 CPU tensor (made
+        once per selection; the selection of every parameter is kept across steps). Callers must not modify
+        them."""
+        if self._numels is None:
+            counts = list(map(_NUMEL, self.params))
+            self._numels = counts, torch.tensor(counts, dtype=torch.float64)
+        return self._numels
 
     def whole(self, plan: GroupPlan) -> bool:
         """Whether every parameter of the group is selected."""

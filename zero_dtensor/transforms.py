@@ -141,7 +141,7 @@ def run(state: GradState, sel: Selection, whole_op: Callable[[torch.Tensor, Any]
             foreach_op(frags, _as_list(values, frags[0].device))
         else:
             foreach_op(frags, operand)
-    state.storage.after_write([p.name for p in sel.params])
+    state.storage.after_write(sel.names)
 
 
 def _other_fragments(other: GradState, g: int, frags_like: list[torch.Tensor],
@@ -190,7 +190,7 @@ def _with_other(state: GradState, other: GradState, sel: Selection,
             else:
                 flat_op(flat, flat_other, operand)
             torch._foreach_copy_(frags, flat.split_with_sizes([plan.frag_len[k] for k in keep]))
-        state.storage.after_write([p.name for p in sel.params])
+        state.storage.after_write(sel.names)
 
 
 # --- the transforms --------------------------------------------------------------------------------------------------
@@ -330,7 +330,7 @@ def apply_(state: GradState, sel: Selection, fn: Callable[[torch.Tensor], torch.
             frags = state.fragments_of(g, keep)
             result = call(torch.cat(frags))
             torch._foreach_copy_(frags, result.split_with_sizes([plan.frag_len[k] for k in keep]))
-        storage.after_write([p.name for p in sel.params])
+        storage.after_write(sel.names)
 
 
 def add_noise_(state: GradState, sel: Selection, std: float | torch.Tensor, seed: int) -> None:
@@ -360,7 +360,7 @@ def add_noise_(state: GradState, sel: Selection, std: float | torch.Tensor, seed
                 torch._foreach_add_(frags, noise.split_with_sizes(lengths))
             else:  # as x.add_(noise, alpha=std·scale) on each fragment: one fused multiply-add per element
                 torch._foreach_add_(frags, noise.split_with_sizes(lengths), alpha=std * scale)
-        state.storage.after_write([p.name for p in sel.params])
+        state.storage.after_write(sel.names)
 
 
 def _always_current() -> bool:

@@ -220,3 +220,31 @@ def test_piece_plans_by_rows_runs_and_pieces() -> None:
         assert torch.equal(flat, torch.cat([p.reshape(-1) for p in pieces]))
     assert piece_key([block.view(50, 96).t()]) is None  # not contiguous
     assert piece_key([block[:4], block.double()[:4]]) is None  # another dtype
+
+
+def test_staging_scratch_is_kept_while_free() -> None:
+    """``set_full_``'s staging buffer (``BufferPool.scratch``): the kept buffer comes back once nothing holds it,
+    a held one is never handed out again, a larger request replaces it, ``release`` frees it."""
+    from zero_dtensor.materialize.buffers import BufferPool
+
+    pool = BufferPool()
+    cpu = torch.device("cpu")
+    first = pool.scratch(("k",), 100, torch.float32, cpu)
+    ptr = first.data_ptr()
+    held = first
+    del first
+    again = pool.scratch(("k",), 100, torch.float32, cpu)
+    assert again.data_ptr() != ptr, "a buffer still held must not be handed out"
+    del held, again
+    smaller = pool.scratch(("k",), 60, torch.float32, cpu)  # the kept one (the second), a view of its start
+    assert smaller.numel() == 60 and smaller.untyped_storage().nbytes() >= 100 * 4
+    kept_ptr = smaller.data_ptr()
+    del smaller
+    assert pool.scratch(("k",), 80, torch.float32, cpu).data_ptr() == kept_ptr
+    assert pool.scratch(("k",), 80, torch.float64, cpu).dtype == torch.float64  # another dtype: another buffer
+    larger = pool.scratch(("k",), 500, torch.float32, cpu)
+    assert larger.numel() == 500
+    del larger
+    assert pool.scratch(("k",), 500, torch.float32, cpu).numel() == 500
+    pool.release()
+    assert not pool._scratch

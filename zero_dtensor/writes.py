@@ -13,7 +13,8 @@ values stacked), so reading 10,000 separate tensors costs a C++ loop of memcpys,
 fragment this rank holds moves from the staging buffer into the partition with one row copy
 (:mod:`zero_dtensor.rows`: one ``index_select``, plus an ``index_copy_`` for a subset), casting to the stored dtype.
 Under fp16 loss scaling the staged values are scaled in float32 first (one multiply: bit-identical to scaling each
-value alone). Staging copies every value, ``N`` times the bytes a rank keeps, so it serves requests of small
+value alone). The staging buffer is kept between calls (``zero_dtensor.materialize.release_workspace()`` frees
+it). Staging copies every value, ``N`` times the bytes a rank keeps, so it serves requests of small
 parameters (under :data:`STAGE_BELOW` elements on average), where a dispatch per parameter costs more than the
 bytes. Otherwise (large parameters, rows too narrow, values on several devices, over :data:`MAX_SHAPE_CLASSES`
 trailing shapes) one ``_foreach_copy_`` copies each value into a cached view of its
@@ -35,6 +36,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .layout import ParamLayout
+from .materialize.buffers import BUFFERS
 from .plan import GradPlan, GroupPlan
 from .rows import RowMap, row_map
 from .state import GradState, short_names
@@ -232,7 +234,8 @@ class _RowWrite:
         block's. ``None`` when a value does not fit (a wrong shape, or values on several devices): the caller
         checks each entry then."""
         dtype = functools.reduce(torch.promote_types, dtypes)
-        staged = torch.empty(self.numel, dtype=dtype, device=values[0].device)
+        device = values[0].device
+        staged = BUFFERS.scratch(("set_full_ staging", device, dtype), self.numel, dtype, device)
         try:
             for block in self.blocks:
                 picked = block.pick(values)

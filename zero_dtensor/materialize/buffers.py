@@ -11,7 +11,8 @@ call allocates only twice; a live result is never overwritten. A recycled buffer
 per-parameter views cut from it (:class:`~zero_dtensor.views.ViewCache`), so a later result hands out the same
 view objects (made once, not every call): the buffer counts as free only when no result, no view of it and none
 of those view objects is referred to from outside the pool. ``BUFFERS.recycle = False``
-turns this off; :func:`release_workspace` frees what is kept.
+turns this off; :func:`release_workspace` frees what is kept. ``set_full_`` stages small values in one kept
+scratch buffer per device and dtype (:meth:`BufferPool.scratch`), freed the same way.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class BufferPool:
         self.slots = 2
         self._by_storage: dict[int, ViewCache] = {}
         self.workspace: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._scratch: dict[tuple[Any, ...], ViewCache] = {}
 
     def alloc(self, numel: int, dtype: torch.dtype, device: torch.device, *, zero: bool = False) -> torch.Tensor:
         nbytes = int(numel) * torch.empty((), dtype=dtype).element_size()
@@ -105,6 +107,19 @@ class BufferPool:
                     return cache
         return None
 
+    def scratch(self, key: tuple[Any, ...], numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A kept 1-D buffer of ``numel`` elements for use within one call (``set_full_``'s staging): the buffer
+        kept under ``key`` when nothing else refers to it and it is large enough, else a new one, kept instead. On
+        the CPU a new buffer of tens of MiB costs more in page faults than the copy into it. Kept with the
+        workspace: :func:`release_workspace` frees it."""
+        kept = self._scratch.get(key)
+        if kept is not None and kept.buffer.numel() >= numel and kept.buffer.dtype == dtype and kept.is_idle():
+            return kept.buffer.narrow(0, 0, numel)
+        buf = self.alloc(numel, dtype, device)
+        if self.recycle:
+            self._scratch[key] = ViewCache(buf)
+        return buf.view(-1)  # a view: while the caller holds it, the kept buffer is not idle
+
     def view_cache(self, t: torch.Tensor) -> ViewCache | None:
         """The view cache of the recycled buffer ``t`` is a view of (its per-parameter cuts are made once), or None
         for memory the pool does not keep (cutting it anew is the only safe choice)."""
@@ -120,6 +135,7 @@ class BufferPool:
 
     def release(self) -> None:
         self.workspace.clear()
+        self._scratch.clear()
         self._recycled.clear()
         self._by_storage.clear()
 
@@ -128,8 +144,9 @@ BUFFERS = BufferPool()
 
 
 def release_workspace() -> None:
-    """Free the buffers kept between calls: the gather buffers of ``out=`` calls with user-made dicts and the
-    recycled buffers of calls without ``out=``. Live results stay valid. No communication."""
+    """Free the buffers kept between calls: the gather buffers of ``out=`` calls with user-made dicts, the
+    recycled buffers of calls without ``out=`` and ``set_full_``'s staging buffer. Live results stay valid. No
+    communication."""
     BUFFERS.release()
 
 

@@ -198,6 +198,7 @@ def test_piece_copy_equals_cat(case) -> None:
     key = piece_key(pieces)
     assert key is not None
     plan = piece_copy(key, flat.element_size(), flat.numel())
+    assert plan is not None  # at most 2 pieces of their own, at most 10 runs
     plan.copy(pieces, flat)
     assert torch.equal(flat[: expected.numel()], expected)
     assert flat[expected.numel():].isnan().all(), "nothing past the pieces is written"
@@ -220,6 +221,18 @@ def test_piece_plans_by_rows_runs_and_pieces() -> None:
         assert torch.equal(flat, torch.cat([p.reshape(-1) for p in pieces]))
     assert piece_key([block.view(50, 96).t()]) is None  # not contiguous
     assert piece_key([block[:4], block.double()[:4]]) is None  # another dtype
+    # more than FEW_COPIES extra copies: no plan, the caller copies piece by piece
+    separate = [torch.randn(8) for _ in range(rows_mod.FEW_COPIES + 2)]  # contiguous_gradients: false
+    assert piece_copy(piece_key(separate), 4, 8 * len(separate)) is None
+    odd = torch.randn(7 * 40)
+    backwards = [odd.narrow(0, 7 * i, 7) for i in reversed(range(40))]  # rows of 7 elements: too narrow
+    assert piece_copy(piece_key(backwards), 4, odd.numel()) is None
+    few = backwards[:rows_mod.FEW_COPIES]
+    plan = piece_copy(piece_key(few), 4, 7 * len(few))
+    assert plan is not None and plan.rows is None and len(plan.runs) == len(few)
+    flat = torch.empty(7 * len(few))
+    plan.copy(few, flat)
+    assert torch.equal(flat, torch.cat(few))
 
 
 def test_staging_scratch_is_kept_while_free() -> None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["LONG_RUN", "MIN_ROW_BYTES", "PieceCopy", "PieceKey", "RowMap", "piece_copy", "piece_key", "row_map"]
+__all__ = ["FEW_COPIES", "LONG_RUN", "MIN_ROW_BYTES", "PieceCopy", "PieceKey", "RowMap", "piece_copy", "piece_key", "row_map"]
 
 #: rows narrower than this many bytes are declined: their int64 indices would cost over a quarter of the data
 MIN_ROW_BYTES = 32
@@ -132,16 +132,22 @@ _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
 
 
+#: a :class:`PieceCopy` takes at most this many extra copies (runs copied one by one, pieces outside the block);
+#: beyond it the caller copies piece by piece
+FEW_COPIES = 16
+
+
 @dataclass(frozen=True, eq=False)
 class PieceCopy:
     """How to write the concatenation of a list of pieces into a flat buffer with a fixed number of copies.
 
-    Built by :func:`piece_copy` for one structure of pieces (``key``: their numels and where each lies relative to
-    the first piece's storage); reusable for later lists with the same ``key`` (:meth:`matches`). Pieces inside the
-    first piece's storage (``inside``) are read as runs of the block ``[block_start, block_start + block_numel)`` of
-    that storage: with ``rows`` (one ``index_select``, see :class:`RowMap`) or, when their runs are few and long, one
-    copy per run (``runs``: ``(block start, flat start, length)``; one run when the pieces lie in order). Pieces
-    elsewhere (``outside``, e.g. a zero-padding tensor of its own) are copied with one ``_foreach_copy_``.
+    Built by :func:`piece_copy` for one structure of pieces (``key``, from :func:`piece_key`: their numels and where
+    each lies relative to the first piece's storage); a later list whose :func:`piece_key` equals ``key`` lies the
+    same way and reuses it. Pieces inside the first piece's storage are read as runs of the block
+    ``[block_start, block_start + block_numel)`` of that storage: with ``rows`` (one ``index_select``, see
+    :class:`RowMap`) or, when they make at most :data:`FEW_COPIES` runs, one copy per run (``runs``: ``(block start,
+    flat start, length)``; one run when the pieces lie in order). At most :data:`FEW_COPIES` pieces elsewhere
+    (``outside``, e.g. a zero-padding tensor of its own) are copied with one ``_foreach_copy_``.
     """
 
     key: PieceKey
@@ -149,11 +155,10 @@ class PieceCopy:
     block_numel: int
     rows: RowMap | None
     runs: tuple[tuple[int, int, int], ...]
-    outside: tuple[int, ...]
-    flat_starts: tuple[int, ...]
+    outside: tuple[tuple[int, int], ...]  # (piece index, flat start)
 
     def copy(self, pieces: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
-        """Write ``pieces`` (of this structure: check with :meth:`matches`) into ``flat`` in order."""
+        """Write ``pieces`` (whose :func:`piece_key` is ``key``) into ``flat``, in order."""
         first = pieces[0]
         block = first.as_strided((self.block_numel,), (1,), self.block_start) if self.block_numel else None
         if self.rows is not None:
@@ -162,8 +167,8 @@ class PieceCopy:
             torch._foreach_copy_([flat.narrow(0, d, n) for _, d, n in self.runs],
                                  [block.narrow(0, s, n) for s, _, n in self.runs])
         if self.outside:
-            torch._foreach_copy_([flat.narrow(0, self.flat_starts[i], pieces[i].numel()) for i in self.outside],
-                                 [pieces[i].reshape(-1) for i in self.outside])
+            torch._foreach_copy_([flat.narrow(0, at, pieces[i].numel()) for i, at in self.outside],
+                                 [pieces[i].reshape(-1) for i, _ in self.outside])
 
 
 def piece_key(pieces: Sequence[torch.Tensor]) -> PieceKey | None:
@@ -182,18 +187,25 @@ def piece_key(pieces: Sequence[torch.Tensor]) -> PieceKey | None:
     return tuple(map(torch.Tensor.numel, pieces)), offsets, storage.nbytes()
 
 
-def piece_copy(key: PieceKey, element_size: int, flat_numel: int) -> PieceCopy:
+def piece_copy(key: PieceKey, element_size: int, flat_numel: int) -> PieceCopy | None:
     """The :class:`PieceCopy` for pieces of ``key`` (from :func:`piece_key`) into a flat buffer of ``flat_numel``
-    elements (their concatenation, zero-padded or not)."""
+    elements (their concatenation, zero-padded or not), or ``None`` when it would take more than
+    :data:`FEW_COPIES` extra copies (pieces of their own, short runs of a block too narrow for rows): the caller
+    copies piece by piece then."""
     numels, offsets, nbytes = key
-    flat_starts = tuple(itertools.accumulate(numels, initial=0))[:-1]
+    flat_starts = list(itertools.accumulate(numels, initial=0))
     inside, outside = [], []
     for i, (n, off) in enumerate(zip(numels, offsets)):
         if not n:
             continue
-        (inside if off >= 0 and off % element_size == 0 and off + n * element_size <= nbytes else outside).append(i)
+        if off >= 0 and off % element_size == 0 and off + n * element_size <= nbytes:
+            inside.append(i)
+        else:
+            outside.append((i, flat_starts[i]))
+    if len(outside) > FEW_COPIES:
+        return None
     if not inside:
-        return PieceCopy(key, 0, 0, None, (), tuple(outside), flat_starts)
+        return PieceCopy(key, 0, 0, None, (), tuple(outside))
     starts = [offsets[i] // element_size for i in inside]
     lo = min(starts)
     hi = max(s + numels[i] for s, i in zip(starts, inside))
@@ -202,4 +214,6 @@ def piece_copy(key: PieceKey, element_size: int, flat_numel: int) -> PieceCopy:
     lengths = [numels[i] for i in inside]
     rows = row_map(src, dst, lengths, hi - lo, flat_numel, element_size)
     runs = () if rows is not None else tuple(tuple(r) for r in _merged_runs(src, dst, lengths))
-    return PieceCopy(key, lo, hi - lo, rows, runs, tuple(outside), flat_starts)
+    if len(runs) > FEW_COPIES:
+        return None
+    return PieceCopy(key, lo, hi - lo, rows, runs, tuple(outside))

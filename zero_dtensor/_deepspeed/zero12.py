@@ -15,6 +15,7 @@ Facts used (``deepspeed/runtime/zero/stage_1_and_2.py``, DeepSpeed 0.19.8; 0.18.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -65,7 +66,8 @@ class _FlatSlot:
     numels: tuple[int, ...]
     rebound: Any  # a GradPartitionBufferGroup or _FlatViews
     data_ptr: int
-    copy_plan: PieceCopy | None = None  # how the last pieces lay in memory (reused while they lie the same way)
+    #: how the last pieces lay in memory (their key and plan; ``None``: piece by piece), reused while they lie the same way
+    copy_plan: tuple[PieceKey, PieceCopy | None] | None = None
 
     @property
     def flat(self) -> torch.Tensor:
@@ -96,6 +98,7 @@ def _new_slot(pieces: Sequence[torch.Tensor], numels: tuple[int, ...], numel: in
     return _FlatSlot(cache, views, numels, rebound, cache.buffer.data_ptr())
 
 
+_SHAPE = operator.attrgetter("shape")
 _SLOTS: weakref.WeakKeyDictionary[Any, dict[int, list[_FlatSlot]]] = weakref.WeakKeyDictionary()
 _MAX_SLOTS = 2  # a loop that keeps last step's views until the next call alternates between two
 
@@ -149,14 +152,20 @@ def _copy_pieces(slot: _FlatSlot, pieces: Sequence[torch.Tensor], key: PieceKey 
     """DeepSpeed's pieces into the slot's flat tensor. DeepSpeed's views of one reduced buffer (ZeRO-1: in order;
     ZeRO-2: in the order gradients arrived) are copied as runs of that buffer, a fixed number of copies whatever the
     number of pieces (:class:`~zero_dtensor.rows.PieceCopy`, its plan kept while the pieces lie the same way);
-    pieces that are not runs of memory (``key`` None) with one ``_foreach_copy_``."""
-    if key is None:
-        torch._foreach_copy_(list(slot.views), [p.reshape(-1) for p in pieces])
+    anything else (separate tensors: ``contiguous_gradients: false``) with one ``_foreach_copy_`` into views shaped
+    like the pieces (cut once per structure)."""
+    plan = None
+    if key is not None:
+        if slot.copy_plan is None or slot.copy_plan[0] != key:
+            slot.copy_plan = (key, piece_copy(key, slot.flat.element_size(), slot.flat.numel()))
+        plan = slot.copy_plan[1]
+    if plan is not None:
+        plan.copy(pieces, slot.flat)
         return
-    plan = slot.copy_plan
-    if plan is None or plan.key != key:
-        plan = slot.copy_plan = piece_copy(key, slot.flat.element_size(), slot.flat.numel())
-    plan.copy(pieces, slot.flat)
+    shapes = tuple(map(_SHAPE, pieces))
+    shaped = slot.cache.get(("shaped", shapes),
+                            lambda flat: torch._C._nn.unflatten_dense_tensors(flat, list(pieces)))
+    torch._foreach_copy_(list(shaped), list(pieces))
 
 
 def _offload_consumed(opt: Any, partitions: tuple[torch.Tensor, ...]) -> bool:

@@ -13,8 +13,8 @@ values stacked), so reading 10,000 separate tensors costs a C++ loop of memcpys,
 fragment this rank holds moves from the staging buffer into the partition with one row copy
 (:mod:`zero_dtensor.rows`: one ``index_select``, plus an ``index_copy_`` for a subset), casting to the stored dtype.
 Under fp16 loss scaling the staged values are scaled in float32 first (one multiply: bit-identical to scaling each
-value alone). The staging buffer is kept between calls (``zero_dtensor.materialize.release_workspace()`` frees
-it). Staging copies every value, ``N`` times the bytes a rank keeps, so it serves requests of small
+value alone). The staging buffers (one per flat group) are kept between calls
+(``zero_dtensor.materialize.release_workspace()`` frees them). Staging copies every value, ``N`` times the bytes a rank keeps, so it serves requests of small
 parameters (under :data:`STAGE_BELOW` elements on average), where a dispatch per parameter costs more than the
 bytes. Otherwise (large parameters, rows too narrow, values on several devices, over :data:`MAX_SHAPE_CLASSES`
 trailing shapes) one ``_foreach_copy_`` copies each value into a cached view of its
@@ -97,7 +97,7 @@ class _Request:
     """The parameters a ``set_full_`` request names, in its order, and how they fall into flat groups: made once
     per plan and set of names (a training loop sends the same names every step), so that a request of 10,000
     values costs no pass over parameter records. ``groups``: per flat group its index, its parameters, their
-    names and the request positions (``None``: all of them, in order)."""
+    names and a picker of their values from the request's (``None``: all of them, in order)."""
 
     names: list[str]
     params: list[ParamLayout]
@@ -235,7 +235,8 @@ class _RowWrite:
         checks each entry then."""
         dtype = functools.reduce(torch.promote_types, dtypes)
         device = values[0].device
-        staged = BUFFERS.scratch(("set_full_ staging", device, dtype), self.numel, dtype, device)
+        # one kept buffer per group: every group of a request is staged before the first is written
+        staged = BUFFERS.scratch(("set_full_ staging", self.group, device, dtype), self.numel, dtype, device)
         try:
             for block in self.blocks:
                 picked = block.pick(values)

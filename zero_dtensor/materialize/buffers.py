@@ -12,7 +12,7 @@ per-parameter views cut from it (:class:`~zero_dtensor.views.ViewCache`), so a l
 view objects (made once, not every call): the buffer counts as free only when no result, no view of it and none
 of those view objects is referred to from outside the pool. ``BUFFERS.recycle = False``
 turns this off; :func:`release_workspace` frees what is kept. ``set_full_`` stages small values in one kept
-scratch buffer per device and dtype (:meth:`BufferPool.scratch`), freed the same way.
+scratch buffer per flat group, device and dtype (:meth:`BufferPool.scratch`), freed the same way.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ BUFFERS = BufferPool()
 
 def release_workspace() -> None:
     """Free the buffers kept between calls: the gather buffers of ``out=`` calls with user-made dicts, the
-    recycled buffers of calls without ``out=`` and ``set_full_``'s staging buffer. Live results stay valid. No
+    recycled buffers of calls without ``out=`` and ``set_full_``'s staging buffers. Live results stay valid. No
     communication."""
     BUFFERS.release()
 

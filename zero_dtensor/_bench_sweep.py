@@ -280,7 +280,8 @@ def render(results: dict[str, Any], console: Any = None) -> None:
         console.print(table)
     console.print(
         "[dim]Median over --repeat repetitions (after one warm-up) of the slowest rank. ÷ floor: row median / median "
-        "of a bare all_gather_into_tensor of the same padded flat partitions, --repeat times just before the row. µs/tensor: (row - its floor) / K. "
+        "of a bare all_gather_into_tensor of the same padded flat partitions, --repeat times just before the row. "
+        "µs/tensor: (row - its floor) / K. "
         "first sharded_grads: a fresh backward before every repetition, only the call timed. CPU timings on a "
         "shared machine are noisy.[/dim]"
     )

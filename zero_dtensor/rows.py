@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["FEW_COPIES", "LONG_RUN", "MIN_ROW_BYTES", "PieceCopy", "PieceKey", "RowMap", "piece_copy", "piece_key", "row_map"]
+__all__ = ["FEW_COPIES", "LONG_RUN", "MIN_ROW_BYTES", "PieceCopy", "PieceKey", "RowMap", "piece_copy", "piece_key",
+           "row_map"]
 
 #: rows narrower than this many bytes are declined: their int64 indices would cost over a quarter of the data
 MIN_ROW_BYTES = 32

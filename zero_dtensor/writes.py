@@ -14,9 +14,9 @@ fragment this rank holds moves from the staging buffer into the partition with o
 (:mod:`zero_dtensor.rows`: one ``index_select``, plus an ``index_copy_`` for a subset), casting to the stored dtype.
 Under fp16 loss scaling the staged values are scaled in float32 first (one multiply: bit-identical to scaling each
 value alone). The staging buffers (one per flat group) are kept between calls
-(``zero_dtensor.materialize.release_workspace()`` frees them). Staging copies every value, ``N`` times the bytes a rank keeps, so it serves requests of small
-parameters (under :data:`STAGE_BELOW` elements on average), where a dispatch per parameter costs more than the
-bytes. Otherwise (large parameters, rows too narrow, values on several devices, over :data:`MAX_SHAPE_CLASSES`
+(``zero_dtensor.materialize.release_workspace()`` frees them). Staging copies every value, ``N`` times the bytes a
+rank keeps, so it serves requests of small parameters (under :data:`STAGE_BELOW` elements on average), where a
+dispatch per parameter costs more than the bytes. Otherwise (large parameters, rows too narrow, values on several devices, over :data:`MAX_SHAPE_CLASSES`
 trailing shapes) one ``_foreach_copy_`` copies each value into a cached view of its
 fragment (whole local parameters) or a view of its part. Writes never record autograd history.
 """

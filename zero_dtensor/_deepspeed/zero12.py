@@ -66,7 +66,8 @@ class _FlatSlot:
     numels: tuple[int, ...]
     rebound: Any  # a GradPartitionBufferGroup or _FlatViews
     data_ptr: int
-    #: how the last pieces lay in memory (their key and plan; ``None``: piece by piece), reused while they lie the same way
+    #: how the last pieces lay in memory (their key and plan; ``None``: piece by piece), reused while they lie
+    #: the same way
     copy_plan: tuple[PieceKey, PieceCopy | None] | None = None
 
     @property

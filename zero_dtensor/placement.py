@@ -343,8 +343,8 @@ class ChunkShard(GroupPlacement):
                        area: torch.Tensor | None, cache: ViewCache | None = None) -> torch.Tensor:
         """The ``(N, P)`` rows cut into column blocks in ``area``: one row copy
         (:attr:`~zero_dtensor.plan.GroupPlan.column_rows`: one ``index_select``), or, where rows do not pay
-        (:func:`~zero_dtensor.rows.row_map`), one ``split_with_sizes_copy`` (FSDP2's copy-out; one kernel on CUDA, a copy per
-        block elsewhere)."""
+        (:func:`~zero_dtensor.rows.row_map`), one ``split_with_sizes_copy`` (FSDP2's copy-out; one kernel on CUDA, a
+        copy per block elsewhere)."""
         assert area is not None
         N = group.world_size
         rows = plan.column_rows

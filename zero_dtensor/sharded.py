@@ -311,10 +311,10 @@ class ShardedGrads(Mapping[str, ParamGrad]):
 
         Each rank copies its own fragment of each value (rescaled by ``loss_scale`` under fp16) into DeepSpeed's
         storage: per flat group, small values staged with one ``cat`` per trailing shape and moved with one row
-        copy, large ones with one ``_foreach_copy_`` (see :mod:`zero_dtensor.writes`). Values must be equal on every rank (for replicated groups
-        each rank writes the whole value). Everything is validated before the first write: a bad entry raises and
-        nothing is changed. Values may be any floating dtype (cast on write), on the engine's device or where the
-        gradient is stored; writes never record autograd history.
+        copy, large ones with one ``_foreach_copy_`` (see :mod:`zero_dtensor.writes`). Values must be equal on every
+        rank (for replicated groups each rank writes the whole value). Everything is validated before the first
+        write: a bad entry raises and nothing is changed. Values may be any floating dtype (cast on write), on the
+        engine's device or where the gradient is stored; writes never record autograd history.
         """
         state = self._state
         state.check_current()
@@ -478,8 +478,9 @@ class ShardedGrads(Mapping[str, ParamGrad]):
 
     def stats(self, *, params: ParamSelection = None) -> Mapping[str, GradStats]:
         """``{name: GradStats}``: 2-norm, max ``|g|``, mean, nan and inf counts of each true gradient, as Python
-        numbers (one host sync); a read-only mapping whose ``GradStats`` are made when read. **Communication: at most two all_reduces per process group** (a (k, 4) float64
-        sum vector and a (k,) float32 max vector), none for replicated or single-rank groups.
+        numbers (one host sync); a read-only mapping whose ``GradStats`` are made when read. **Communication: at
+        most two all_reduces per process group** (a (k, 4) float64 sum vector and a (k,) float32 max vector), none
+        for replicated or single-rank groups.
         """
         return reductions.stats(self._state, self._state.pick(params))
 

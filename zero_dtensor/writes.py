@@ -16,9 +16,9 @@ Under fp16 loss scaling the staged values are scaled in float32 first (one multi
 value alone). The staging buffers (one per flat group) are kept between calls
 (``zero_dtensor.materialize.release_workspace()`` frees them). Staging copies every value, ``N`` times the bytes a
 rank keeps, so it serves requests of small parameters (under :data:`STAGE_BELOW` elements on average), where a
-dispatch per parameter costs more than the bytes. Otherwise (large parameters, rows too narrow, values on several devices, over :data:`MAX_SHAPE_CLASSES`
-trailing shapes) one ``_foreach_copy_`` copies each value into a cached view of its
-fragment (whole local parameters) or a view of its part. Writes never record autograd history.
+dispatch per parameter costs more than the bytes. Otherwise (large parameters, rows too narrow, values on several
+devices, over :data:`MAX_SHAPE_CLASSES` trailing shapes) one ``_foreach_copy_`` copies each value into a cached view
+of its fragment (whole local parameters) or a view of its part. Writes never record autograd history.
 """
 
 from __future__ import annotations

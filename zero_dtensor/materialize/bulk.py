@@ -2,9 +2,9 @@
 
 A *transfer* is the set of sharded flat groups that share a process group, dtype and device: they travel in one
 (coalesced) collective. Per group, the assembled buffer is brought into parameter order (already so for ZeRO-1/2
-and for the zero-padded all_reduce; one row copy, :mod:`zero_dtensor.rows`, for a ZeRO-3 all_gather), converted once if the
-output dtype or loss scale asks for it, and cut into parameters with one ``split_with_sizes``: a fixed number of
-tensor operations whatever the number of parameters. See ``ShardedGrads.full_tensors`` for the contract.
+and for the zero-padded all_reduce; one row copy, :mod:`zero_dtensor.rows`, for a ZeRO-3 all_gather), converted
+once if the output dtype or loss scale asks for it, and cut into parameters with one ``split_with_sizes``: a fixed
+number of tensor operations whatever the number of parameters. See ``ShardedGrads.full_tensors`` for the contract.
 """
 
 from __future__ import annotations

@@ -2,21 +2,24 @@
 communication.**
 
 Validation runs over all values with C-level passes (types, ``numel``, dtypes, the first value's device); the
-staging ``cat`` below checks every value's dimensions and device against its block (so with the ``numel`` its
-exact shape), and the per-parameter path checks shapes and devices in two more passes. Only when something fails
+staging ``cat`` below checks every staged value's dimensions and device against its block (so with the ``numel``
+its exact shape), the values it does not stage and the per-parameter path's are checked for shape and device in
+two more passes. Only when something fails
 does a per-entry pass run, to name the first bad entry. Every group is staged (or checked) before the first write:
 nothing is half-applied.
 
-Writing, per flat group (:class:`_RowWrite`, planned once per request and cached): the values are staged in one
-buffer with one ``cat`` per trailing shape (values of shape ``(d, *rest)`` concatenated along dimension 0; 0-d
-values stacked), so reading 10,000 separate tensors costs a C++ loop of memcpys, not 10,000 dispatches; then every
-fragment this rank holds moves from the staging buffer into the partition with one row copy
+Writing, per flat group (:class:`_RowWrite`, planned once per request and cached): the values of the parameters
+this rank holds part of are staged in one buffer with one ``cat`` per trailing shape (values of shape ``(d, *rest)``
+concatenated along dimension 0; 0-d values stacked), so reading 10,000 separate tensors costs a C++ loop of memcpys,
+not 10,000 dispatches; the values of parameters it holds nothing of (ZeRO-1/2: most of the other ranks') are not
+read, only their exact shapes and devices checked (two C-level passes), so that every rank refuses the same bad
+request. Then every fragment this rank holds moves from the staging buffer into the partition with one row copy
 (:mod:`zero_dtensor.rows`: one ``index_select``, plus an ``index_copy_`` for a subset), casting to the stored dtype.
 Under fp16 loss scaling the staged values are scaled in float32 first (one multiply: bit-identical to scaling each
 value alone). The staging buffers (one per flat group) are kept between calls
-(``zero_dtensor.materialize.release_workspace()`` frees them). Staging copies every value, ``N`` times the bytes a
-rank keeps, so it serves requests of small parameters (under :data:`STAGE_BELOW` elements on average), where a
-dispatch per parameter costs more than the bytes. Otherwise (large parameters, rows too narrow, values on several
+(``zero_dtensor.materialize.release_workspace()`` frees them). Staging copies every value this rank holds part of
+whole (ZeRO-3: every value, ``N`` times the bytes a rank keeps), so it serves requests of small parameters (under
+:data:`STAGE_BELOW` elements on average), where a dispatch per parameter costs more than the bytes. Otherwise (large parameters, rows too narrow, values on several
 devices, over :data:`MAX_SHAPE_CLASSES` trailing shapes) one ``_foreach_copy_`` copies each value into a cached view
 of its fragment (whole local parameters) or a view of its part. Writes never record autograd history.
 """
@@ -48,18 +51,21 @@ _NAME = operator.attrgetter("name")
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
 _NUMEL = operator.attrgetter("numel")
+_META = operator.attrgetter("shape", "dtype", "device")
 
 
 @dataclass(frozen=True)
 class CheckedValues:
     """``mapping``'s entries in its order: the request (its names and parameters), the values, the values' dtypes.
     Checked: every type, ``numel`` and dtype, the first value's device; a value's exact shape and the other devices
-    are checked by the write that uses them, before anything is written (:func:`set_full_`)."""
+    are checked by the write that uses them, before anything is written (:func:`set_full_`), unless ``exact``:
+    every value's shape, dtype and device are those of a request of the same names that was written before."""
 
     request: _Request
     values: list[torch.Tensor]
     dtypes: frozenset[torch.dtype]
     devices: frozenset[torch.device]  # where values may be: the engine's device, where the gradient is stored
+    exact: bool = False
 
     @property
     def names(self) -> list[str]:
@@ -73,15 +79,20 @@ class CheckedValues:
 def validate_full(state: GradState, mapping: Mapping[str, torch.Tensor]) -> CheckedValues:
     """The entries of ``mapping`` (see ``ShardedGrads.set_full_``), checked with three C-level passes over the
     values (type, ``numel``, dtype; the names' parameters come from the last request's when the names are the same);
-    the per-entry check runs only to name the first bad entry."""
+    the per-entry check runs only to name the first bad entry. When the names are the last request's and every
+    value's shape, dtype and device are those it was written with (a training loop's every step), two passes
+    (type; shape, dtype and device together) check everything."""
     if not isinstance(mapping, Mapping):
         raise TypeError(f"set_full_ takes a mapping name -> full gradient tensor, got {type(mapping).__name__}")
     storage = state.storage
     devices = frozenset({storage.device, *(p.device for p in storage.partitions)})
     names, values = list(mapping.keys()), list(mapping.values())
     request = _request(state, names)
-    if (request is not None
-            and all(map(operator.is_, map(type, values), repeat(torch.Tensor)))
+    types_ok = request is not None and all(map(operator.is_, map(type, values), repeat(torch.Tensor)))
+    accepted = _ACCEPTED.get(request) if types_ok else None
+    if accepted is not None and list(map(_META, values)) == accepted[0]:
+        return CheckedValues(request, values, accepted[1], devices, exact=True)
+    if (types_ok
             and list(map(torch.Tensor.numel, values)) == request.numels
             and (not request.empty or all(v.shape == p.shape for v, p in zip(values, request.params) if not p.numel))
             and (not values or values[0].device in devices)):
@@ -120,6 +131,9 @@ class _Request:
 
 
 _REQUESTS: weakref.WeakKeyDictionary[GradPlan, _Request] = weakref.WeakKeyDictionary()
+#: per request, the ``(shape, dtype, device)`` of every value it was last written with, and their dtypes
+_ACCEPTED: weakref.WeakKeyDictionary[_Request, tuple[list[tuple[Any, ...]], frozenset[torch.dtype]]] = (
+    weakref.WeakKeyDictionary())
 
 
 def _request(state: GradState, names: list[Any]) -> _Request | None:
@@ -185,17 +199,19 @@ def set_full_(state: GradState, checked: CheckedValues) -> None:
         for g, ps, names, vs in checked.request.grouped(checked.values):
             plan = state.plan.groups[g]
             write = _row_write(plan, names) if len(vs) > 1 else None
-            buffer = write.stage(vs, checked.dtypes) if write is not None else None
+            buffer = write.stage(vs, checked.dtypes, checked.exact) if write is not None else None
             if write is not None and buffer is not None:
                 staged.append((write, buffer))
             else:
                 direct.append((plan, ps, vs))
-        if direct:
+        if direct and not checked.exact:
             _check_shapes(state, checked)
         for write, buffer in staged:  # nothing was written before this point
             write.commit(state, buffer)
         for plan, ps, vs in direct:
             _write_direct(state, plan, ps, vs)
+    if not checked.exact:  # every value passed: the next request of these names with these shapes needs no more
+        _ACCEPTED[checked.request] = (list(map(_META, checked.values)), checked.dtypes)
     state.storage.after_write(checked.names)
 
 
@@ -219,22 +235,43 @@ class _ClassBlock:
 
 
 @dataclass(frozen=True, eq=False)
+class _OthersCheck:
+    """The request's values of parameters this rank holds nothing of (it does not read their elements): their
+    exact shapes, and their device, that of the staged values. Every rank checks every value, so that a bad entry is
+    refused on every rank and no rank writes its part of a request another rank refuses."""
+
+    pick: Callable[[list[torch.Tensor]], Any]
+    shapes: list[torch.Size]
+
+    def fits(self, values: list[torch.Tensor], device: torch.device) -> bool:
+        """Two C-level passes (shapes, devices)."""
+        picked = self.pick(values)
+        picked = list(picked) if isinstance(picked, tuple) else [picked]
+        return list(map(_SHAPE, picked)) == self.shapes and set(map(_DEVICE, picked)) == {device}
+
+
+@dataclass(frozen=True, eq=False)
 class _RowWrite:
-    """Values of a request (names in request order) staged class by class in one buffer, then moved into the
-    partition by one row copy."""
+    """The values of a request (names in request order) that this rank holds part of, staged class by class in
+    one buffer, then moved into the partition by one row copy; the others' shapes checked (``others``)."""
 
     group: int
     blocks: tuple[_ClassBlock, ...]
+    others: _OthersCheck | None
     numel: int
     rows: RowMap
 
-    def stage(self, values: list[torch.Tensor], dtypes: frozenset[torch.dtype]) -> torch.Tensor | None:
-        """The values in one buffer (their promoted dtype, the first value's device): one ``cat`` per trailing
-        shape (``stack`` for 0-d values), which also checks every value's dimensions and device against its
-        block's. ``None`` when a value does not fit (a wrong shape, or values on several devices): the caller
-        checks each entry then."""
+    def stage(self, values: list[torch.Tensor], dtypes: frozenset[torch.dtype], exact: bool = False
+              ) -> torch.Tensor | None:
+        """This rank's values in one buffer (their promoted dtype, the first value's device): one ``cat`` per
+        trailing shape (``stack`` for 0-d values), which also checks every staged value's dimensions and device
+        against its block's; the other values' shapes and devices checked without reading them (not when
+        ``exact``: already known). ``None`` when a value does not fit (a wrong shape, or values on several
+        devices): the caller checks each entry then."""
         dtype = functools.reduce(torch.promote_types, dtypes)
         device = values[0].device
+        if self.others is not None and not exact and not self.others.fits(values, device):
+            return None
         # one kept buffer per group: every group of a request is staged before the first is written
         staged = BUFFERS.scratch(("set_full_ staging", self.group, device, dtype), self.numel, dtype, device)
         try:
@@ -323,14 +360,16 @@ def _row_write(plan: GroupPlan, names: tuple[str, ...]) -> _RowWrite | None:
 def _build_row_write(plan: GroupPlan, names: tuple[str, ...]) -> _RowWrite | None:
     positions = plan.positions
     ks = [positions[n] for n in names]
+    mine = [i for i, k in enumerate(ks) if plan.frag_len[k]]  # request entries this rank holds part of
     classes: dict[tuple[int, ...] | None, list[int]] = {}
-    for i, k in enumerate(ks):
-        shape = tuple(plan.params[k].shape)
+    for i in mine:
+        shape = tuple(plan.params[ks[i]].shape)
         classes.setdefault(shape[1:] if shape else None, []).append(i)
-    if len(classes) > MAX_SHAPE_CLASSES or sum(plan.params[k].numel for k in ks) >= STAGE_BELOW * len(ks):
+    if (not mine or len(classes) > MAX_SHAPE_CLASSES
+            or sum(plan.params[ks[i]].numel for i in mine) >= STAGE_BELOW * len(mine)):
         return None
     blocks: list[_ClassBlock] = []
-    staged_at = [0] * len(ks)  # where request entry i starts in the staging buffer
+    staged_at: dict[int, int] = {}  # where request entry i starts in the staging buffer
     at = 0
     for shape, members in classes.items():
         start = at
@@ -338,11 +377,15 @@ def _build_row_write(plan: GroupPlan, names: tuple[str, ...]) -> _RowWrite | Non
             staged_at[i] = at
             at += plan.params[ks[i]].numel
         blocks.append(_ClassBlock(operator.itemgetter(*members), start, at - start, shape))
-    src = [staged_at[i] + plan.frag_start[k] for i, k in enumerate(ks)]
-    dst = [plan.frag_offset[k] for k in ks]
-    lengths = [plan.frag_len[k] for k in ks]
+    src = [staged_at[i] + plan.frag_start[ks[i]] for i in mine]
+    dst = [plan.frag_offset[ks[i]] for i in mine]
+    lengths = [plan.frag_len[ks[i]] for i in mine]
     esize = torch.empty((), dtype=plan.group.dtype).element_size()
     rows = row_map(src, dst, lengths, at, plan.group.partition_numel, esize)
     if rows is None:
         return None
-    return _RowWrite(plan.index, tuple(blocks), at, rows)
+    held = set(mine)
+    others = [i for i in range(len(ks)) if i not in held]
+    check = (_OthersCheck(operator.itemgetter(*others), [plan.params[ks[i]].shape for i in others])
+             if others else None)
+    return _RowWrite(plan.index, tuple(blocks), check, at, rows)

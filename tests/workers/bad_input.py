@@ -82,14 +82,28 @@ def bad_writes(case: EngineCase) -> int:
     for name in names:
         assert torch.equal(grads[name].full_tensor(dtype=torch.float32), good[name].to(grads[name].dtype).float())
     # the same names again: their parameters now come from the kept request, and bad values still raise on every
-    # rank before anything is written (a wrong numel, a same-numel wrong shape, an integer dtype)
+    # rank before anything is written (a wrong numel, a same-numel wrong shape, an integer dtype, another device),
+    # for the first parameter (ZeRO-1/2: held by rank 0 only) and the last (held by the last rank only): a rank
+    # that holds nothing of a parameter does not read its value, yet refuses it
     written = deepspeed_storage(engine)
-    bad_values = [torch.zeros(shape[0] + 1, *shape[1:]), good[last].reshape(-1, 1),
-                  torch.zeros(shape, dtype=torch.int64)]
-    for bad in bad_values:
-        with pytest.raises((ValueError, TypeError), match=repr(last)):
-            grads.set_full_({**good, last: bad})
+    bad_values = []
+    for target in (first, last):
+        target_shape = tuple(grads[target].shape)
+        bad_values += [(target, torch.zeros(target_shape[0] + 1, *target_shape[1:])),
+                       (target, good[target].reshape(-1, 1)),
+                       (target, torch.zeros(target_shape, dtype=torch.int64)),
+                       (target, torch.zeros(target_shape, device="meta"))]
+    for target, bad in bad_values:
+        with pytest.raises((ValueError, TypeError), match=repr(target)):
+            grads.set_full_({**good, target: bad})
         assert _same_bytes(written, deepspeed_storage(engine)), f"storage changed by a rejected write: {bad.shape}"
+    # the same names, shapes, dtypes and devices as the accepted write (a training loop's next step: checked in two
+    # passes, the values this rank holds nothing of not read): every value lands on its parameter
+    tripled = {n: good[n] * 3 for n in names}
+    grads.set_full_(tripled)
+    for name in names:
+        assert torch.equal(grads[name].full_tensor(dtype=torch.float32),
+                           tripled[name].to(grads[name].dtype).float()), name
     # the same names in another order are another request: every value still lands on its parameter
     doubled = {n: good[n] * 2 for n in reversed(names)}
     grads.set_full_(doubled)

@@ -347,7 +347,7 @@ def _emit(state: GradState, params: list[ParamLayout], regions: dict[int, tuple[
         names = state.layout.names
         if reuse and not result.in_order(names):  # a dict of other names: start over, in request order
             dict.clear(result)
-        result.fill(names, flat if take is None else take(flat), dtype)
+        result.fill_cut(names, flat, take, dtype)
         return result  # type: ignore[return-value]
     names = list(map(_NAME, params))
     if user_dict:

@@ -52,6 +52,46 @@ def runs(draw):
     return width, list(zip(src, dst, lengths)), max(src_numel, width), max(dst_numel, width), tiles
 
 
+@st.composite
+def scatters(draw):
+    """``(width, runs, src_numel, dst_numel)``: runs that read the whole source in its order and land, in that
+    order, at gaps of the destination (a partition into its rows of a parameter-order buffer)."""
+    width = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    lengths = [width * draw(st.integers(1, 4)) for _ in range(draw(st.integers(1, 12)))]
+    src, dst = [], []
+    at = dst_at = 0
+    for n in lengths:
+        dst_at += width * draw(st.integers(0, 3))
+        src.append(at)
+        dst.append(dst_at)
+        at += n
+        dst_at += n
+    dst_numel = dst_at + width * draw(st.integers(1, 2))  # never tiled
+    return width, list(zip(src, dst, lengths)), at, dst_numel
+
+
+@settings(max_examples=100, deadline=None)
+@given(scatters(), st.sampled_from([(torch.float32, torch.float32), (torch.bfloat16, torch.float32)]))
+def test_row_copy_reading_the_source_in_order(case, dtypes) -> None:
+    """The runs read the source whole and in order: one ``index_copy_`` of the source itself (same dtype), equal
+    to copying every run; the rest of the destination untouched."""
+    width, spans, src_numel, dst_numel = case
+    src_dtype, dst_dtype = dtypes
+    src = torch.randn(src_numel).to(src_dtype)
+    dst = torch.randn(dst_numel).to(dst_dtype)
+    expected = dst.clone()
+    for s, d, n in spans:
+        expected[d : d + n] = src[s : s + n]
+    esize = torch.empty((), dtype=dst_dtype).element_size()
+    m = row_map(*zip(*spans), src_numel, dst_numel, esize)
+    if m is None:
+        assert math.gcd(src_numel, dst_numel, *(v for run in spans for v in run)) * esize < MIN_ROW_BYTES
+        return
+    assert m.reads_src_in_order and not m.tiles_dst
+    m.copy(src, dst)
+    assert torch.equal(dst, expected)
+
+
 @settings(max_examples=200, deadline=None)
 @given(runs(), st.sampled_from([(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
                                 (torch.float64, torch.float64), (torch.bfloat16, torch.float32)]))

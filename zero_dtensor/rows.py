@@ -5,8 +5,9 @@ is a list of *runs*: copy ``length`` elements from ``src_start`` of one buffer t
 run by run (``_foreach_copy_`` of narrow views, ``split_with_sizes_copy`` on the CPU) each run costs a dispatch, about
 a microsecond: 10,000 runs cost more than the bytes. A :class:`RowMap` instead views both buffers as rows of ``width``
 elements, ``width`` the greatest common divisor of every start, length and buffer size, and moves every run with
-one ``index_select`` (and one ``index_copy_`` when the runs do not tile the destination): a fixed number of tensor
-operations whatever the number of runs, one kernel on a GPU.
+one ``index_select`` (and one ``index_copy_`` when the runs do not tile the destination; only the ``index_copy_``
+when they read the whole source in its order, as a partition scattered into a parameter-order buffer does): a fixed
+number of tensor operations whatever the number of runs, one kernel on a GPU.
 
 The row indices cost ``8 / width`` bytes per element moved; :func:`row_map` declines (returns ``None``) when they
 would cost more than a quarter of the data they move (``width · element size <`` :data:`MIN_ROW_BYTES`), or when
@@ -56,6 +57,7 @@ class RowMap:
     dst_rows: tuple[int, ...]
     row_counts: tuple[int, ...]
     tiles_dst: bool
+    reads_src_in_order: bool = False  # the runs, in destination order, are the whole source in its order
     _index: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, init=False,
                                                                           repr=False)
 
@@ -78,14 +80,18 @@ class RowMap:
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Every run of ``src`` into ``dst`` (1-D, ``src_numel`` and ``dst_numel`` elements, contiguous): one
-        ``index_select`` (into ``dst`` itself when the runs tile it), then one ``index_copy_`` otherwise; a
-        dtype conversion adds one copy. Nothing else in ``dst`` changes."""
+        ``index_select`` into ``dst`` itself when the runs tile it, one ``index_copy_`` of ``src`` itself when they
+        read it whole and in order, else an ``index_select`` then an ``index_copy_``; a dtype conversion adds one
+        copy. Nothing else in ``dst`` changes."""
         src_idx, dst_idx = self.indices(dst.device)
         rows = src.view(-1, self.width)
         if src.device != dst.device:
             rows = rows.to(dst.device)
         if self.tiles_dst and src.dtype == dst.dtype:
             torch.index_select(rows, 0, src_idx, out=dst.view(-1, self.width))
+            return
+        if self.reads_src_in_order and src.dtype == dst.dtype:  # the source is already the picked rows
+            dst.view(-1, self.width).index_copy_(0, dst_idx, rows)
             return
         picked = rows.index_select(0, src_idx)
         if picked.dtype != dst.dtype:
@@ -109,8 +115,11 @@ def row_map(src_starts: Sequence[int], dst_starts: Sequence[int], lengths: Seque
         return None
     ends = [d + n for _, d, n in runs]
     tiles = runs[0][1] == 0 and ends[-1] == dst_numel and all(e == r[1] for e, r in zip(ends, runs[1:]))
+    src_ends = [s + n for s, _, n in runs]
+    in_order = (runs[0][0] == 0 and src_ends[-1] == src_numel
+                and all(e == r[0] for e, r in zip(src_ends, runs[1:])))
     return RowMap(width, src_numel, dst_numel, tuple(r[0] // width for r in runs), tuple(r[1] // width for r in runs),
-                  tuple(r[2] // width for r in runs), tiles)
+                  tuple(r[2] // width for r in runs), tiles, in_order)
 
 
 def _merged_runs(src_starts: Sequence[int], dst_starts: Sequence[int], lengths: Sequence[int]) -> list[list[int]]:

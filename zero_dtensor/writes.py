@@ -3,25 +3,27 @@ communication.**
 
 Validation runs over all values with C-level passes (types, ``numel``, dtypes, the first value's device); the
 staging ``cat`` below checks every staged value's dimensions and device against its block (so with the ``numel``
-its exact shape), the values it does not stage and the per-parameter path's are checked for shape and device in
-two more passes. Only when something fails
-does a per-entry pass run, to name the first bad entry. Every group is staged (or checked) before the first write:
-nothing is half-applied.
+its exact shape); the values it does not stage, and the per-parameter path's, are checked for shape and device in
+two more passes. A request of the same names, shapes, dtypes and devices as the last one written (a training
+loop's every step) is checked in two passes instead (types; shape, dtype and device together). Only when something
+fails does a per-entry pass run, to name the first bad entry. Every group is staged (or checked) before the first
+write: nothing is half-applied, and every rank refuses a bad entry wherever it is, also one for a parameter the
+rank holds nothing of.
 
 Writing, per flat group (:class:`_RowWrite`, planned once per request and cached): the values of the parameters
 this rank holds part of are staged in one buffer with one ``cat`` per trailing shape (values of shape ``(d, *rest)``
 concatenated along dimension 0; 0-d values stacked), so reading 10,000 separate tensors costs a C++ loop of memcpys,
 not 10,000 dispatches; the values of parameters it holds nothing of (ZeRO-1/2: most of the other ranks') are not
-read, only their exact shapes and devices checked (two C-level passes), so that every rank refuses the same bad
-request. Then every fragment this rank holds moves from the staging buffer into the partition with one row copy
+read. Then every fragment this rank holds moves from the staging buffer into the partition with one row copy
 (:mod:`zero_dtensor.rows`: one ``index_select``, plus an ``index_copy_`` for a subset), casting to the stored dtype.
 Under fp16 loss scaling the staged values are scaled in float32 first (one multiply: bit-identical to scaling each
 value alone). The staging buffers (one per flat group) are kept between calls
-(``zero_dtensor.materialize.release_workspace()`` frees them). Staging copies every value this rank holds part of
-whole (ZeRO-3: every value, ``N`` times the bytes a rank keeps), so it serves requests of small parameters (under
-:data:`STAGE_BELOW` elements on average), where a dispatch per parameter costs more than the bytes. Otherwise (large parameters, rows too narrow, values on several
-devices, over :data:`MAX_SHAPE_CLASSES` trailing shapes) one ``_foreach_copy_`` copies each value into a cached view
-of its fragment (whole local parameters) or a view of its part. Writes never record autograd history.
+(``zero_dtensor.materialize.release_workspace()`` frees them). Staging copies whole every value this rank holds part
+of (ZeRO-1/2: about the bytes a rank keeps; ZeRO-3: every value, ``N`` times them), so it serves requests of small
+parameters (under :data:`STAGE_BELOW` elements on average), where a dispatch per parameter costs more than the
+bytes. Otherwise (large parameters, rows too narrow, values on several devices, over :data:`MAX_SHAPE_CLASSES`
+trailing shapes) one ``_foreach_copy_`` copies each value into a cached view of its fragment (whole local
+parameters) or a view of its part. Writes never record autograd history.
 """
 
 from __future__ import annotations

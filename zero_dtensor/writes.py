@@ -92,7 +92,9 @@ def validate_full(state: GradState, mapping: Mapping[str, torch.Tensor]) -> Chec
     request = _request(state, names)
     types_ok = request is not None and all(map(operator.is_, map(type, values), repeat(torch.Tensor)))
     accepted = _ACCEPTED.get(request) if types_ok else None
-    if accepted is not None and list(map(_META, values)) == accepted[0]:
+    # compared one value at a time: a list of 10,000 new (shape, dtype, device) tuples would set off the garbage
+    # collector several times per call (and survive into its older generations)
+    if accepted is not None and all(map(operator.eq, map(_META, values), accepted[0])):
         return CheckedValues(request, values, accepted[1], devices, exact=True)
     if (types_ok
             and list(map(torch.Tensor.numel, values)) == request.numels
@@ -220,7 +222,7 @@ def set_full_(state: GradState, checked: CheckedValues) -> None:
 def _check_shapes(state: GradState, checked: CheckedValues) -> None:
     """Every value's exact shape and device (the per-parameter path's; staging checks them by concatenating)."""
     values = checked.values
-    if not (list(map(_SHAPE, values)) == list(map(_SHAPE, checked.params))
+    if not (all(map(operator.eq, map(_SHAPE, values), map(_SHAPE, checked.params)))
             and set(map(_DEVICE, values)) <= checked.devices):
         _name_bad_entry(state, checked.names, values, checked.devices)
 
@@ -249,7 +251,7 @@ class _OthersCheck:
         """Two C-level passes (shapes, devices)."""
         picked = self.pick(values)
         picked = list(picked) if isinstance(picked, tuple) else [picked]
-        return list(map(_SHAPE, picked)) == self.shapes and set(map(_DEVICE, picked)) == {device}
+        return all(map(operator.eq, map(_SHAPE, picked), self.shapes)) and set(map(_DEVICE, picked)) == {device}
 
 
 @dataclass(frozen=True, eq=False)

@@ -80,9 +80,9 @@ class RowMap:
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Every run of ``src`` into ``dst`` (1-D, ``src_numel`` and ``dst_numel`` elements, contiguous): one
-        ``index_select`` into ``dst`` itself when the runs tile it, one ``index_copy_`` of ``src`` itself when they
-        read it whole and in order, else an ``index_select`` then an ``index_copy_``; a dtype conversion adds one
-        copy. Nothing else in ``dst`` changes."""
+        ``index_select`` into ``dst`` itself when the runs tile it, else one ``index_copy_`` of ``src`` itself when
+        they read it whole and in order, else an ``index_select`` then an ``index_copy_``; a dtype conversion adds
+        one copy. Nothing else in ``dst`` changes."""
         src_idx, dst_idx = self.indices(dst.device)
         rows = src.view(-1, self.width)
         if src.device != dst.device:
@@ -90,8 +90,8 @@ class RowMap:
         if self.tiles_dst and src.dtype == dst.dtype:
             torch.index_select(rows, 0, src_idx, out=dst.view(-1, self.width))
             return
-        if self.reads_src_in_order and src.dtype == dst.dtype:  # the source is already the picked rows
-            dst.view(-1, self.width).index_copy_(0, dst_idx, rows)
+        if self.reads_src_in_order:  # the source is already the picked rows
+            dst.view(-1, self.width).index_copy_(0, dst_idx, rows if rows.dtype == dst.dtype else rows.to(dst.dtype))
             return
         picked = rows.index_select(0, src_idx)
         if picked.dtype != dst.dtype:

@@ -70,19 +70,24 @@ def scatters(draw):
     return width, list(zip(src, dst, lengths)), at, dst_numel
 
 
+def _buffers(spans, src_numel: int, dst_numel: int, src_dtype: torch.dtype, dst_dtype: torch.dtype):
+    """Random source and destination buffers, the destination expected after copying every run on its own, and the
+    destination's element size."""
+    src = torch.randn(src_numel).to(src_dtype)
+    dst = torch.randn(dst_numel).to(dst_dtype)
+    expected = dst.clone()
+    for s, d, n in spans:
+        expected[d : d + n] = src[s : s + n]
+    return src, dst, expected, torch.empty((), dtype=dst_dtype).element_size()
+
+
 @settings(max_examples=100, deadline=None)
 @given(scatters(), st.sampled_from([(torch.float32, torch.float32), (torch.bfloat16, torch.float32)]))
 def test_row_copy_reading_the_source_in_order(case, dtypes) -> None:
     """The runs read the source whole and in order: one ``index_copy_`` of the source itself (same dtype), equal
     to copying every run; the rest of the destination untouched."""
     width, spans, src_numel, dst_numel = case
-    src_dtype, dst_dtype = dtypes
-    src = torch.randn(src_numel).to(src_dtype)
-    dst = torch.randn(dst_numel).to(dst_dtype)
-    expected = dst.clone()
-    for s, d, n in spans:
-        expected[d : d + n] = src[s : s + n]
-    esize = torch.empty((), dtype=dst_dtype).element_size()
+    src, dst, expected, esize = _buffers(spans, src_numel, dst_numel, *dtypes)
     m = row_map(*zip(*spans), src_numel, dst_numel, esize)
     if m is None:
         assert math.gcd(src_numel, dst_numel, *(v for run in spans for v in run)) * esize < MIN_ROW_BYTES
@@ -97,13 +102,7 @@ def test_row_copy_reading_the_source_in_order(case, dtypes) -> None:
                                 (torch.float64, torch.float64), (torch.bfloat16, torch.float32)]))
 def test_row_copy_equals_copying_each_run(case, dtypes) -> None:
     width, spans, src_numel, dst_numel, _ = case
-    src_dtype, dst_dtype = dtypes
-    src = torch.randn(src_numel).to(src_dtype)
-    dst = torch.randn(dst_numel).to(dst_dtype)
-    expected = dst.clone()
-    for s, d, n in spans:
-        expected[d : d + n] = src[s : s + n]
-    esize = torch.empty((), dtype=dst_dtype).element_size()
+    src, dst, expected, esize = _buffers(spans, src_numel, dst_numel, *dtypes)
     m = row_map(*zip(*spans), src_numel, dst_numel, esize) if spans else None
     if not any(n for _, _, n in spans):
         assert m is None

@@ -78,6 +78,12 @@ class CheckedValues:
         return self.request.params
 
 
+def _picked(pick: Callable[[list[torch.Tensor]], Any], values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``pick(values)`` as a list (an ``itemgetter`` of one index returns the item itself)."""
+    picked = pick(values)
+    return list(picked) if isinstance(picked, tuple) else [picked]
+
+
 def validate_full(state: GradState, mapping: Mapping[str, torch.Tensor]) -> CheckedValues:
     """The entries of ``mapping`` (see ``ShardedGrads.set_full_``), checked with three C-level passes over the
     values (type, ``numel``, dtype; the names' parameters come from the last request's when the names are the same);
@@ -128,8 +134,7 @@ class _Request:
             if pick is None:
                 mine = values
             else:
-                picked = pick(values)
-                mine = list(picked) if isinstance(picked, tuple) else [picked]
+                mine = _picked(pick, values)
             out.append((g, params, names, mine))
         return out
 
@@ -249,8 +254,7 @@ class _OthersCheck:
 
     def fits(self, values: list[torch.Tensor], device: torch.device) -> bool:
         """Two C-level passes (shapes, devices)."""
-        picked = self.pick(values)
-        picked = list(picked) if isinstance(picked, tuple) else [picked]
+        picked = _picked(self.pick, values)
         return all(map(operator.eq, map(_SHAPE, picked), self.shapes)) and set(map(_DEVICE, picked)) == {device}
 
 
@@ -280,8 +284,7 @@ class _RowWrite:
         staged = BUFFERS.scratch(("set_full_ staging", self.group, device, dtype), self.numel, dtype, device)
         try:
             for block in self.blocks:
-                picked = block.pick(values)
-                picked = list(picked) if isinstance(picked, tuple) else [picked]
+                picked = _picked(block.pick, values)
                 region = staged.narrow(0, block.offset, block.numel)
                 if block.shape is None:
                     if any(map(torch.Tensor.dim, picked)):  # stack would take equal non-0-d shapes too

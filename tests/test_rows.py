@@ -2,7 +2,8 @@
 (hypothesis, no processes).
 
 - ``row_map(...).copy`` equals copying every run on its own, for random disjoint runs, with and without tiling the
-  destination, across dtypes, and declines rows narrower than ``MIN_ROW_BYTES``;
+  destination, across dtypes, by index and by run families (strided copies), and declines rows narrower than
+  ``MIN_ROW_BYTES``; run families cover every run once, and a stack of equal layers makes one family per tensor;
 - a chunked (ZeRO-3) group's ``to_param_order`` (all_gather rows to parameter order) and ``fill_for_reduce`` (each
   rank's partition into its rows, summed over ranks as the all_reduce does) give the same buffer as the reference
   ``split_with_sizes_copy`` on the row path and on the per-piece fallback, for parameters whose chunks share a
@@ -14,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -24,7 +26,21 @@ from hypothesis import strategies as st
 from zero_dtensor import rows as rows_mod
 from zero_dtensor.layout import GradLayout, GroupLayout, Packing, ParamLayout
 from zero_dtensor.plan import plan_for
-from zero_dtensor.rows import MIN_ROW_BYTES, piece_copy, piece_key, row_map
+from zero_dtensor.rows import MIN_ROW_BYTES, piece_copy, piece_key, row_map, run_families
+
+#: how a RowMap moves its runs: by strided copies of run families (the default where they are few) or by index
+ROW_PATHS = ["families", "indices"]
+
+
+@contextlib.contextmanager
+def row_path(path: str):
+    """Row maps built inside copy by families (as by default) or, with ``"indices"``, never by families."""
+    kept = rows_mod.MAX_FAMILIES
+    rows_mod.MAX_FAMILIES = kept if path == "families" else 0
+    try:
+        yield
+    finally:
+        rows_mod.MAX_FAMILIES = kept
 
 
 @st.composite
@@ -81,14 +97,18 @@ def _buffers(spans, src_numel: int, dst_numel: int, src_dtype: torch.dtype, dst_
     return src, dst, expected, torch.empty((), dtype=dst_dtype).element_size()
 
 
+@pytest.mark.parametrize("path", ROW_PATHS)
 @settings(max_examples=100, deadline=None)
-@given(scatters(), st.sampled_from([(torch.float32, torch.float32), (torch.bfloat16, torch.float32)]))
-def test_row_copy_reading_the_source_in_order(case, dtypes) -> None:
-    """The runs read the source whole and in order: one ``index_copy_`` of the source itself (same dtype), equal
-    to copying every run; the rest of the destination untouched."""
+@given(case=scatters(), dtypes=st.sampled_from([(torch.float32, torch.float32), (torch.bfloat16, torch.float32)]))
+def test_row_copy_reading_the_source_in_order(path, case, dtypes) -> None:
+    """The runs read the source whole and in order: one ``index_copy_`` of the source itself (same dtype), or the
+    run families' strided copies, equal to copying every run; the rest of the destination untouched."""
     width, spans, src_numel, dst_numel = case
     src, dst, expected, esize = _buffers(spans, src_numel, dst_numel, *dtypes)
-    m = row_map(*zip(*spans), src_numel, dst_numel, esize)
+    with row_path(path):
+        m = row_map(*zip(*spans), src_numel, dst_numel, esize)
+    if m is not None and path == "indices":
+        assert m.families is None
     if m is None:
         assert math.gcd(src_numel, dst_numel, *(v for run in spans for v in run)) * esize < MIN_ROW_BYTES
         return
@@ -97,13 +117,17 @@ def test_row_copy_reading_the_source_in_order(case, dtypes) -> None:
     assert torch.equal(dst, expected)
 
 
+@pytest.mark.parametrize("path", ROW_PATHS)
 @settings(max_examples=200, deadline=None)
-@given(runs(), st.sampled_from([(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
-                                (torch.float64, torch.float64), (torch.bfloat16, torch.float32)]))
-def test_row_copy_equals_copying_each_run(case, dtypes) -> None:
+@given(case=runs(), dtypes=st.sampled_from([(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                            (torch.float64, torch.float64), (torch.bfloat16, torch.float32)]))
+def test_row_copy_equals_copying_each_run(path, case, dtypes) -> None:
     width, spans, src_numel, dst_numel, _ = case
     src, dst, expected, esize = _buffers(spans, src_numel, dst_numel, *dtypes)
-    m = row_map(*zip(*spans), src_numel, dst_numel, esize) if spans else None
+    with row_path(path):
+        m = row_map(*zip(*spans), src_numel, dst_numel, esize) if spans else None
+    if m is not None and path == "indices":
+        assert m.families is None
     if not any(n for _, _, n in spans):
         assert m is None
         return
@@ -172,12 +196,92 @@ any_shapes = st.lists(st.one_of(st.tuples(st.integers(1, 40)), st.tuples(st.inte
                       min_size=1, max_size=10)
 
 
+@pytest.mark.parametrize("path", ROW_PATHS)
 @settings(max_examples=60, deadline=None)
-@given(st.sampled_from([1, 2, 4]), wide_shapes, st.sampled_from([0, 64]))
-def test_chunked_reorder_by_rows(world, shapes, extra) -> None:
-    took_rows = check_reorder(chunked_layouts(world, shapes, extra))
+@given(world=st.sampled_from([1, 2, 4]), shapes=wide_shapes, extra=st.sampled_from([0, 64]))
+def test_chunked_reorder_by_rows(path, world, shapes, extra) -> None:
+    with row_path(path):
+        took_rows = check_reorder(chunked_layouts(world, shapes, extra))
     if world > 1:  # one rank: the whole group is one run, copied as such (rows.LONG_RUN)
         assert took_rows, "wide chunks must take the row path"
+
+
+@settings(max_examples=40, deadline=None)
+@given(world=st.sampled_from([2, 4]), layer=st.lists(st.sampled_from([(64, 32), (32,), (16, 8), (128,)]),
+                                                       min_size=1, max_size=4, unique=True),
+       layers=st.integers(4, 9), extra=st.sampled_from([0, 64]))
+def test_repeated_layers_reorder_by_a_few_strided_copies(world, layer, layers, extra) -> None:
+    """A stack of equal layers (ZeRO-3): the all_gather reorder and each rank's fill are at most one strided copy
+    per tensor of a layer and one for the partition's padding (the ranks' rows of a tensor are one family), the
+    same number whatever the number of layers, and equal the reference."""
+    counts = set()
+    for n in (layers, 4 * layers):
+        layouts = chunked_layouts(world, layer * n, extra)
+        assert check_reorder(layouts)
+        gp = plan_for(layouts[0]).groups[0]
+        assert gp.column_rows.families is not None and gp.own_column_rows.families is not None
+        counts.add((len(gp.column_rows.families), len(gp.own_column_rows.families)))
+    assert len(counts) == 1
+    gathered, own = counts.pop()
+    assert gathered <= len(layer) + 1 and own <= len(layer) + 1
+
+
+@st.composite
+def repeated_runs(draw):
+    """``(runs, src_numel, dst_numel)``: a pattern of up to 3 runs (multiples of 16 elements) repeated 4-12 times,
+    each repeat one step further in both buffers (the source's pattern in any order)."""
+    lengths = [16 * draw(st.integers(1, 4)) for _ in range(draw(st.integers(1, 3)))]
+    order = draw(st.permutations(list(range(len(lengths)))))
+    src_pos, at = {}, 0
+    for i in order:
+        at += 16 * draw(st.integers(0, 2))
+        src_pos[i] = at
+        at += lengths[i]
+    src_step = at + 16 * draw(st.integers(0, 2))
+    dst_pos, at = [], 0
+    for n in lengths:
+        at += 16 * draw(st.integers(0, 2))
+        dst_pos.append(at)
+        at += n
+    dst_step = at + 16 * draw(st.integers(1, 2))  # a gap after each repeat: repeats never merge into one run
+    repeats = draw(st.integers(4, 12))
+    spans = [(r * src_step + src_pos[i], r * dst_step + dst_pos[i], n)
+             for r in range(repeats) for i, n in enumerate(lengths)]
+    return spans, repeats * src_step, repeats * dst_step
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=repeated_runs(), dtypes=st.sampled_from([(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                                     (torch.bfloat16, torch.float32)]))
+def test_repeated_runs_copy_by_families(case, dtypes) -> None:
+    """Runs that repeat with a period take the family path (one strided copy per run of the pattern at most,
+    casting) and equal copying every run."""
+    spans, src_numel, dst_numel = case
+    src, dst, expected, esize = _buffers(spans, src_numel, dst_numel, *dtypes)
+    m = row_map(*zip(*spans), src_numel, dst_numel, esize)
+    assert m is not None and m.families is not None
+    assert len(m.families) <= len(spans) // 4
+    m.copy(src, dst)
+    assert torch.equal(dst, expected)
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=runs())
+def test_run_families_cover_the_runs(case) -> None:
+    """Every run is moved by exactly one family's copy: their elements add up, and copying by families equals
+    copying run by run."""
+    _, spans, src_numel, dst_numel, _ = case
+    merged = rows_mod._merged_runs(*zip(*spans))
+    families = run_families(merged, limit=len(merged), min_runs=1)
+    if not merged:
+        assert families is None
+        return
+    assert families is not None  # at most one family per run
+    assert sum(f.outer * f.count * f.length for f in families) == sum(n for _, _, n in merged)
+    src, dst, expected, _ = _buffers(spans, src_numel, dst_numel, torch.float32, torch.float32)
+    for f in families:
+        f.copy(src, dst)
+    assert torch.equal(dst, expected)
 
 
 @settings(max_examples=60, deadline=None)

@@ -138,16 +138,18 @@ class GroupPlan:
 
     def _columns(self, ranks: Sequence[int], local: bool) -> RowMap | None:
         N, P = self.group.world_size, self.group.partition_numel
-        src, dst, lengths = [], [], []
+        src, dst, lengths, padding = [], [], [], []
+        gaps = set(self.gathered.gaps)
         start = 0
-        for width in self.gathered.sizes:
+        for i, width in enumerate(self.gathered.sizes):
             for r in ranks:
                 src.append(start if local else r * P + start)
                 dst.append(N * start + r * width)
                 lengths.append(width)
+                padding.append(i in gaps)
             start += width
         esize = torch.empty((), dtype=self.group.dtype).element_size()
-        return row_map(src, dst, lengths, P if local else N * P, N * P, esize)
+        return row_map(src, dst, lengths, P if local else N * P, N * P, esize, padding)
 
     @cached_property
     def local_segments(self) -> SegmentPlan:

@@ -5,7 +5,8 @@ Validation runs over all values with C-level passes (types, ``numel``, dtypes, t
 staging ``cat`` below checks every staged value's dimensions and device against its block (so with the ``numel``
 its exact shape); the values it does not stage, and the per-parameter path's, are checked for shape and device in
 two more passes. A request of the same names, shapes, dtypes and devices as the last one written (a training
-loop's every step) is checked in two passes instead (types; shape, dtype and device together). Only when something
+loop's every step) that reads values the staging does not (ZeRO-1/2: the other ranks' parameters; the per-parameter
+path) is checked in two passes instead (types; shape, dtype and device together). Only when something
 fails does a per-entry pass run, to name the first bad entry. Every group is staged (or checked) before the first
 write: nothing is half-applied, and every rank refuses a bad entry wherever it is, also one for a parameter the
 rank holds nothing of.
@@ -99,8 +100,10 @@ def validate_full(state: GradState, mapping: Mapping[str, torch.Tensor]) -> Chec
     types_ok = request is not None and all(map(operator.is_, map(type, values), repeat(torch.Tensor)))
     accepted = _ACCEPTED.get(request) if types_ok else None
     # compared one value at a time: a list of 10,000 new (shape, dtype, device) tuples would set off the garbage
-    # collector several times per call (and survive into its older generations)
-    if accepted is not None and all(map(operator.eq, map(_META, values), accepted[0])):
+    # collector several times per call (and survive into its older generations). A request whose every value is
+    # staged needs no record: the passes below and the staging ``cat`` check everything, for less
+    if (accepted is not None and accepted is not _ALL_STAGED
+            and all(map(operator.eq, map(_META, values), accepted[0]))):
         return CheckedValues(request, values, accepted[1], devices, exact=True)
     if (types_ok
             and list(map(torch.Tensor.numel, values)) == request.numels
@@ -143,6 +146,9 @@ _REQUESTS: weakref.WeakKeyDictionary[GradPlan, _Request] = weakref.WeakKeyDictio
 #: per request, the ``(shape, dtype, device)`` of every value it was last written with, and their dtypes
 _ACCEPTED: weakref.WeakKeyDictionary[_Request, tuple[list[tuple[Any, ...]], frozenset[torch.dtype]]] = (
     weakref.WeakKeyDictionary())
+#: the record of a request whose every value was staged (no value of it is checked apart from its ``cat``): a
+#: repeated one takes the three ordinary passes, cheaper than comparing every value's shape, dtype and device
+_ALL_STAGED: tuple[list[tuple[Any, ...]], frozenset[torch.dtype]] = ([], frozenset())
 
 
 def _request(state: GradState, names: list[Any]) -> _Request | None:
@@ -220,7 +226,9 @@ def set_full_(state: GradState, checked: CheckedValues) -> None:
         for plan, ps, vs in direct:
             _write_direct(state, plan, ps, vs)
     if not checked.exact:  # every value passed: the next request of these names with these shapes needs no more
-        _ACCEPTED[checked.request] = (list(map(_META, checked.values)), checked.dtypes)
+        all_staged = not direct and all(write.others is None for write, _ in staged)
+        _ACCEPTED[checked.request] = (_ALL_STAGED if all_staged
+                                      else (list(map(_META, checked.values)), checked.dtypes))
     state.storage.after_write(checked.names)
 
 

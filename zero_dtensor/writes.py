@@ -2,12 +2,13 @@
 communication.**
 
 Validation runs over all values with C-level passes (types, ``numel``, dtypes, the first value's device); the
-staging ``cat`` below checks every staged value's dimensions and device against its block (so with the ``numel``
-its exact shape); the values it does not stage, and the per-parameter path's, are checked for shape and device in
-two more passes. A request of the same names, shapes, dtypes and devices as the last one written (a training
-loop's every step) that reads values the staging does not (ZeRO-1/2: the other ranks' parameters; the per-parameter
-path) is checked in two passes instead (types; shape, dtype and device together). Only when something
-fails does a per-entry pass run, to name the first bad entry. Every group is staged (or checked) before the first
+staging ``cat`` below checks every staged value's dimensions and device against its block's first value, whose
+dimensions are checked against the block (so with the ``numel`` every value's exact shape); the values it does not
+stage, and the per-parameter path's, are checked for shape and device in two more passes. A request of the same
+names, shapes, dtypes and devices as the last one written (a training loop's every step) that reads values the
+staging does not (ZeRO-1/2: the other ranks' parameters; the per-parameter path) is checked in two passes instead
+(types; shape, dtype and device together). Only when something fails does a per-entry pass run, to name the first
+bad entry. Every group is staged (or checked) before the first
 write: nothing is half-applied, and every rank refuses a bad entry wherever it is, also one for a parameter the
 rank holds nothing of.
 
@@ -299,6 +300,11 @@ class _RowWrite:
                         return None
                     torch.stack(picked, out=region)
                 else:
+                    # cat checks every value's dimensions against the first's, and would resize its output to a
+                    # shape they share rather than refuse it: the first value's are checked here
+                    head = picked[0]
+                    if head.dim() != len(block.shape) + 1 or head.shape[1:] != block.shape:
+                        return None
                     torch.cat(picked, out=region.view(-1, *block.shape))
         except RuntimeError:
             return None

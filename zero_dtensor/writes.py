@@ -8,16 +8,16 @@ stage, and the per-parameter path's, are checked for shape and device in two mor
 names, shapes, dtypes and devices as the last one written (a training loop's every step) that reads values the
 staging does not (ZeRO-1/2: the other ranks' parameters; the per-parameter path) is checked in two passes instead
 (types; shape, dtype and device together). Only when something fails does a per-entry pass run, to name the first
-bad entry. Every group is staged (or checked) before the first
-write: nothing is half-applied, and every rank refuses a bad entry wherever it is, also one for a parameter the
-rank holds nothing of.
+bad entry. Every group is staged (or checked) before the first write: nothing is half-applied, and every rank
+refuses a bad entry wherever it is, also one for a parameter the rank holds nothing of.
 
 Writing, per flat group (:class:`_RowWrite`, planned once per request and cached): the values of the parameters
 this rank holds part of are staged in one buffer with one ``cat`` per trailing shape (values of shape ``(d, *rest)``
 concatenated along dimension 0; 0-d values stacked), so reading 10,000 separate tensors costs a C++ loop of memcpys,
 not 10,000 dispatches; the values of parameters it holds nothing of (ZeRO-1/2: most of the other ranks') are not
 read. Then every fragment this rank holds moves from the staging buffer into the partition with one row copy
-(:mod:`zero_dtensor.rows`: one ``index_select``, plus an ``index_copy_`` for a subset), casting to the stored dtype.
+(:mod:`zero_dtensor.rows`: one ``index_select``, plus an ``index_copy_`` for a subset, or one strided copy per run
+family where the parameters repeat), casting to the stored dtype.
 Under fp16 loss scaling the staged values are scaled in float32 first (one multiply: bit-identical to scaling each
 value alone). The staging buffers (one per flat group) are kept between calls
 (``zero_dtensor.materialize.release_workspace()`` frees them). Staging copies whole every value this rank holds part

@@ -6,6 +6,7 @@ import pytest
 
 from workers import bad_input
 from workers.common import EngineCase
+from workers.rows import RowResults, assert_row, slug
 
 WRITE_CASES = [
     EngineCase(1, "fp32"),
@@ -32,3 +33,17 @@ def test_bad_writes_change_nothing(ranks, case: EngineCase) -> None:
 def test_disagreeing_ranks_raise_in_debug_mode(ranks, stage: int) -> None:
     messages = ranks(2).run(bad_input.disagreeing_collectives, stage)
     assert "rank 0" in messages[0][0] and "rank 1" in messages[0][0]
+
+
+REFUSAL_CASES = [EngineCase(1, world=3), EngineCase(2), EngineCase(3), EngineCase(3, "bf16", world=3)]
+REFUSAL_TESTS = [pytest.param(case, row, id=f"{case.id}-{slug(row)}")
+                 for case in REFUSAL_CASES for row in bad_input.REFUSAL_ROWS]
+_REFUSAL_RESULTS = RowResults()
+
+
+@pytest.mark.parametrize("case,row", REFUSAL_TESTS)
+def test_one_rank_refusing_raises_on_every_rank(ranks, case: EngineCase, row: str) -> None:
+    """A bad argument on one rank (the last) makes every rank raise at the rank-agreement check, before any rank
+    communicates or writes: no hang, no half-applied call, and the next call lines up."""
+    # a rank left waiting would hang: the check takes seconds, so a regression fails after two minutes, not ten
+    assert_row(_REFUSAL_RESULTS.get(ranks, case.world, bad_input.one_rank_refusals, case, timeout=120.0), row)

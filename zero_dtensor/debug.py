@@ -14,6 +14,12 @@ well under 1% of a ``full_tensors()`` of the benchmark model, and it turns mixed
 return wrong values, into :class:`~zero_dtensor.errors.RankDisagreementError` on every rank.
 ``set_rank_checks(False)`` (or ``ZERO_DTENSOR_RANK_CHECKS=0``) turns it off where every microsecond counts.
 
+The same check carries a **refusal**: a call whose arguments fail validation on one rank only (an unknown name, a
+bad ``out=`` entry, a non-floating ``dtype``) must not raise there alone while the other ranks enter the collective
+and wait for it. The call validates inside a :class:`Refusal` block, and :func:`check_same_call` tells every rank:
+the refusing rank raises its own error, the others the same class naming the refusing rank(s) and their messages.
+No collective is added: the hash then differs, and the texts are gathered as for any disagreement.
+
 **Debug mode** (``ZERO_DTENSOR_DEBUG=1`` at import, or :func:`set_debug`) checks every collective call (also the
 per-parameter ``ParamGrad.full_tensor``, the reductions and ``found_inf``) and adds a checkpoint at the entry of the
 optimizer step of every engine it has seen (``sharded_grads(engine)`` installs it): a rank that skips a collective
@@ -38,10 +44,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .collectives import all_gather_objects, gather_ints_within
+from .collectives import all_gather_objects, gather_ints_within, group_ranks
 from .errors import RankDisagreementError
 
 __all__ = [
+    "REFUSALS",
+    "Refusal",
     "check_grads_call",
     "check_same_call",
     "install_step_checkpoint",
@@ -124,18 +132,76 @@ def _gather_hashes(mine: int, group: dist.ProcessGroup, device: torch.device, wh
     return hashes
 
 
-def check_same_call(what: str, signature: Any, groups: Iterable[dist.ProcessGroup], device: torch.device,
-                    *, always: bool = False) -> None:
-    """Raise :class:`RankDisagreementError` on every rank unless all ranks pass equal arguments.
+#: the exceptions a validation raises; :class:`Refusal` holds them for the agreement check
+REFUSALS: tuple[type[Exception], ...] = (TypeError, ValueError, KeyError)
 
-    ``signature`` must be built from plain values (names, dtypes, ints) whose ``repr`` is identical across ranks.
-    One ``all_gather`` of one int64 per distinct group in ``groups`` (call order of the distinct groups is kept),
-    waited on for at most :func:`check_timeout`. Runs in debug mode, and with ``always`` while
-    :func:`rank_checks_enabled`; otherwise no communication.
+
+class Refusal:
+    """A ``with`` block that validates a collective call's arguments on this rank: it keeps the first
+    :data:`REFUSALS` exception raised in it (``error``) instead of raising it, so that :func:`check_same_call`
+    (``refused=``) can tell every rank before any rank raises. Other exceptions pass through. No communication."""
+
+    __slots__ = ("error",)
+
+    def __init__(self) -> None:
+        self.error: Exception | None = None
+
+    def __enter__(self) -> Refusal:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, traceback: Any) -> bool:
+        if isinstance(value, REFUSALS):
+            self.error = value
+            return True
+        return False
+
+
+def _refusal_text(what: str, error: Exception) -> str:
+    return f"{what}: refused its arguments: {type(error).__name__}: {error}"
+
+
+def _raise_refusals(what: str, texts: list[tuple[str, int]], group: dist.ProcessGroup,
+                    refused: Exception | None) -> None:
+    """Raise on this rank if any rank refused: its own error where it refused, else the first refusing rank's class
+    with every refusing rank's message. Returns when no rank refused."""
+    members = group_ranks(group)
+    refusing = [(members[r], text, code) for r, (text, code) in enumerate(texts) if code]
+    if not refusing:
+        return
+    ranks = [r for r, _, _ in refusing]
+    if refused is not None:
+        refused.add_note(f"zero_dtensor: {what} raised on every rank (rank(s) {ranks} refused the arguments); "
+                         "nothing was communicated or written")
+        raise refused
+    lines = "\n".join(f"  rank {r}: {text}" for r, text, _ in refusing)
+    raise REFUSALS[refusing[0][2] - 1](
+        f"zero_dtensor: {what}: rank(s) {ranks} refused the call's arguments, so no rank communicated or wrote "
+        f"anything (this rank's arguments were fine; mend those ranks' call):\n{lines}")
+
+
+def _code(refused: Exception | None) -> int:
+    return 0 if refused is None else 1 + next(i for i, cls in enumerate(REFUSALS) if isinstance(refused, cls))
+
+
+def check_same_call(what: str, signature: Any, groups: Iterable[dist.ProcessGroup], device: torch.device,
+                    *, always: bool = False, refused: Exception | None = None) -> None:
+    """Raise :class:`RankDisagreementError` on every rank unless all ranks pass equal arguments; with
+    ``refused`` (this rank's :class:`Refusal` error), raise on every rank: that error here, the same class naming
+    this rank elsewhere.
+
+    ``signature`` must be built from plain values (names, dtypes, ints) whose ``repr`` is identical across ranks
+    (ignored when ``refused``). One ``all_gather`` of one int64 per distinct group in ``groups`` (call order of the
+    distinct groups is kept), waited on for at most :func:`check_timeout`; where the hashes differ, one
+    ``all_gather_object`` of the call's text. Runs in debug mode, and with ``always`` while
+    :func:`rank_checks_enabled`; otherwise no communication (and ``refused`` is raised on this rank only).
+    **Collective**: ``groups`` must be the same on every rank (a refusing rank that cannot tell which groups the
+    call uses passes all of them: their first must be the others' first).
     """
     if not (_DEBUG or (always and _RANK_CHECKS)):
+        if refused is not None:
+            raise refused
         return
-    text = f"{what}{signature!r}"
+    text = f"{what}{signature!r}" if refused is None else _refusal_text(what, refused)
     mine = _hash(text)
     seen: list[dist.ProcessGroup] = []
     for group in groups:
@@ -147,22 +213,28 @@ def check_same_call(what: str, signature: Any, groups: Iterable[dist.ProcessGrou
         hashes = _gather_hashes(mine, group, device, what)
         if len(set(hashes)) == 1:
             continue
-        texts = all_gather_objects(text, group)
-        lines = "\n".join(f"  rank {r}: {t}" for r, t in enumerate(texts))
+        texts: list[Any] = all_gather_objects((text, _code(refused)), group)
+        _raise_refusals(what, texts, group, refused)
+        lines = "\n".join(f"  rank {r}: {t}" for r, (t, _) in enumerate(texts))
         raise RankDisagreementError(
             f"ranks called a zero_dtensor collective with different arguments (it would hang or mix up buffers); "
             f"call it on every rank of the data-parallel group, in the same order, with the same names and dtype:\n"
             f"{lines}"
         )
+    if refused is not None:  # every rank refused alike (or no group to tell): each raises its own
+        raise refused
 
 
-def check_grads_call(grads: Any, what: str, *signature: Any, always: bool = False) -> None:
+def check_grads_call(grads: Any, what: str, *signature: Any, always: bool = False,
+                     refused: Exception | None = None) -> None:
     """:func:`check_same_call` over the process groups of ``grads`` (a ``GradState``, or a ``GradStorage``: anything
     with ``process_groups`` and ``device``)."""
     if not (_DEBUG or (always and _RANK_CHECKS)):
+        if refused is not None:
+            raise refused
         return
     storage = grads.storage if hasattr(grads, "storage") else grads
-    check_same_call(what, signature, storage.process_groups, storage.device, always=always)
+    check_same_call(what, signature, storage.process_groups, storage.device, always=always, refused=refused)
 
 
 _STEP_ATTR = "_zero_dtensor_step_checkpoint"

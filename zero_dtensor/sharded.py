@@ -2,7 +2,8 @@
 
 Nothing here communicates unless its docstring says so. Each collective call must run on every rank of the
 data-parallel group, in the same order, or the job hangs (as with any ``torch.distributed`` collective); bulk reads
-check that they do (see :mod:`zero_dtensor.debug`). The work is done by modules that take the internal state
+and writes check that they do (see :mod:`zero_dtensor.debug`), and a call whose arguments one rank refuses (an
+unknown name, a bad ``out=`` entry or ``dtype``) raises on every rank at that check, before anything is sent. The work is done by modules that take the internal state
 explicitly: :mod:`~zero_dtensor.materialize` (full tensors), :mod:`~zero_dtensor.transforms` (elementwise, clone),
 :mod:`~zero_dtensor.reductions` (norms, dots, stats, clipping).
 """
@@ -105,11 +106,13 @@ class ParamGrad:
         """
         state = self._grads._state
         state.check_current()
-        check_dtype(dtype, "ParamGrad.full_tensor")
+        with _debug.Refusal() as refusal:
+            check_dtype(dtype, "ParamGrad.full_tensor")
         storage = state.storage
         param = self._param
         pg = storage.process_groups[param.group]
-        _debug.check_same_call("ParamGrad.full_tensor", (self.name, str(dtype)), [pg], storage.device)
+        _debug.check_same_call("ParamGrad.full_tensor", (self.name, str(dtype)), [pg], storage.device,
+                               refused=refusal.error)
         group = state.group(param.group)
         full = group.placement.gather_param(group, param, storage.partitions[param.group], pg, storage.device)
         return state.finish(full.view(param.shape), dtype)
@@ -145,7 +148,9 @@ class ShardedGrads(Mapping[str, ParamGrad]):
     Transforms (``mul_`` … ``add_noise_``) work on the local shards with **no communication**; reductions
     (``norms``, ``global_norm``, ``dots``, ``clip_*``) issue **one all_reduce of a (k,) vector per process group**
     (``stats`` at most two). Every operation takes ``params=``: ``None`` (all trainable parameters), a collection of
-    names, or a predicate ``name -> bool``; unknown names raise ``KeyError`` before anything is written. Operands and
+    names, or a predicate ``name -> bool``; unknown names raise ``KeyError`` before anything is written (the
+    reductions check that every rank agrees only in debug mode: a name unknown on one rank raises there alone, and
+    the other ranks wait in the all_reduce). Operands and
     results are in true (unscaled) units under fp16 loss scaling. Each call runs a fixed number of tensor operations
     whatever the number of parameters (see :mod:`zero_dtensor.plan`).
     """
@@ -252,7 +257,9 @@ class ShardedGrads(Mapping[str, ParamGrad]):
 
         Communication (``N`` ranks, ``S`` the padded flat bytes of the groups involved, in the stored dtype): first
         the rank-agreement check (one all_gather of one int64 per process group communicated on; see
-        :mod:`zero_dtensor.debug`), then ``all_gather``: one all_gather per (process group, dtype, device),
+        :mod:`zero_dtensor.debug`; arguments that any rank refuses — names, ``dtype``, ``out=`` entries, ``dst``,
+        ``strategy`` — raise there on every rank, this rank's own error or the same class naming the refusing
+        rank), then ``all_gather``: one all_gather per (process group, dtype, device),
         coalesced over the flat groups sharing them, ``(N-1)/N·S`` bytes per rank. ``all_reduce``: one sum all_reduce
         per (process group, dtype, device) of a zero-filled ``S`` buffer, ``2(N-1)/N·S`` bytes per rank. ``auto`` on
         gloo, for transfers of at least 1 MiB: the first call per (process group, dtype, power-of-two size) also
@@ -268,9 +275,12 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         is never overwritten (``zero_dtensor.materialize.BUFFERS.recycle = False`` turns this off).
         """
         self._state.check_current()
-        selected = self._select(names)
-        check_dtype(dtype, "full_tensors")
-        self._check_agreement("full_tensors", selected, str(dtype), dst, async_op, strategy)
+        selected: list[ParamLayout] | None = None
+        with _debug.Refusal() as refusal:
+            selected = self._select(names)
+            check_dtype(dtype, "full_tensors")
+            _bulk.check_request(self._state, selected, dtype=dtype, out=out, dst=dst, strategy=strategy)
+        self._check_agreement("full_tensors", selected, str(dtype), dst, async_op, strategy, refused=refusal.error)
         return _bulk.full_tensors(self._state, selected, dtype=dtype, out=out, dst=dst, async_op=async_op,
                                   strategy=strategy)
 
@@ -288,8 +298,9 @@ class ShardedGrads(Mapping[str, ParamGrad]):
 
         Parameters come per flat group, in buffer order (not model order). Consecutive parameters form windows of
         at most ``bucket_bytes`` of buffers allocated here (stored dtype); a parameter larger than that gets a
-        window of its own. First the rank-agreement check (one small all_gather per process group, once per call),
-        then one collective per window, nothing for replicated groups (one local copy per window): ZeRO-1/2
+        window of its own. First the rank-agreement check (one small all_gather per process group, once per call;
+        it carries any rank's refusal of the arguments, which then raises on every rank), then one collective per
+        window, nothing for replicated groups (one local copy per window): ZeRO-1/2
         ``all_reduce`` (the default on gloo and NCCL): the window ``[a, b)`` of the global flat buffer,
         zero-filled, each rank writing its overlap, ``2(N-1)/N·W`` bytes per rank; ``all_gather``: each rank's
         overlap padded to the largest one (``m``), ``(N-1)·m`` bytes received per rank. ZeRO-3 ``all_gather`` (NCCL
@@ -301,9 +312,12 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         buffer, valid as long as they are referenced); ``dtype`` casts and fp16 unscaling convert the window once.
         """
         self._state.check_current()
-        selected = self._select(names)
-        check_dtype(dtype, "iter_full")
-        self._check_agreement("iter_full", selected, bucket_bytes, str(dtype), strategy)
+        selected: list[ParamLayout] | None = None
+        with _debug.Refusal() as refusal:
+            selected = self._select(names)
+            check_dtype(dtype, "iter_full")
+            _stream.check_request(bucket_bytes, strategy)
+        self._check_agreement("iter_full", selected, bucket_bytes, str(dtype), strategy, refused=refusal.error)
         return _stream.iter_full(self._state, selected, bucket_bytes=bucket_bytes, dtype=dtype, strategy=strategy)
 
     def set_full_(self, mapping: Mapping[str, torch.Tensor]) -> None:
@@ -532,9 +546,11 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         exchange.
         """
         self._check_current()
-        selected = self._select(names)
-        check_dtype(dtype, "to_dtensors")
-        self._check_agreement("to_dtensors", selected, str(dtype))
+        selected: list[ParamLayout] | None = None
+        with _debug.Refusal() as refusal:
+            selected = self._select(names)
+            check_dtype(dtype, "to_dtensors")
+        self._check_agreement("to_dtensors", selected, str(dtype), refused=refusal.error)
         return _redistribute.to_dtensors(self._storage, selected, dtype=dtype)
 
     def set_dtensors_(self, mapping: Mapping[str, DTensor]) -> None:
@@ -549,10 +565,14 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         too: every rank needs the whole new value, ``(N-1)/N · S`` received). Writes never record autograd history.
         """
         self._check_current()
-        selected = self._select(_redistribute.mapping_names(mapping, "set_dtensors_"))
+        selected: list[ParamLayout] | None = None
+        with _debug.Refusal() as refusal:
+            selected = self._select(_redistribute.mapping_names(mapping, "set_dtensors_"))
         storage = self._storage
-        _debug.check_same_call("set_dtensors_", ([p.name for p in selected], _redistribute.dtensor_signature(mapping)),
-                               _redistribute.agreement_groups(storage, selected), storage.device, always=True)
+        signature = () if selected is None else ([p.name for p in selected], _redistribute.dtensor_signature(mapping))
+        _debug.check_same_call("set_dtensors_", signature, _redistribute.agreement_groups(storage, selected),
+                               storage.device, always=True, refused=refusal.error)
+        assert selected is not None  # a refusal raised above
         _redistribute.set_dtensors_(storage, selected, mapping)
 
     def owners(self, names: list[str] | None = None, *, owners: Mapping[str, int] | None = None) -> dict[str, int]:
@@ -576,10 +596,13 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         **snapshots** the caller owns.
         """
         self._check_current()
-        selected = self._select(names)
-        check_dtype(dtype, "owned")
-        assignment = _redistribute.owners(self._storage, selected, owners)
-        self._check_agreement("owned", selected, str(dtype), tuple(assignment.values()))
+        selected: list[ParamLayout] | None = None
+        assignment: dict[str, int] = {}
+        with _debug.Refusal() as refusal:
+            selected = self._select(names)
+            check_dtype(dtype, "owned")
+            assignment = _redistribute.owners(self._storage, selected, owners)
+        self._check_agreement("owned", selected, str(dtype), tuple(assignment.values()), refused=refusal.error)
         return _redistribute.owned(self._storage, selected, assignment, dtype=dtype)
 
     def set_owned_(self, mapping: Mapping[str, torch.Tensor], *, owners: Mapping[str, int] | None = None) -> None:
@@ -615,26 +638,38 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         :class:`~zero_dtensor.errors.RankFailedError` elsewhere.
         """
         self._check_current()
-        selected = self._select(names)
-        if not callable(fn):
-            raise TypeError(f"map_full_ takes a function fn(name, full_gradient) -> tensor, got {type(fn).__name__}")
         storage = self._storage
-        assignment = _redistribute.owners(storage, selected, owners)
-        _debug.check_same_call("map_full_", ([p.name for p in selected], tuple(assignment.values())),
-                               _redistribute.agreement_groups(storage, selected), storage.device, always=True)
+        selected: list[ParamLayout] | None = None
+        assignment: dict[str, int] = {}
+        with _debug.Refusal() as refusal:
+            selected = self._select(names)
+            if not callable(fn):
+                raise TypeError(f"map_full_ takes a function fn(name, full_gradient) -> tensor, got "
+                                f"{type(fn).__name__}")
+            assignment = _redistribute.owners(storage, selected, owners)
+        signature = () if refusal.error else ([p.name for p in selected], tuple(assignment.values()))
+        _debug.check_same_call("map_full_", signature, _redistribute.agreement_groups(storage, selected),
+                               storage.device, always=True, refused=refusal.error)
+        assert selected is not None  # a refusal raised above
         _redistribute.map_full_(storage, selected, assignment, fn)
 
     # --- internals -----------------------------------------------------------------------------------------------
-    def _check_agreement(self, what: str, selected: list[ParamLayout], *signature: Any) -> None:
+    def _check_agreement(self, what: str, selected: list[ParamLayout] | None, *signature: Any,
+                         refused: Exception | None = None) -> None:
         """The always-on rank-agreement check of a bulk read (see :mod:`zero_dtensor.debug`): over the process
-        groups the call will communicate on (none for replicated or single-rank groups); in debug mode over all."""
+        groups the call will communicate on (none for replicated or single-rank groups); in debug mode over all.
+        ``refused``: this rank's validation error (``selected`` is then ``None`` and the check runs over the
+        process groups of every sharded group): every rank raises."""
         storage = self._state.storage
         if _debug.is_debug():
             groups = storage.process_groups
         else:
-            used = sorted(self._state.plan.by_group(selected))  # cached for every parameter in model order
+            used = range(len(self.layout.groups)) if selected is None else sorted(self._state.plan.by_group(selected))
             groups = tuple(storage.process_groups[i] for i in used
                            if self.layout.groups[i].placement.is_sharded and self.layout.groups[i].world_size > 1)
+        if selected is None or refused is not None:
+            _debug.check_same_call(what, (), groups, storage.device, always=True, refused=refused)
+            return
         if not groups:
             return
         everything = self._state.plan.is_everything(selected)

@@ -218,3 +218,85 @@ def unsupported_zero3_multi_group() -> str:
             del param.ds_process_group
     zd.sharded_grads(engine)  # the real engine is accepted
     return str(info.value)
+
+
+# --- one rank refuses: every rank raises at the agreement check -----------------------------------------------------
+#: row -> (the call: fn(grads, names, bad) with ``bad`` True on the refusing rank, the exception, its message)
+REFUSALS: dict[str, tuple[Any, type[Exception], str]] = {
+    "full_tensors out= entry": (
+        lambda g, n, bad: g.full_tensors(out={n[0]: torch.zeros(3)} if bad else g._prev), ValueError,
+        "must be a tensor of shape"),
+    "full_tensors name": (lambda g, n, bad: g.full_tensors([n[0], "no.such.param"] if bad else n[:2]), KeyError,
+                          "no.such.param"),
+    "full_tensors dtype": (lambda g, n, bad: g.full_tensors(dtype=torch.int32 if bad else None), TypeError,
+                           "floating dtype"),
+    "full_tensors strategy": (lambda g, n, bad: g.full_tensors(strategy="bogus" if bad else "auto"), ValueError,
+                              "strategy"),
+    "full_tensors dst": (lambda g, n, bad: g.full_tensors(dst=dist.get_world_size() if bad else 0), ValueError,
+                         "dst"),
+    "iter_full bucket_bytes": (lambda g, n, bad: g.iter_full(bucket_bytes=0 if bad else 2**20), ValueError,
+                               "bucket_bytes"),
+    "to_dtensors name": (lambda g, n, bad: g.to_dtensors(["no.such.param"] if bad else n[:2]), KeyError,
+                         "no.such.param"),
+    "owned owners": (lambda g, n, bad: g.owned(n[:2], owners=[1] if bad else None), TypeError, "owners="),
+    "map_full_ fn": (lambda g, n, bad: g.map_full_(None if bad else (lambda name, t: t), n[:2]), TypeError,
+                     "function"),
+    "set_dtensors_ mapping": (lambda g, n, bad: g.set_dtensors_([1] if bad else g._dtensors), TypeError, "mapping"),
+    "ParamGrad.full_tensor dtype (debug mode)": (
+        lambda g, n, bad: g[n[0]].full_tensor(dtype=torch.int32 if bad else None), TypeError, "floating dtype"),
+}
+REFUSAL_ROWS = [*REFUSALS, "every rank refuses alike"]
+
+
+def _row_refusal(grads: Any, names: list[str], label: str) -> None:
+    call, error, match = REFUSALS[label]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    bad = rank == world - 1  # the last rank refuses; every other rank passes good arguments
+    prev = grads._prev
+    before = {n: t.clone() for n, t in prev.items()}
+    debug_mode = "debug mode" in label
+    debug.set_debug(debug_mode)
+    try:
+        with pytest.raises(error) as info:
+            call(grads, names, bad)
+    finally:
+        debug.set_debug(False)
+    message = str(info.value)
+    if bad:  # its own error, with a note that every rank raised
+        assert match in message, message
+        assert any("raised on every rank" in note for note in getattr(info.value, "__notes__", [])), info.value
+    else:  # the refusing rank's class, naming it and its message
+        assert f"rank(s) [{world - 1}] refused" in message and match in message, message
+    assert all(torch.equal(prev[n], before[n]) for n in prev), "a refused call wrote into out="
+    # nothing is left pending: the next agreeing collective lines up on every rank
+    full = grads.full_tensors(names[:2])
+    assert sorted(full) == sorted(names[:2])
+
+
+def _row_refused_alike(grads: Any, names: list[str]) -> None:
+    with count_comms() as mode:
+        with pytest.raises(KeyError, match="no.such.param") as info:
+            grads.full_tensors(["no.such.param"])
+    assert "refused the call's arguments" not in str(info.value)  # each rank raises its own, no one else's
+    assert mode.get_total_counts() <= 1, mode.get_comm_counts()  # the agreement's one small all_gather at most
+    assert sorted(grads.full_tensors(names[:2])) == sorted(names[:2])
+
+
+def one_rank_refusals(case: EngineCase) -> dict[str, Any]:
+    """A call whose arguments one rank refuses (an unknown name, a bad ``out=`` entry, ...) raises on every rank at
+    the rank-agreement check: there its own error, elsewhere the same class naming it; nothing is written, nothing
+    hangs, and the next call lines up."""
+    from .rows import Rows
+
+    engine = build_engine(case)
+    forward_backward(engine)
+    grads = zd.sharded_grads(engine)
+    names = list(grads.names)
+    grads._prev = grads.full_tensors()  # type: ignore[attr-defined]
+    grads.mul_(2.0)  # the gradients now differ from _prev: a write into it would show
+    grads._dtensors = grads.to_dtensors(names[:2])  # type: ignore[attr-defined]
+    rows = Rows(REFUSAL_ROWS)
+    for label in REFUSALS:
+        rows.run(label, _row_refusal, grads, names, label)
+    rows.run("every rank refuses alike", _row_refused_alike, grads, names)
+    return rows.report()

@@ -73,11 +73,13 @@ class RowResults:
     def __init__(self) -> None:
         self._cache: dict[tuple[str, str], Any] = {}
 
-    def get(self, ranks: Any, world: int, fn: Callable[..., Any], case: Any, *args: Any) -> list[dict[str, Any]]:
+    def get(self, ranks: Any, world: int, fn: Callable[..., Any], case: Any, *args: Any,
+            timeout: float = 600.0) -> list[dict[str, Any]]:
+        """Every rank's answer of ``fn(case, *args)``; a check that hangs fails every row after ``timeout`` s."""
         key = (f"{fn.__module__}.{fn.__qualname__}{args!r}", case.id)
         if key not in self._cache:
             try:
-                self._cache[key] = ranks(world).run(fn, case, *args)
+                self._cache[key] = ranks(world).run(fn, case, *args, timeout=timeout)
             except Exception as exc:  # noqa: BLE001 - every row of the case fails with it
                 self._cache[key] = exc
         answer = self._cache[key]

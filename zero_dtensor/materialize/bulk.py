@@ -36,7 +36,7 @@ from .buffers import BUFFERS
 from .results import GatheredGrads, PendingFullTensors
 from .strategy import check_strategy, explicit, resolve
 
-__all__ = ["full_tensors", "gather_flat_groups", "unpack"]
+__all__ = ["check_request", "full_tensors", "gather_flat_groups", "unpack"]
 
 _NAME = operator.attrgetter("name")
 
@@ -221,6 +221,17 @@ def _check_dst(state: GradState, dst: Any, wanted: list[int]) -> None:
             raise ValueError(f"dst={dst} is not a member of the process group of flat group {i}") from None
 
 
+def check_request(state: GradState, params: list[ParamLayout], *, dtype: torch.dtype | None,
+                  out: MutableMapping[str, torch.Tensor] | None, dst: int | None, strategy: str) -> None:
+    """Refuse a ``full_tensors`` request this rank cannot make (``strategy``, ``out=`` entries, ``dst``), before any
+    communication: ``TypeError`` / ``ValueError``. No communication."""
+    check_strategy(strategy)
+    if out is not None:
+        _validate_out(state, params, out, dtype)
+    if dst is not None:
+        _check_dst(state, dst, sorted(state.plan.by_group(params)))
+
+
 # --- the call --------------------------------------------------------------------------------------------------------
 def full_tensors(
     state: GradState,
@@ -232,14 +243,10 @@ def full_tensors(
     async_op: bool = False,
     strategy: str = "auto",
 ) -> dict[str, torch.Tensor] | PendingFullTensors:
-    """See ``ShardedGrads.full_tensors`` (the documented entry point); ``params`` are already validated."""
+    """See ``ShardedGrads.full_tensors`` (the documented entry point); ``params`` and the arguments are already
+    validated (:func:`check_request`, before the rank-agreement check)."""
     state.check_current()
-    check_strategy(strategy)
-    if out is not None:
-        _validate_out(state, params, out, dtype)
     wanted = sorted(state.plan.by_group(params))  # cached for every parameter in model order
-    if dst is not None:
-        _check_dst(state, dst, wanted)
     is_dst = dst is None or global_rank() == dst
 
     transfers = _transfers(state, wanted)

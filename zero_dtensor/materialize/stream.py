@@ -24,7 +24,7 @@ from ..state import GradState
 from .buffers import BUFFERS
 from .strategy import check_strategy, stream_strategy
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "iter_full", "plan_windows"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "check_request", "iter_full", "plan_windows"]
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 
@@ -103,12 +103,18 @@ def _true(state: GradState, values: torch.Tensor, dtype: torch.dtype | None) -> 
 
 def iter_full(state: GradState, params: list[ParamLayout], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
               dtype: torch.dtype | None = None, strategy: str = "auto") -> Iterator[tuple[str, torch.Tensor]]:
-    """See ``ShardedGrads.iter_full`` (the documented entry point); ``params`` are already validated."""
+    """See ``ShardedGrads.iter_full`` (the documented entry point); ``params`` and the arguments are already
+    validated (:func:`check_request`, before the rank-agreement check)."""
     state.check_current()
+    return _stream(state, _windows(state, params, bucket_bytes, strategy), dtype)
+
+
+def check_request(bucket_bytes: Any, strategy: str) -> None:
+    """Refuse an ``iter_full`` request this rank cannot make, before any communication: ``ValueError``. No
+    communication."""
     check_strategy(strategy)
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
-    return _stream(state, _windows(state, params, bucket_bytes, strategy), dtype)
 
 
 def _stream(state: GradState, windows: list[_Window], dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:

@@ -3,9 +3,10 @@
 Nothing here communicates unless its docstring says so. Each collective call must run on every rank of the
 data-parallel group, in the same order, or the job hangs (as with any ``torch.distributed`` collective); bulk reads
 and writes check that they do (see :mod:`zero_dtensor.debug`), and a call whose arguments one rank refuses (an
-unknown name, a bad ``out=`` entry or ``dtype``) raises on every rank at that check, before anything is sent. The work is done by modules that take the internal state
-explicitly: :mod:`~zero_dtensor.materialize` (full tensors), :mod:`~zero_dtensor.transforms` (elementwise, clone),
-:mod:`~zero_dtensor.reductions` (norms, dots, stats, clipping).
+unknown name, a bad ``out=`` entry or ``dtype``) raises on every rank at that check, before anything is sent. The
+work is done by modules that take the internal state explicitly: :mod:`~zero_dtensor.materialize` (full tensors),
+:mod:`~zero_dtensor.transforms` (elementwise, clone), :mod:`~zero_dtensor.reductions` (norms, dots, stats,
+clipping).
 """
 
 from __future__ import annotations
@@ -150,9 +151,9 @@ class ShardedGrads(Mapping[str, ParamGrad]):
     (``stats`` at most two). Every operation takes ``params=``: ``None`` (all trainable parameters), a collection of
     names, or a predicate ``name -> bool``; unknown names raise ``KeyError`` before anything is written (the
     reductions check that every rank agrees only in debug mode: a name unknown on one rank raises there alone, and
-    the other ranks wait in the all_reduce). Operands and
-    results are in true (unscaled) units under fp16 loss scaling. Each call runs a fixed number of tensor operations
-    whatever the number of parameters (see :mod:`zero_dtensor.plan`).
+    the other ranks wait in the all_reduce). Operands and results are in true (unscaled) units under fp16 loss
+    scaling. Each call runs a fixed number of tensor operations whatever the number of parameters (see
+    :mod:`zero_dtensor.plan`).
     """
 
     def __init__(self, storage: GradStorage) -> None:
@@ -658,8 +659,8 @@ class ShardedGrads(Mapping[str, ParamGrad]):
                          refused: Exception | None = None) -> None:
         """The always-on rank-agreement check of a bulk read (see :mod:`zero_dtensor.debug`): over the process
         groups the call will communicate on (none for replicated or single-rank groups); in debug mode over all.
-        ``refused``: this rank's validation error (``selected`` is then ``None`` and the check runs over the
-        process groups of every sharded group): every rank raises."""
+        ``refused``: this rank's validation error, which every rank then raises (``selected`` is ``None`` when the
+        selection itself failed: the check then runs over the process groups of every sharded group)."""
         storage = self._state.storage
         if _debug.is_debug():
             groups = storage.process_groups
@@ -667,9 +668,8 @@ class ShardedGrads(Mapping[str, ParamGrad]):
             used = range(len(self.layout.groups)) if selected is None else sorted(self._state.plan.by_group(selected))
             groups = tuple(storage.process_groups[i] for i in used
                            if self.layout.groups[i].placement.is_sharded and self.layout.groups[i].world_size > 1)
-        if selected is None or refused is not None:
+        if refused is not None:  # raises on every rank
             _debug.check_same_call(what, (), groups, storage.device, always=True, refused=refused)
-            return
         if not groups:
             return
         everything = self._state.plan.is_everything(selected)

@@ -35,7 +35,8 @@ def test_disagreeing_ranks_raise_in_debug_mode(ranks, stage: int) -> None:
     assert "rank 0" in messages[0][0] and "rank 1" in messages[0][0]
 
 
-REFUSAL_CASES = [EngineCase(1, world=3), EngineCase(2), EngineCase(3), EngineCase(3, "bf16", world=3)]
+REFUSAL_CASES = [EngineCase(1, world=3), EngineCase(2), EngineCase(3), EngineCase(3, "bf16", world=3),
+                 EngineCase(1, "bf16", bf16_optimizer=True)]
 REFUSAL_TESTS = [pytest.param(case, row, id=f"{case.id}-{slug(row)}")
                  for case in REFUSAL_CASES for row in bad_input.REFUSAL_ROWS]
 _REFUSAL_RESULTS = RowResults()
@@ -44,6 +45,7 @@ _REFUSAL_RESULTS = RowResults()
 @pytest.mark.parametrize("case,row", REFUSAL_TESTS)
 def test_one_rank_refusing_raises_on_every_rank(ranks, case: EngineCase, row: str) -> None:
     """A bad argument on one rank (the last) makes every rank raise at the rank-agreement check, before any rank
-    communicates or writes: no hang, no half-applied call, and the next call lines up."""
+    communicates or writes: no hang, no half-applied call, and the next call lines up (replicated engines: the calls
+    that communicate nothing raise on that rank alone)."""
     # a rank left waiting would hang: the check takes seconds, so a regression fails after two minutes, not ten
     assert_row(_REFUSAL_RESULTS.get(ranks, case.world, bad_input.one_rank_refusals, case, timeout=120.0), row)

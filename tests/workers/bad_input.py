@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -221,29 +222,33 @@ def unsupported_zero3_multi_group() -> str:
 
 
 # --- one rank refuses: every rank raises at the agreement check -----------------------------------------------------
-#: row -> (the call: fn(grads, names, bad) with ``bad`` True on the refusing rank, the exception, its message)
+#: row -> (the call: fn(state, bad) with ``bad`` True on the refusing rank, the exception, its message)
 REFUSALS: dict[str, tuple[Any, type[Exception], str]] = {
     "full_tensors out= entry": (
-        lambda g, n, bad: g.full_tensors(out={n[0]: torch.zeros(3)} if bad else g._prev), ValueError,
-        "must be a tensor of shape"),
-    "full_tensors name": (lambda g, n, bad: g.full_tensors([n[0], "no.such.param"] if bad else n[:2]), KeyError,
-                          "no.such.param"),
-    "full_tensors dtype": (lambda g, n, bad: g.full_tensors(dtype=torch.int32 if bad else None), TypeError,
-                           "floating dtype"),
-    "full_tensors strategy": (lambda g, n, bad: g.full_tensors(strategy="bogus" if bad else "auto"), ValueError,
-                              "strategy"),
-    "full_tensors dst": (lambda g, n, bad: g.full_tensors(dst=dist.get_world_size() if bad else 0), ValueError,
-                         "dst"),
-    "iter_full bucket_bytes": (lambda g, n, bad: g.iter_full(bucket_bytes=0 if bad else 2**20), ValueError,
-                               "bucket_bytes"),
-    "to_dtensors name": (lambda g, n, bad: g.to_dtensors(["no.such.param"] if bad else n[:2]), KeyError,
-                         "no.such.param"),
-    "owned owners": (lambda g, n, bad: g.owned(n[:2], owners=[1] if bad else None), TypeError, "owners="),
-    "map_full_ fn": (lambda g, n, bad: g.map_full_(None if bad else (lambda name, t: t), n[:2]), TypeError,
-                     "function"),
-    "set_dtensors_ mapping": (lambda g, n, bad: g.set_dtensors_([1] if bad else g._dtensors), TypeError, "mapping"),
+        lambda s, bad: s.grads.full_tensors(out={s.names[0]: torch.zeros(3)} if bad else s.prev),
+        ValueError, "must be a tensor of shape"),
+    "full_tensors name": (
+        lambda s, bad: s.grads.full_tensors([s.names[0], "no.such.param"] if bad else s.names[:2]),
+        KeyError, "no.such.param"),
+    "full_tensors dtype": (
+        lambda s, bad: s.grads.full_tensors(dtype=torch.int32 if bad else None), TypeError, "floating dtype"),
+    "full_tensors strategy": (
+        lambda s, bad: s.grads.full_tensors(strategy="bogus" if bad else "auto"), ValueError, "strategy"),
+    "full_tensors dst": (
+        lambda s, bad: s.grads.full_tensors(dst=dist.get_world_size() if bad else 0), ValueError, "dst"),
+    "iter_full bucket_bytes": (
+        lambda s, bad: s.grads.iter_full(bucket_bytes=0 if bad else 2**20), ValueError, "bucket_bytes"),
+    "to_dtensors name": (
+        lambda s, bad: s.grads.to_dtensors(["no.such.param"] if bad else s.names[:2]), KeyError, "no.such.param"),
+    "owned owners": (
+        lambda s, bad: s.grads.owned(s.names[:2], owners=[1] if bad else None), TypeError, "owners="),
+    "map_full_ fn": (
+        lambda s, bad: s.grads.map_full_(None if bad else (lambda name, t: t), s.names[:2]), TypeError, "function"),
+    "set_dtensors_ mapping": (
+        lambda s, bad: s.grads.set_dtensors_([1] if bad else s.dtensors), TypeError, "mapping"),
     "ParamGrad.full_tensor dtype (debug mode)": (
-        lambda g, n, bad: g[n[0]].full_tensor(dtype=torch.int32 if bad else None), TypeError, "floating dtype"),
+        lambda s, bad: s.grads[s.names[0]].full_tensor(dtype=torch.int32 if bad else None),
+        TypeError, "floating dtype"),
 }
 REFUSAL_ROWS = [*REFUSALS, "every rank refuses alike"]
 #: the rows whose call communicates on a replicated engine (``BF16_Optimizer``) too; the others' calls communicate
@@ -252,21 +257,32 @@ COMMUNICATES_REPLICATED = frozenset({"map_full_ fn", "set_dtensors_ mapping",
                                      "ParamGrad.full_tensor dtype (debug mode)"})
 
 
-def _row_refusal(grads: Any, names: list[str], label: str, replicated: bool) -> None:
+@dataclass(frozen=True)
+class _Refusing:
+    """What the refusal rows share: the gradients, their names, a previous full_tensors result (``out=``) and
+    DTensors to write back (``set_dtensors_``)."""
+
+    grads: Any
+    names: list[str]
+    prev: Any
+    dtensors: dict[str, Any]
+
+
+def _row_refusal(st: _Refusing, label: str, replicated: bool) -> None:
     call, error, match = REFUSALS[label]
     rank, world = dist.get_rank(), dist.get_world_size()
     bad = rank == world - 1  # the last rank refuses; every other rank passes good arguments
     agreed = not replicated or label in COMMUNICATES_REPLICATED  # the call checks agreement: every rank raises
-    prev = grads._prev
+    prev = st.prev
     before = {n: t.clone() for n, t in prev.items()}
     debug_mode = "debug mode" in label
     debug.set_debug(debug_mode)
     try:
         if bad or agreed:
             with pytest.raises(error) as info:
-                call(grads, names, bad)
+                call(st, bad)
         else:
-            call(grads, names, bad)
+            call(st, bad)
     finally:
         debug.set_debug(False)
     if bad:  # its own error, with a note that every rank raised where they did
@@ -280,8 +296,8 @@ def _row_refusal(grads: Any, names: list[str], label: str, replicated: bool) -> 
     if bad or agreed:  # (a replicated engine's good rank made its call: its out= holds the new values)
         assert all(torch.equal(prev[n], before[n]) for n in prev), "a refused call wrote into out="
     # nothing is left pending: the next agreeing collective lines up on every rank
-    full = grads.full_tensors(names[:2])
-    assert sorted(full) == sorted(names[:2])
+    full = st.grads.full_tensors(st.names[:2])
+    assert sorted(full) == sorted(st.names[:2])
 
 
 def _row_refused_alike(grads: Any, names: list[str]) -> None:
@@ -304,11 +320,11 @@ def one_rank_refusals(case: EngineCase) -> dict[str, Any]:
     forward_backward(engine)
     grads = zd.sharded_grads(engine)
     names = list(grads.names)
-    grads._prev = grads.full_tensors()  # type: ignore[attr-defined]
-    grads.mul_(2.0)  # the gradients now differ from _prev: a write into it would show
-    grads._dtensors = grads.to_dtensors(names[:2])  # type: ignore[attr-defined]
+    prev = grads.full_tensors()
+    grads.mul_(2.0)  # the gradients now differ from prev: a write into it would show
+    st = _Refusing(grads, names, prev, grads.to_dtensors(names[:2]))
     rows = Rows(REFUSAL_ROWS)
     for label in REFUSALS:
-        rows.run(label, _row_refusal, grads, names, label, case.bf16_optimizer)
+        rows.run(label, _row_refusal, st, label, case.bf16_optimizer)
     rows.run("every rank refuses alike", _row_refused_alike, grads, names)
     return rows.report()

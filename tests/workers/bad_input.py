@@ -273,15 +273,15 @@ def _row_refusal(st: _Refusing, label: str, replicated: bool) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     bad = rank == world - 1  # the last rank refuses; every other rank passes good arguments
     agreed = not replicated or label in COMMUNICATES_REPLICATED  # the call checks agreement: every rank raises
+    raises = bad or agreed
     prev = st.prev
     before = {n: t.clone() for n, t in prev.items()}
-    debug_mode = "debug mode" in label
-    debug.set_debug(debug_mode)
+    debug.set_debug("debug mode" in label)
     try:
-        if bad or agreed:
+        if raises:
             with pytest.raises(error) as info:
                 call(st, bad)
-        else:
+        else:  # a replicated engine's call that communicates nothing: it is made here
             call(st, bad)
     finally:
         debug.set_debug(False)
@@ -293,19 +293,20 @@ def _row_refusal(st: _Refusing, label: str, replicated: bool) -> None:
     elif agreed:  # the refusing rank's class, naming it and its message
         message = str(info.value)
         assert f"rank(s) [{world - 1}] refused" in message and match in message, message
-    if bad or agreed:  # (a replicated engine's good rank made its call: its out= holds the new values)
+    if raises:
         assert all(torch.equal(prev[n], before[n]) for n in prev), "a refused call wrote into out="
     # nothing is left pending: the next agreeing collective lines up on every rank
     full = st.grads.full_tensors(st.names[:2])
     assert sorted(full) == sorted(st.names[:2])
 
 
-def _row_refused_alike(grads: Any, names: list[str]) -> None:
+def _row_refused_alike(grads: Any, names: list[str], replicated: bool) -> None:
     with count_comms() as mode:
         with pytest.raises(KeyError, match="no.such.param") as info:
             grads.full_tensors(["no.such.param"])
     assert "refused the call's arguments" not in str(info.value)  # each rank raises its own, no one else's
-    assert mode.get_total_counts() <= 1, mode.get_comm_counts()  # the agreement's one small all_gather at most
+    # the agreement's one small all_gather (none where the call communicates nothing: replicated groups)
+    assert mode.get_total_counts() == (0 if replicated else 1), mode.get_comm_counts()
     assert sorted(grads.full_tensors(names[:2])) == sorted(names[:2])
 
 
@@ -326,5 +327,5 @@ def one_rank_refusals(case: EngineCase) -> dict[str, Any]:
     rows = Rows(REFUSAL_ROWS)
     for label in REFUSALS:
         rows.run(label, _row_refusal, st, label, case.bf16_optimizer)
-    rows.run("every rank refuses alike", _row_refused_alike, grads, names)
+    rows.run("every rank refuses alike", _row_refused_alike, grads, names, case.bf16_optimizer)
     return rows.report()

@@ -52,6 +52,7 @@ __all__ = [
     "Refusal",
     "check_grads_call",
     "check_same_call",
+    "error_code",
     "install_step_checkpoint",
     "is_debug",
     "rank_checks_enabled",
@@ -179,8 +180,15 @@ def _raise_refusals(what: str, texts: list[tuple[str, int]], group: dist.Process
         f"anything (this rank's arguments were fine; mend those ranks' call):\n{lines}")
 
 
-def _code(refused: Exception | None) -> int:
-    return 0 if refused is None else 1 + next(i for i, cls in enumerate(REFUSALS) if isinstance(refused, cls))
+def error_code(error: BaseException | None) -> int:
+    """An error as one int that ranks can exchange: 0 none, ``1 + i`` for ``REFUSALS[i]``, ``len(REFUSALS) + 1``
+    for any other exception. No communication."""
+    if error is None:
+        return 0
+    for i, cls in enumerate(REFUSALS):
+        if isinstance(error, cls):
+            return i + 1
+    return len(REFUSALS) + 1
 
 
 def check_same_call(what: str, signature: Any, groups: Iterable[dist.ProcessGroup], device: torch.device,
@@ -213,7 +221,7 @@ def check_same_call(what: str, signature: Any, groups: Iterable[dist.ProcessGrou
         hashes = _gather_hashes(mine, group, device, what)
         if len(set(hashes)) == 1:
             continue
-        texts: list[Any] = all_gather_objects((text, _code(refused)), group)
+        texts: list[Any] = all_gather_objects((text, error_code(refused)), group)
         _raise_refusals(what, texts, group, refused)
         lines = "\n".join(f"  rank {r}: {t}" for r, (t, _) in enumerate(texts))
         raise RankDisagreementError(
@@ -225,16 +233,13 @@ def check_same_call(what: str, signature: Any, groups: Iterable[dist.ProcessGrou
         raise refused
 
 
-def check_grads_call(grads: Any, what: str, *signature: Any, always: bool = False,
-                     refused: Exception | None = None) -> None:
+def check_grads_call(grads: Any, what: str, *signature: Any, always: bool = False) -> None:
     """:func:`check_same_call` over the process groups of ``grads`` (a ``GradState``, or a ``GradStorage``: anything
     with ``process_groups`` and ``device``)."""
     if not (_DEBUG or (always and _RANK_CHECKS)):
-        if refused is not None:
-            raise refused
         return
     storage = grads.storage if hasattr(grads, "storage") else grads
-    check_same_call(what, signature, storage.process_groups, storage.device, always=always, refused=refused)
+    check_same_call(what, signature, storage.process_groups, storage.device, always=always)
 
 
 _STEP_ATTR = "_zero_dtensor_step_checkpoint"

@@ -49,7 +49,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import collectives
-from .debug import is_debug
+from .debug import REFUSALS, error_code, is_debug
 from .errors import RankFailedError
 from .layout import GradLayout, ParamLayout
 from .storage import GradStorage
@@ -459,16 +459,6 @@ def _flat_on(value: torch.Tensor | None, none: torch.Tensor, device: torch.devic
 
 
 # --- agreement on errors --------------------------------------------------------------------------------------------
-_CODES: tuple[type[BaseException], ...] = (TypeError, ValueError, KeyError)
-
-
-def _code(error: BaseException | None) -> int:
-    if error is None:
-        return 0
-    for i, cls in enumerate(_CODES):
-        if isinstance(error, cls):
-            return i + 1
-    return len(_CODES) + 1
 
 
 def _my_rank(storage: GradStorage) -> int:
@@ -511,15 +501,15 @@ def _raise_agreed(what: str, error: BaseException | None, failed: list[tuple[int
     code = failed[0][1]
     message = (f"zero_dtensor.{what}: rank(s) {ranks} failed (see their traceback); this rank's part was fine. "
                "Nothing was written on any rank.")
-    if code <= len(_CODES):
-        raise _CODES[code - 1](message)
+    if code <= len(REFUSALS):
+        raise REFUSALS[code - 1](message)
     raise RankFailedError(message, ranks)
 
 
 def _agree(storage: GradStorage, plan: Plan, what: str, error: BaseException | None) -> None:
     """Every rank learns whether any rank failed before anything is sent, and raises if one did."""
     groups = _plan_groups(storage, plan)
-    _raise_agreed(what, error, _failed_ranks(storage, groups, _code(error)) if groups else [])
+    _raise_agreed(what, error, _failed_ranks(storage, groups, error_code(error)) if groups else [])
 
 
 # --- validation -------------------------------------------------------------------------------------------------------
@@ -722,7 +712,7 @@ def set_owned_(storage: GradStorage, mapping: Mapping[str, torch.Tensor], *,
             raise TypeError(f"owners= must be a mapping name -> global rank, got {type(assignment).__name__}")
         restrict = {name: _check_owner_entry(storage, name, rank) for name, rank in assignment.items()}
     values, error = _provided(storage, mapping, restrict)
-    selection, assignment, failed = _discover(storage, values, _code(error))
+    selection, assignment, failed = _discover(storage, values, error_code(error))
     _raise_agreed("set_owned_", error, failed)
     selected = [storage.layout.by_name[n] for n in selection]
     plan = plan_for(storage, selected, OWNERS, assignment)

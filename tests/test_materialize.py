@@ -58,11 +58,13 @@ def test_fp16_results_are_unscaled_for_every_option(ranks, stage: int) -> None:
     ranks(2).run(materialize.check_fp16, stage)
 
 
-def test_auto_calibrates_once_and_agrees_across_ranks(ranks) -> None:
-    results = ranks(2).run(materialize.check_calibration)
+@pytest.mark.parametrize("stage", (2, 3))
+def test_auto_calibrates_once_and_agrees_across_ranks(ranks, stage: int) -> None:
+    results = ranks(2).run(materialize.check_calibration, stage)
     decisions = [r["decisions"] for r in results]
     assert len(decisions[0]) == 1 and decisions[0][0] in ("all_gather", "all_reduce")
     assert all(d == decisions[0] for d in decisions)
+    assert all(r["reorders"] == [stage == 3] for r in results)
 
 
 def test_bad_arguments_raise_before_any_collective(ranks) -> None:

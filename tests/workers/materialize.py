@@ -307,10 +307,11 @@ def check_fp16(stage: int) -> None:
         _equal({n: got[n] for n in default}, default, f"fp16 {strategy} iter_full")
 
 
-def check_calibration() -> dict:
-    """auto on gloo: the first call per size bucket calibrates (5 extra collectives), later calls reuse the
-    decision, and every rank takes the same one."""
-    engine = build_engine(EngineCase(2))
+def check_calibration(stage: int) -> dict:
+    """auto on gloo: the first call per size bucket calibrates (``CALIBRATION_COLLECTIVES`` extra collectives),
+    later calls reuse the decision, and every rank takes the same one; on ZeRO-3 the calibration also times the
+    reordering copy (the decision's key says so)."""
+    engine = build_engine(EngineCase(stage))
     forward_backward(engine)
     grads = zd.sharded_grads(engine)
     with pinned("all_gather"):
@@ -326,6 +327,7 @@ def check_calibration() -> dict:
             got = grads.full_tensors()
         _equal(dict(got), default, "auto (calibrated)")
         decisions = list(mz.strategy_decisions().values())
+        reorders = [key[-1] for key in mz.strategy_decisions()]
     finally:
         mz.strategy.CALIBRATION_MIN_BYTES = previous_min
         mz.clear_calibration()
@@ -336,7 +338,7 @@ def check_calibration() -> dict:
     with pinned(None), count_comms() as small:
         grads.full_tensors()
     assert small.get_total_counts() == 1 + checks and mz.strategy_decisions() == {}
-    return {"decisions": decisions}
+    return {"decisions": decisions, "reorders": reorders}
 
 
 def check_errors() -> None:

@@ -131,6 +131,7 @@ def _sweep_stage(args: argparse.Namespace, stage: int, tensors: int, progress: C
     # the floor: one bare all_gather of the same bytes into preallocated buffers. Its inputs are copies of the
     # partitions: holding the partitions themselves would keep the adapter's kept buffers busy.
     backward()
+    zd.materialize.clear_calibration()  # each stage calibrates strategy="auto" for itself (gloo)
     grads = zd.sharded_grads(engine)  # also builds the layout (once per engine)
     parts = grads.local_partitions
     sharded = [g for g in grads.layout.groups if g.placement.is_sharded]
@@ -200,6 +201,7 @@ def _sweep_stage(args: argparse.Namespace, stage: int, tensors: int, progress: C
     measure("global_norm", lambda: grads.global_norm())
     measure("stats()", lambda: grads.stats())
     record("first sharded_grads", firsts, first_floors, first_comms)
+    meta["auto_strategy"] = ", ".join(sorted(set(zd.materialize.strategy_decisions().values()))) or "all_gather"
     if floor is not None:  # every floor repetition of this run, interleaved with the rows'
         with CommDebugMode() as comm:
             floor()
@@ -256,7 +258,8 @@ def render(results: dict[str, Any], console: Any = None) -> None:
         sizes = ", ".join(f"K={m['tensors']}: {m['params'] / 1e6:.2f}M params, {_fmt_bytes(m['stored_bytes'])}"
                           for m in runs)
         table = Table(title=escape(f"ZeRO-{stage} ({runs[0]['optimizer']}), {results['world_size']} ranks on "
-                                   f"{results['backend']}, {runs[0]['stored_dtype']} ({sizes})"),
+                                   f"{results['backend']}, {runs[0]['stored_dtype']} ({sizes}); "
+                                   f"strategy=\"auto\" chose {runs[0].get('auto_strategy', '?')}"),
                       title_justify="left")
         table.add_column("row")
         for m in runs:

@@ -264,7 +264,7 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         coalesced over the flat groups sharing them, ``(N-1)/N·S`` bytes per rank. ``all_reduce``: one sum all_reduce
         per (process group, dtype, device) of a zero-filled ``S`` buffer, ``2(N-1)/N·S`` bytes per rank. ``auto`` on
         gloo, for transfers of at least 1 MiB: the first call per (process group, dtype, power-of-two size) also
-        calibrates (7 more collectives); pin it with ``ZERO_DTENSOR_GATHER_STRATEGY`` or
+        calibrates (9 more collectives); pin it with ``ZERO_DTENSOR_GATHER_STRATEGY`` or
         :func:`~zero_dtensor.materialize.set_gather_strategy`. Replicated groups (``BF16_Optimizer``,
         ``keep_full_grads``): none.
 

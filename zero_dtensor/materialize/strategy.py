@@ -46,9 +46,10 @@ __all__ = [
 
 STRATEGIES = ("auto", "all_gather", "all_reduce")
 ENV_STRATEGY = "ZERO_DTENSOR_GATHER_STRATEGY"
-#: Collectives one calibration issues: 3 timed all_gathers + 3 timed all_reduces of the transfer's size (capped at
-#: ``CALIBRATION_MAX_BYTES``) + 1 ``all_reduce(MAX)`` of the two timings so that every rank takes the same decision.
-CALIBRATION_COLLECTIVES = 7
+#: Collectives one calibration issues: 1 untimed + 3 timed all_gathers and as many all_reduces of the transfer's size
+#: (capped at ``CALIBRATION_MAX_BYTES``) + 1 ``all_reduce(MAX)`` of the two timings so that every rank takes the
+#: same decision.
+CALIBRATION_COLLECTIVES = 9
 CALIBRATION_MAX_BYTES = 128 * 2**20
 #: Below this size ``auto`` does not calibrate and uses all_gather (fewer bytes): small transfers are latency-bound.
 CALIBRATION_MIN_BYTES = 2**20
@@ -112,15 +113,16 @@ def _sync(device: torch.device) -> None:
 def calibrate(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, nbytes: int,
               unpack: bool = False) -> str:
     """Time both strategies at ``nbytes`` (capped at ``CALIBRATION_MAX_BYTES``) and return the faster.
-    **Collective** (``CALIBRATION_COLLECTIVES`` = 7 collectives).
+    **Collective** (``CALIBRATION_COLLECTIVES`` = 9 collectives).
 
-    Each rank times, 3 times and interleaved, what each strategy does on scratch buffers: all_gather is the
-    collective, plus, with ``unpack`` (ZeRO-3, where only all_gather results need a reordering copy into parameter
-    order), one local copy of the gathered buffer right after it (where the gather has left the caches); all_reduce
-    is the zero fill of the full buffer, the copy of the rank's own part into it, then the collective. The per-rank
-    minimum of each is then maximized over the group in one ``all_reduce(MAX)``, so every rank takes the same
-    decision. Scratch memory: about ``2·nbytes`` (``3·nbytes`` with ``unpack``; capped), freed on return. Ties go
-    to all_gather (fewer bytes).
+    Each rank runs both once untimed (a first transfer of a size costs more on gloo: measured first, all_reduce won
+    calibrations that all_gather won once warm), then times, 3 times and interleaved, what each strategy does on
+    scratch buffers: all_gather is the collective, plus, with ``unpack`` (ZeRO-3, where only all_gather results need
+    a reordering copy into parameter order), one local copy of the gathered buffer right after it (where the gather
+    has left the caches); all_reduce is the zero fill of the full buffer, the copy of the rank's own part into it,
+    then the collective. The per-rank minimum of each is then maximized over the group in one ``all_reduce(MAX)``,
+    so every rank takes the same decision. Scratch memory: about ``2·nbytes`` (``3·nbytes`` with ``unpack``;
+    capped), freed on return. Ties go to all_gather (fewer bytes).
     """
     world = world_size_of(group)
     esize = torch.empty((), dtype=dtype).element_size()
@@ -130,7 +132,7 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype
     own = full.narrow(0, group_rank_of(group, global_rank()) * per_rank, per_rank)
     reordered = torch.zeros_like(full) if unpack else None  # touched once here: no page faults in the timing
     timings: dict[str, float] = {"all_gather": float("inf"), "all_reduce": float("inf")}
-    for _ in range(3):
+    for attempt in range(4):
         t0 = time.perf_counter()
         all_gather_single(full, part, group)
         if reordered is not None:
@@ -142,6 +144,8 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype
         all_reduce_op(full, group, dist.ReduceOp.SUM)
         _sync(device)
         t2 = time.perf_counter()
+        if attempt == 0:  # the warm-up
+            continue
         timings["all_gather"] = min(timings["all_gather"], t1 - t0)
         timings["all_reduce"] = min(timings["all_reduce"], t2 - t1)
     del reordered

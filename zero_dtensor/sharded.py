@@ -570,7 +570,7 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         with _debug.Refusal() as refusal:
             selected = self._select(_redistribute.mapping_names(mapping, "set_dtensors_"))
         storage = self._storage
-        signature = () if selected is None else ([p.name for p in selected], _redistribute.dtensor_signature(mapping))
+        signature = () if refusal.error else ([p.name for p in selected], _redistribute.dtensor_signature(mapping))
         _debug.check_same_call("set_dtensors_", signature, _redistribute.agreement_groups(storage, selected),
                                storage.device, always=True, refused=refusal.error)
         assert selected is not None  # a refusal raised above

@@ -40,6 +40,20 @@ def test_two_param_groups_travel_in_one_collective(ranks, case: EngineCase, row:
     _check_counts(results, row)
 
 
+PIPELINED_CASES = [EngineCase(3), EngineCase(3, "bf16", world=3), EngineCase(3, world=4, groups=2, frozen=False)]
+
+
+@pytest.mark.parametrize("case,row", [pytest.param(case, row, id=f"{case.id}-{slug(row)}")
+                                      for case in PIPELINED_CASES for row in materialize.PIPELINED_ROWS])
+def test_pipelined_zero3_gather_matches_one_collective(ranks, case: EngineCase, row: str) -> None:
+    """ZeRO-3 all_gathers of PIPELINE_MIN_BYTES or more travel as two collectives, the first part reordered while
+    the second travels (forced here for small models): every option, bit for bit, two data collectives."""
+    results = _RESULTS.get(ranks, case.world, materialize.check_pipelined, case)
+    assert_row(results, row)
+    if row == "pipelined matches DeepSpeed":
+        assert results[0]["count_pipelined"] == 2
+
+
 @pytest.mark.parametrize("case", [EngineCase(1), EngineCase(2, "bf16", world=3), EngineCase(3, world=4),
                                   EngineCase(3, "bf16", world=3), EngineCase(2, world=4)], ids=lambda c: c.id)
 def test_iter_full_streams_within_budget(ranks, case: EngineCase) -> None:
@@ -53,18 +67,19 @@ def test_iter_full_streams_within_budget(ranks, case: EngineCase) -> None:
     assert report["all_reduce"]["budget"] < report["all_reduce"]["full"]
 
 
-@pytest.mark.parametrize("stage", (2, 3))
-def test_fp16_results_are_unscaled_for_every_option(ranks, stage: int) -> None:
-    ranks(2).run(materialize.check_fp16, stage)
+@pytest.mark.parametrize("stage,pipelined", [(2, False), (3, False), (3, True)])
+def test_fp16_results_are_unscaled_for_every_option(ranks, stage: int, pipelined: bool) -> None:
+    ranks(2).run(materialize.check_fp16, stage, pipelined)
 
 
-@pytest.mark.parametrize("stage", (2, 3))
-def test_auto_calibrates_once_and_agrees_across_ranks(ranks, stage: int) -> None:
-    results = ranks(2).run(materialize.check_calibration, stage)
+@pytest.mark.parametrize("stage,pipelined", [(2, False), (3, False), (3, True)])
+def test_auto_calibrates_once_and_agrees_across_ranks(ranks, stage: int, pipelined: bool) -> None:
+    results = ranks(2).run(materialize.check_calibration, stage, pipelined)
     decisions = [r["decisions"] for r in results]
     assert len(decisions[0]) == 1 and decisions[0][0] in ("all_gather", "all_reduce")
     assert all(d == decisions[0] for d in decisions)
     assert all(r["reorders"] == [stage == 3] for r in results)
+    assert all(r["pipelines"] == [pipelined] for r in results)
 
 
 def test_bad_arguments_raise_before_any_collective(ranks) -> None:

@@ -65,7 +65,7 @@ from .views import ViewCache
 
 if TYPE_CHECKING:
     from .layout import GroupLayout, ParamLayout
-    from .plan import GroupPlan, Tiling
+    from .plan import ColumnPiece, GroupPlan, Tiling
 
 __all__ = ["Allocator", "ChunkShard", "GroupPlacement", "RaggedShard", "Replicated", "placement_of"]
 
@@ -144,14 +144,22 @@ class GroupPlacement:
         raise NotImplementedError
 
     def to_param_order(self, gathered: torch.Tensor, group: GroupLayout, plan: GroupPlan,
-                       area: torch.Tensor | None, cache: ViewCache | None = None) -> torch.Tensor:
+                       area: torch.Tensor | None, cache: ViewCache | None = None,
+                       piece: ColumnPiece | None = None) -> torch.Tensor:
         """An all_gather's result in parameter order: ``gathered`` itself, or reordered into ``area`` (``cache``:
-        as for :meth:`fill_for_reduce`)."""
+        as for :meth:`fill_for_reduce`); with ``piece`` (one of :meth:`pipeline_pieces`), only that piece's
+        gathered rows into its part of ``area``."""
         return gathered
 
     def reorder_area(self, group: GroupLayout) -> int:
         """Elements of the extra buffer :meth:`to_param_order` needs after an all_gather (0: none)."""
         return 0
+
+    def pipeline_pieces(self, plan: GroupPlan) -> tuple[ColumnPiece, ...]:
+        """The column ranges of the partitions that a pipelined all_gather gathers one after another, each
+        reordered by :meth:`to_param_order` while the next travels; empty where an all_gather needs no reorder
+        (then nothing is worth pipelining)."""
+        return ()
 
     # --- streaming windows (``iter_full``): the parameters covering [start, stop) of the :meth:`span` axis -------
     @property
@@ -340,28 +348,33 @@ class ChunkShard(GroupPlacement):
             torch._foreach_copy_(list(targets), [pieces[i] for i in plan.local_pieces_of(keep)])
 
     def to_param_order(self, gathered: torch.Tensor, group: GroupLayout, plan: GroupPlan,
-                       area: torch.Tensor | None, cache: ViewCache | None = None) -> torch.Tensor:
-        """The ``(N, P)`` rows cut into column blocks in ``area``: one row copy
-        (:attr:`~zero_dtensor.plan.GroupPlan.column_rows`: one ``index_select``), or, where rows do not pay
+                       area: torch.Tensor | None, cache: ViewCache | None = None,
+                       piece: ColumnPiece | None = None) -> torch.Tensor:
+        """The ``(N, P)`` rows (or a ``piece``'s ``(N, hi - lo)`` rows) cut into column blocks in ``area`` (the
+        piece's ``N·(hi - lo)`` elements): one row copy (:attr:`~zero_dtensor.plan.ColumnPiece.rows`: one
+        ``index_select``, or a strided copy per run family), or, where rows do not pay
         (:func:`~zero_dtensor.rows.row_map`), one ``split_with_sizes_copy`` (FSDP2's copy-out; one kernel on CUDA, a
         copy per block elsewhere)."""
         assert area is not None
         N = group.world_size
-        rows = plan.column_rows
-        if rows is not None:
-            rows.copy(gathered, area)
+        piece = plan.whole_columns if piece is None else piece
+        if piece.rows is not None:
+            piece.rows.copy(gathered, area)
             return area
 
         def build(_: torch.Tensor) -> list[torch.Tensor]:
-            return [b.view(N, -1) for b in area.split_with_sizes(list(plan.param_order.sizes))]
+            return [b.view(N, -1) for b in area.split_with_sizes([N * s for s in piece.sizes])]
 
-        blocks = _views(cache, ("columns", plan, area.storage_offset()), area, build)
-        torch.split_with_sizes_copy(gathered.view(N, group.partition_numel), list(plan.gathered.sizes), dim=1,
-                                    out=list(blocks))
+        blocks = _views(cache, ("columns", plan, area.storage_offset(), piece.lo, piece.hi), area, build)
+        torch.split_with_sizes_copy(gathered.view(N, piece.width), list(piece.sizes), dim=1, out=list(blocks))
         return area
 
     def reorder_area(self, group: GroupLayout) -> int:
         return group.flat_numel
+
+    def pipeline_pieces(self, plan: GroupPlan) -> tuple[ColumnPiece, ...]:
+        """:attr:`~zero_dtensor.plan.GroupPlan.column_pieces`: two, cut at a parameter boundary."""
+        return plan.column_pieces
 
     def window_order_tiling(self, group: GroupLayout, params: tuple[ParamLayout, ...], start: int,
                             width: int) -> Tiling:

@@ -261,10 +261,13 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         :mod:`zero_dtensor.debug`; arguments that any rank refuses — names, ``dtype``, ``out=`` entries, ``dst``,
         ``strategy`` — raise there on every rank, this rank's own error or the same class naming the refusing
         rank), then ``all_gather``: one all_gather per (process group, dtype, device),
-        coalesced over the flat groups sharing them, ``(N-1)/N·S`` bytes per rank. ``all_reduce``: one sum all_reduce
+        coalesced over the flat groups sharing them, ``(N-1)/N·S`` bytes per rank (ZeRO-3 transfers of 16 MiB or
+        more: two all_gathers issued at once, splitting every partition at a parameter boundary near 3/4, the same
+        bytes; the first part is reordered into parameter order while the second travels,
+        :func:`~zero_dtensor.materialize.strategy.pipelines`). ``all_reduce``: one sum all_reduce
         per (process group, dtype, device) of a zero-filled ``S`` buffer, ``2(N-1)/N·S`` bytes per rank. ``auto`` on
         gloo, for transfers of at least 1 MiB: the first call per (process group, dtype, power-of-two size) also
-        calibrates (9 more collectives); pin it with ``ZERO_DTENSOR_GATHER_STRATEGY`` or
+        calibrates (9 more collectives, 13 where the all_gather is pipelined); pin it with ``ZERO_DTENSOR_GATHER_STRATEGY`` or
         :func:`~zero_dtensor.materialize.set_gather_strategy`. Replicated groups (``BF16_Optimizer``,
         ``keep_full_grads``): none.
 

@@ -29,6 +29,19 @@ def pinned(strategy: str | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def pipelining(on: bool = True) -> Iterator[None]:
+    """ZeRO-3 all_gathers pipelined whatever their size (``on``; else as the library decides): the test models are
+    far below ``PIPELINE_MIN_BYTES``."""
+    previous = mz.strategy.PIPELINE_MIN_BYTES
+    if on:
+        mz.strategy.PIPELINE_MIN_BYTES = 0
+    try:
+        yield
+    finally:
+        mz.strategy.PIPELINE_MIN_BYTES = previous
+
+
+@contextlib.contextmanager
 def recording(budget: int | None = None) -> Iterator[mz.AllocationRecorder]:
     """Every buffer zero_dtensor.materialize allocates (the pool's observer hook), and the peak of live bytes."""
     with mz.BUFFERS.observing(mz.AllocationRecorder(budget)) as rec:
@@ -98,6 +111,39 @@ def check_options(case: EngineCase) -> dict:
         for option in STRATEGY_OPTIONS:
             rows.run(f"{strategy} {option}", _OPTION_CHECKS[option], st, strategy)
     rows.run("module helpers", _option_module_helpers, st)
+    return rows.report(**st.report)
+
+
+PIPELINED_ROWS = ["pipelined matches DeepSpeed", *(f"pipelined {option}" for option in STRATEGY_OPTIONS)]
+
+
+class _PipelinedOptions(_Options):
+    """ZeRO-3 with every all_gather pipelined: two all_gathers per transfer instead of one."""
+
+    def expected(self, strategy: str) -> int:
+        data = _expected_collectives(self.grads, strategy) - rank_checks(self.grads)
+        return (2 if strategy == "all_gather" else 1) * data + rank_checks(self.grads)
+
+
+def check_pipelined(case: EngineCase) -> dict:
+    """ZeRO-3, every all_gather pipelined (two all_gathers, the first part reordered while the second travels):
+    every option of full_tensors returns what DeepSpeed and the one-collective path return, bit for bit."""
+    assert case.stage == 3, case
+    st = _PipelinedOptions(case)  # its default: one all_gather
+    with pipelining():
+        rows = Rows(PIPELINED_ROWS, on_failure=mz.release_workspace)
+
+        def matches() -> None:
+            with pinned("all_gather"), count_comms() as mode:
+                got = dict(st.grads.full_tensors())
+            _equal(got, st.default, "pipelined vs one all_gather")
+            _equal(got, {n: st.refs[n] for n in st.grads.names}, "pipelined vs DeepSpeed")
+            assert mode.get_total_counts() == st.expected("all_gather"), mode.get_comm_counts()
+            st.report["count_pipelined"] = mode.get_total_counts() - rank_checks(st.grads)
+
+        rows.run("pipelined matches DeepSpeed", matches)
+        for option in STRATEGY_OPTIONS:
+            rows.run(f"pipelined {option}", _OPTION_CHECKS[option], st, "all_gather")
     return rows.report(**st.report)
 
 
@@ -283,8 +329,14 @@ def check_streaming(case: EngineCase, bucket_elements: int = 512) -> dict:
     return report
 
 
-def check_fp16(stage: int) -> None:
-    """Under fp16 loss scaling every option returns true (unscaled) gradients, equal to the default path."""
+def check_fp16(stage: int, pipelined: bool = False) -> None:
+    """Under fp16 loss scaling every option returns true (unscaled) gradients, equal to the default path
+    (``pipelined``: ZeRO-3 all_gathers pipelined whatever their size)."""
+    with pipelining(pipelined):
+        _check_fp16(stage)
+
+
+def _check_fp16(stage: int) -> None:
     engine = build_engine(EngineCase(stage, "fp16"))
     forward_backward(engine)
     grads = zd.sharded_grads(engine)
@@ -307,10 +359,16 @@ def check_fp16(stage: int) -> None:
         _equal({n: got[n] for n in default}, default, f"fp16 {strategy} iter_full")
 
 
-def check_calibration(stage: int) -> dict:
+def check_calibration(stage: int, pipelined: bool = False) -> dict:
     """auto on gloo: the first call per size bucket calibrates (``CALIBRATION_COLLECTIVES`` extra collectives),
     later calls reuse the decision, and every rank takes the same one; on ZeRO-3 the calibration also times the
-    reordering copy (the decision's key says so)."""
+    reordering copy (the decision's key says so). ``pipelined``: ZeRO-3 all_gathers pipelined whatever their size,
+    so the calibration times the pipelined gather (``CALIBRATION_PIPELINED_COLLECTIVES``)."""
+    with pipelining(pipelined):
+        return _check_calibration(stage, pipelined)
+
+
+def _check_calibration(stage: int, pipelined: bool) -> dict:
     engine = build_engine(EngineCase(stage))
     forward_backward(engine)
     grads = zd.sharded_grads(engine)
@@ -328,17 +386,20 @@ def check_calibration(stage: int) -> dict:
         _equal(dict(got), default, "auto (calibrated)")
         decisions = list(mz.strategy_decisions().values())
         reorders = [key[-1] for key in mz.strategy_decisions()]
+        pipelines = [key[-2] for key in mz.strategy_decisions()]
     finally:
         mz.strategy.CALIBRATION_MIN_BYTES = previous_min
         mz.clear_calibration()
     checks = rank_checks(grads)
-    assert first.get_total_counts() == 1 + mz.CALIBRATION_COLLECTIVES + checks, first.get_comm_counts()
-    assert second.get_total_counts() == 1 + checks, second.get_comm_counts()
-    # below the threshold, auto does not calibrate
+    calls = 2 if pipelined and decisions == ["all_gather"] else 1  # the call's own data collectives
+    calibration = mz.CALIBRATION_PIPELINED_COLLECTIVES if pipelined else mz.CALIBRATION_COLLECTIVES
+    assert first.get_total_counts() == calls + calibration + checks, first.get_comm_counts()
+    assert second.get_total_counts() == calls + checks, second.get_comm_counts()
+    # below the threshold, auto does not calibrate (and uses all_gather)
     with pinned(None), count_comms() as small:
         grads.full_tensors()
-    assert small.get_total_counts() == 1 + checks and mz.strategy_decisions() == {}
-    return {"decisions": decisions, "reorders": reorders}
+    assert small.get_total_counts() == (2 if pipelined else 1) + checks and mz.strategy_decisions() == {}
+    return {"decisions": decisions, "reorders": reorders, "pipelines": pipelines}
 
 
 def check_errors() -> None:

@@ -147,6 +147,18 @@ def _iterate(grads: Any, strategy: str) -> int:
     return n
 
 
+def _pipelined(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with every ZeRO-3 all_gather pipelined whatever its size (``PIPELINE_MIN_BYTES`` 0 meanwhile)."""
+    def run(*args: Any) -> Any:
+        strategy = zd.materialize.strategy
+        previous, strategy.PIPELINE_MIN_BYTES = strategy.PIPELINE_MIN_BYTES, 0
+        try:
+            return fn(*args)
+        finally:
+            strategy.PIPELINE_MIN_BYTES = previous
+    return run
+
+
 def _rows() -> list[OpRow]:
     rows: list[OpRow] = []
     for s in ("all_gather", "all_reduce", "auto"):
@@ -162,6 +174,17 @@ def _rows() -> list[OpRow]:
                   lambda g, c, s=s: g.full_tensors(async_op=True, strategy=s).wait()),
             OpRow(f"iter_full(one bucket)[{s}]", lambda g, c, s=s: _iterate(g, s)),
         ]
+    # ZeRO-3 all_gathers pipelined (two collectives, reordered piece by piece), forced on these small models
+    rows += [
+        OpRow("full_tensors[all_gather, pipelined]", _pipelined(lambda g, c: g.full_tensors(strategy="all_gather"))),
+        OpRow("full_tensors(out=prev)[all_gather, pipelined]",
+              _pipelined(lambda g, c: g.full_tensors(out=c["prev"], strategy="all_gather")),
+              prep=_pipelined(lambda g, c=None: {"prev": g.full_tensors(strategy="all_gather")})),
+        OpRow("full_tensors(dtype=float32)[all_gather, pipelined, bf16 storage]",
+              _pipelined(lambda g, c: g.full_tensors(dtype=torch.float32, strategy="all_gather")), dtype="bf16"),
+        OpRow("full_tensors(async_op=True).wait()[all_gather, pipelined]",
+              _pipelined(lambda g, c: g.full_tensors(async_op=True, strategy="all_gather").wait())),
+    ]
     rows.append(OpRow("set_full_", lambda g, c: g.set_full_(c["values"]), prep=_with_values))
     transforms: list[tuple[str, Callable, Callable]] = [
         ("mul_", lambda g, c, p: g.mul_(0.5, params=p), lambda g: {}),

@@ -5,12 +5,18 @@ A *transfer* is the set of sharded flat groups that share a process group, dtype
 and for the zero-padded all_reduce; one row copy, :mod:`zero_dtensor.rows`, for a ZeRO-3 all_gather), converted
 once if the output dtype or loss scale asks for it, and cut into parameters with one ``split_with_sizes``: a fixed
 number of tensor operations whatever the number of parameters. See ``ShardedGrads.full_tensors`` for the contract.
+
+A large ZeRO-3 all_gather is *pipelined* (:func:`~zero_dtensor.materialize.strategy.pipelines`): two coalesced
+all_gathers issued at once, of each group's columns up to and from its cut
+(:attr:`~zero_dtensor.plan.GroupPlan.column_pieces`), each into its part of the group's region; once the first has
+arrived its part is reordered while the second travels. The steps (collectives, then what follows each) run in
+order at the end of a synchronous call or in ``PendingFullTensors.wait()``.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
@@ -29,12 +35,12 @@ from ..collectives import (
     reduce_sum_to,
 )
 from ..layout import ParamLayout
-from ..plan import GroupPlan
+from ..plan import ColumnPiece, GroupPlan
 from ..state import GradState
 from ..views import ViewCache
 from .buffers import BUFFERS
-from .results import GatheredGrads, PendingFullTensors
-from .strategy import check_strategy, explicit, resolve
+from .results import GatheredGrads, PendingFullTensors, run_steps
+from .strategy import check_strategy, explicit, pipelines, resolve
 
 __all__ = ["check_request", "full_tensors", "gather_flat_groups", "unpack"]
 
@@ -51,11 +57,17 @@ class _Transfer:
     groups: list[int] = field(default_factory=list)
     partitions: list[torch.Tensor] = field(default_factory=list)
     strategy: str = ""
+    pipelined: bool = False  # gathered in two steps, the first part reordered while the second travels
     offsets: dict[int, int] = field(default_factory=dict)  # group index -> start in the transfer buffer
     numel: int = 0
 
     def key(self) -> tuple[Any, ...]:
         return ("transfer", self.pg, self.dtype, self.device, self.strategy, tuple(self.groups), self.numel)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the assembled groups (stored dtype)."""
+        return self.numel * self.partitions[0].element_size()
 
 
 def _transfers(state: GradState, group_indices: Sequence[int]) -> list[_Transfer]:
@@ -256,15 +268,17 @@ def full_tensors(
             t.strategy = "all_gather" if chosen == "auto" else chosen
         else:
             reorder = any(state.group(g).placement.reorder_area(state.group(g)) for g in t.groups)
-            t.strategy = resolve(strategy, t.pg, t.device, t.dtype, t.numel * t.partitions[0].element_size(), reorder)
+            can_pipeline = any(len(_pieces(state, g)) > 1 for g in t.groups)
+            t.strategy = resolve(strategy, t.pg, t.device, t.dtype, t.nbytes, reorder, can_pipeline)
+            t.pipelined = can_pipeline and pipelines(t.strategy, t.nbytes, reorder)
 
     result: MutableMapping[str, torch.Tensor] = out if out is not None else GatheredGrads()
     buffers = _Buffers(out, result)
     regions: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # group -> (assembled, reorder area)
-    works: list[Any] = []
+    steps: list[tuple[list[Any], Callable[[], None] | None]] = []  # what async or pipelined collectives await
     for t in transfers:
         if not (is_dst or t.strategy == "all_reduce"):
-            works += _send_only(t, dst, async_op)
+            steps.append((_send_only(t, dst, async_op), None))
             continue
         # ZeRO-3 all_gather results are reordered into a second area of the same buffer, so that a kept result
         # pins (and a recycled one frees) all of the call's memory at once
@@ -280,15 +294,19 @@ def full_tensors(
         buf = narrow(0, t.numel)
         if t.strategy == "all_reduce":
             _fill_for_reduce(state, t, buf)
-            works += (all_reduce_sum_work(buf, t.pg, async_op=async_op) if dst is None
-                      else reduce_sum_to(buf, group_rank_of(t.pg, dst), t.pg, async_op=async_op))
+            steps.append((all_reduce_sum_work(buf, t.pg, async_op=async_op) if dst is None
+                          else reduce_sum_to(buf, group_rank_of(t.pg, dst), t.pg, async_op=async_op), None))
+        elif t.pipelined:
+            steps += _pipelined_gather(state, t, regions, narrow, result)
         elif dst is None:
             outs = [regions[g][0] for g in t.groups]
-            works += all_gather_into(outs, t.partitions, t.pg, async_op=async_op)
+            steps.append((all_gather_into(outs, t.partitions, t.pg, async_op=async_op), None))
         else:
+            works: list[Any] = []
             for g, part in zip(t.groups, t.partitions):  # gather has no coalesced form: one per flat group
                 rows = list(regions[g][0].view(state.group(g).world_size, -1).unbind(0))
                 works += gather_to(part, rows, group_rank_of(t.pg, dst), t.pg, async_op=async_op)
+            steps.append((works, None))
 
     def finish() -> dict[str, torch.Tensor]:
         if not is_dst:
@@ -299,8 +317,51 @@ def full_tensors(
         return _emit(state, params, regions, result, dtype, buffers, out is not None)
 
     if async_op:
-        return PendingFullTensors(works, finish)
+        return PendingFullTensors(steps, finish)
+    run_steps(steps)
     return finish()
+
+
+def _pieces(state: GradState, g: int) -> tuple[ColumnPiece, ...]:
+    return state.group(g).placement.pipeline_pieces(state.plan.groups[g])
+
+
+def _pipelined_gather(state: GradState, t: _Transfer, regions: dict[int, tuple[torch.Tensor, torch.Tensor | None]],
+                      narrow: Callable[[int, int], torch.Tensor],
+                      result: MutableMapping[str, torch.Tensor]) -> list[tuple[list[Any], Callable[[], None]]]:
+    """Issue a pipelined transfer's two all_gathers at once (each coalesced over its groups: every group's
+    columns of that step, gathered as ``(N, width)`` rows into its part of the group's region), and return the
+    steps that reorder each part into the group's area once it has arrived. The regions then hold the areas: in
+    parameter order once the steps have run."""
+    per_step: list[list[tuple[int, torch.Tensor, torch.Tensor, ColumnPiece]]] = [[], []]
+    for g, part in zip(t.groups, t.partitions):
+        area = regions[g][1]
+        assert area is not None
+        N = state.group(g).world_size
+        for k, piece in enumerate(_pieces(state, g)):
+            rows = narrow(t.offsets[g] + N * piece.lo, N * piece.width)
+            per_step[k].append((g, rows, part.narrow(0, piece.lo, piece.width), piece))
+        regions[g] = (area, None)
+    steps: list[tuple[list[Any], Callable[[], None]]] = []
+    for members in per_step:
+        if not members:
+            continue
+        works = all_gather_into([rows for _, rows, _, _ in members], [inp for _, _, inp, _ in members], t.pg,
+                                async_op=True)
+        steps.append((works, _reorder_step(state, members, regions, result)))
+    return steps
+
+
+def _reorder_step(state: GradState, members: list[tuple[int, torch.Tensor, torch.Tensor, ColumnPiece]],
+                  regions: dict[int, tuple[torch.Tensor, torch.Tensor | None]],
+                  result: MutableMapping[str, torch.Tensor]) -> Callable[[], None]:
+    def reorder() -> None:
+        for g, rows, _, piece in members:
+            group, area = state.group(g), regions[g][0]
+            target = area.narrow(0, group.world_size * piece.lo, group.world_size * piece.width)
+            group.placement.to_param_order(rows, group, state.plan.groups[g], target, _view_cache(result, area),
+                                           piece)
+    return reorder
 
 
 def _send_only(t: _Transfer, dst: int | None, async_op: bool) -> list[Any]:

@@ -10,7 +10,7 @@ import torch
 
 from ..views import ViewCache
 
-__all__ = ["FullGrads", "FullTensorsHandle", "GatheredGrads", "PendingFullTensors"]
+__all__ = ["FullGrads", "FullTensorsHandle", "GatheredGrads", "PendingFullTensors", "run_steps"]
 
 
 _NAME = operator.attrgetter("name")
@@ -130,24 +130,36 @@ class GatheredGrads(dict):
 class PendingFullTensors:
     """Pending result of ``full_tensors(..., async_op=True)``. :meth:`wait` completes the collectives already
     issued (no new ones), cuts the buffers into parameters and returns the dict (idempotent). The gradients must not
-    change (no ``engine.step()``) before ``wait()``."""
+    change (no ``engine.step()``) before ``wait()``.
 
-    def __init__(self, works: list[Any], finish: Callable[[], dict[str, torch.Tensor]]) -> None:
-        self._works = works
+    ``steps``: pending collectives in issue order, each with what to do once they are done (a pipelined gather's
+    reorder of the part that has arrived, while the next part travels; ``None``: nothing); then ``finish``."""
+
+    def __init__(self, steps: list[tuple[list[Any], Callable[[], None] | None]],
+                 finish: Callable[[], dict[str, torch.Tensor]]) -> None:
+        self._steps = steps
         self._finish: Callable[[], dict[str, torch.Tensor]] | None = finish
         self._result: dict[str, torch.Tensor] | None = None
 
     def is_completed(self) -> bool:
         """Whether every collective issued for this result has finished (non-blocking; no communication)."""
-        return self._result is not None or all(w.is_completed() for w in self._works)
+        return self._result is not None or all(w.is_completed() for works, _ in self._steps for w in works)
 
     def wait(self) -> dict[str, torch.Tensor]:
         if self._result is None:
-            for work in self._works:
-                work.wait()
+            run_steps(self._steps)
             assert self._finish is not None
-            self._result, self._finish, self._works = self._finish(), None, []
+            self._result, self._finish, self._steps = self._finish(), None, []
         return self._result
+
+
+def run_steps(steps: list[tuple[list[Any], Callable[[], None] | None]]) -> None:
+    """Wait for each step's collectives in order and run its follow-up (see :class:`PendingFullTensors`)."""
+    for works, then in steps:
+        for work in works:
+            work.wait()
+        if then is not None:
+            then()
 
 
 #: Former names, kept: they are part of the public API.

@@ -268,9 +268,11 @@ def full_tensors(
             t.strategy = "all_gather" if chosen == "auto" else chosen
         else:
             reorder = any(state.group(g).placement.reorder_area(state.group(g)) for g in t.groups)
-            can_pipeline = any(len(_pieces(state, g)) > 1 for g in t.groups)
-            t.strategy = resolve(strategy, t.pg, t.device, t.dtype, t.nbytes, reorder, can_pipeline)
-            t.pipelined = can_pipeline and pipelines(t.strategy, t.nbytes, reorder)
+            # the pieces (and their row copies) are planned only for transfers large enough to pipeline
+            pipelinable = (pipelines(t.nbytes, reorder)
+                           and any(len(_pieces(state, g)) > 1 for g in t.groups))
+            t.strategy = resolve(strategy, t.pg, t.device, t.dtype, t.nbytes, reorder, pipelinable)
+            t.pipelined = pipelinable and t.strategy == "all_gather"
 
     result: MutableMapping[str, torch.Tensor] = out if out is not None else GatheredGrads()
     buffers = _Buffers(out, result)

@@ -125,10 +125,11 @@ def _sync(device: torch.device) -> None:
         torch.accelerator.synchronize()
 
 
-def pipelines(strategy: str, nbytes: int, reorder: bool) -> bool:
-    """Whether a bulk transfer of ``nbytes`` (the gathered bytes) by ``strategy`` is gathered in two pipelined
-    steps: ZeRO-3 (``reorder``) all_gathers of at least ``PIPELINE_MIN_BYTES``. No communication."""
-    return strategy == "all_gather" and reorder and nbytes >= PIPELINE_MIN_BYTES
+def pipelines(nbytes: int, reorder: bool) -> bool:
+    """Whether an all_gather of a bulk transfer of ``nbytes`` (the gathered bytes) travels in two pipelined steps:
+    ZeRO-3 (``reorder``) transfers of at least ``PIPELINE_MIN_BYTES`` (where a parameter boundary lies inside the
+    partitions to cut them at). No communication."""
+    return reorder and nbytes >= PIPELINE_MIN_BYTES
 
 
 def calibrate(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, nbytes: int,
@@ -201,16 +202,15 @@ def explicit(strategy: str) -> str:
 
 
 def resolve(strategy: str, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, nbytes: int,
-            unpack: bool = False, can_pipeline: bool = True) -> str:
+            unpack: bool = False, pipelined: bool = False) -> str:
     """The strategy a bulk transfer of ``nbytes`` uses (may calibrate: see the module docstring). ``unpack``: an
-    all_gather result needs reordering; ``can_pipeline``: the transfer can be cut in two (a parameter boundary lies
-    inside a partition), so an all_gather would be pipelined where :func:`pipelines` says so."""
+    all_gather result needs reordering; ``pipelined``: an all_gather of this transfer would be pipelined
+    (:func:`pipelines`, and a parameter boundary lies inside a partition to cut it at)."""
     chosen = explicit(strategy)
     if chosen != "auto":
         return chosen
     if backend_of(group) != "gloo" or nbytes < CALIBRATION_MIN_BYTES:
         return "all_gather"
-    pipelined = can_pipeline and pipelines("all_gather", nbytes, unpack)
     key = (group, device.type, dtype, _size_class(nbytes), pipelined, unpack)
     decision = _DECISIONS.get(key)
     if decision is None:

@@ -21,8 +21,10 @@ float64) and padding holds a sentinel, so a wrong, missing or repeated element c
 
 from __future__ import annotations
 
+import itertools
 import math
 
+import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 from hypothesis import given, settings
@@ -229,3 +231,76 @@ def test_gathered_and_param_order_tilings_reassemble_every_parameter(case) -> No
                 assert bool((block.reshape(-1)[p.numel :] == PAD).all())  # torch.chunk's zero padding
             for k in gp.gathered.gaps:
                 assert bool((blocks[k] == PAD).all())
+
+
+@settings(max_examples=100, deadline=None)
+@given(cases())
+def test_pipelined_column_pieces_reassemble_every_parameter(case) -> None:
+    """ZeRO-3's pipelined all_gather: each of ``column_pieces`` gathered as ``(N, hi - lo)`` rows of its own (the
+    columns ``[lo, hi)`` of every rank's partition) and reordered by ``to_param_order(..., piece=)`` into its part
+    of the parameter-order buffer gives the same buffer as the whole ``(N, P)`` rows reordered at once; the pieces
+    tile the columns, cut at a parameter boundary, and are two wherever one lies inside."""
+    world, per_rank, full = case
+    for gi in range(len(per_rank[0].groups)):
+        g0 = per_rank[0].groups[gi]
+        if g0.packing is not Packing.CHUNKED or g0.replicated:
+            assert placement_of(g0).pipeline_pieces(plan_for(per_rank[0]).groups[gi]) == ()
+            continue
+        parts = partitions(per_rank, full, gi)
+        rows = torch.stack(parts)
+        for layout in per_rank:
+            gp, g = plan_for(layout).groups[gi], layout.groups[gi]
+            placement = placement_of(g)
+            pieces = placement.pipeline_pieces(gp)
+            P = g.partition_numel
+            bounds = set(itertools.accumulate(gp.gathered.sizes))
+            inside = {b for b in bounds if 0 < b < P}
+            assert len(pieces) == (2 if inside else 1)
+            assert pieces[0].lo == 0 and pieces[-1].hi == P
+            assert all(a.hi == b.lo for a, b in zip(pieces, pieces[1:]))
+            assert all(p.hi in bounds for p in pieces) and sum(p.width for p in pieces) == P
+            whole = torch.full((world * P,), -2.0, dtype=torch.float64)
+            placement.to_param_order(rows.reshape(-1).clone(), g, gp, whole)
+            by_pieces = torch.full((world * P,), -3.0, dtype=torch.float64)
+            for piece in pieces:
+                gathered = rows[:, piece.lo : piece.hi].contiguous().reshape(-1)  # what its all_gather lands
+                target = by_pieces.narrow(0, world * piece.lo, world * piece.width)
+                placement.to_param_order(gathered, g, gp, target, piece=piece)
+            assert torch.equal(whole, by_pieces)
+            blocks = torch.split_with_sizes(by_pieces, list(gp.param_order.sizes))
+            for k, p in enumerate(gp.params):
+                assert torch.equal(blocks[gp.param_order.piece[k]][: p.numel].view(p.shape), full[p.name]), p.name
+
+
+def _chunked_case(world: int, shapes: list[tuple[int, ...]], extra: int = 0):
+    """One chunked group of ``shapes`` in model order, as :func:`cases` lays it out."""
+    entries, offset = [], 0
+    for i, shape in enumerate(shapes):
+        size = torch.Size(shape)
+        chunk = math.ceil(size.numel() / world)
+        entries.append(ParamLayout(f"p{i}", size, 0, offset, chunk_numel=chunk))
+        offset += chunk
+    per_rank = [GradLayout(groups=(GroupLayout(0, world, r, offset + extra, torch.float64, Packing.CHUNKED),),
+                           params=tuple(entries)) for r in range(world)]
+    full, next_id = {}, 0
+    for p in entries:
+        full[p.name] = torch.arange(next_id, next_id + p.numel, dtype=torch.float64).view(p.shape)
+        next_id += p.numel
+    return world, per_rank, full
+
+
+@pytest.mark.parametrize("world,shapes,extra,paths", [
+    (2, [(32, 32), (32,)] * 12, 0, ("families", "families")),  # a stack of equal layers: a strided copy per family
+    (3, [(24, 16), (48,), (12, 8), (36,)], 4, ("index", "index")),  # no period: one index_select of rows each
+    (3, [(24, 16), (48,), (12, 8)] * 2 + [(36,), (20, 4)], 4, ("index", "split")),  # rows too narrow in the second
+    (2, [(5000,), (3, 3)], 0, ("split", "index")),  # long runs: split_with_sizes_copy
+])
+def test_pipelined_column_pieces_take_each_copy_path(world, shapes, extra, paths) -> None:
+    """The same as above on layouts whose pieces take each reorder path (:mod:`zero_dtensor.rows`): strided copies
+    per run family, an ``index_select`` of rows, ``split_with_sizes_copy``."""
+    case = _chunked_case(world, shapes, extra)
+    for layout in case[1]:
+        pieces = plan_for(layout).groups[0].column_pieces
+        kinds = tuple("split" if p.rows is None else ("families" if p.rows.families else "index") for p in pieces)
+        assert kinds == paths
+    test_pipelined_column_pieces_reassemble_every_parameter.hypothesis.inner_test(case)

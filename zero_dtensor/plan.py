@@ -29,8 +29,8 @@ __all__ = ["PIPELINE_FIRST_SHARE", "AllParams", "ColumnPiece", "GradPlan", "Grou
 
 #: A pipelined ZeRO-3 all_gather (:attr:`GroupPlan.column_pieces`) gathers first the columns up to the parameter
 #: boundary nearest this share of the partition, then the rest, which travels while the first part is reordered.
-#: Reordering costs about a third of gathering the same bytes on gloo (memory-bound copy against loopback
-#: transfer), so the second part's transfer then roughly covers the first part's reorder.
+#: Reordering costs about a third of gathering the same bytes on gloo (a memory-bound copy against a loopback
+#: transfer): at 3/4 the second part's transfer would last as long as the first part's reorder.
 PIPELINE_FIRST_SHARE = 0.75
 
 

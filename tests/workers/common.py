@@ -256,6 +256,21 @@ def count_comms() -> Iterator[CommDebugMode]:
         yield mode
 
 
+@contextlib.contextmanager
+def pipelining(on: bool = True) -> Iterator[None]:
+    """ZeRO-3 all_gathers pipelined whatever their size (``on``; else as the library decides): the test models are
+    far below ``PIPELINE_MIN_BYTES``."""
+    from zero_dtensor.materialize import strategy
+
+    previous = strategy.PIPELINE_MIN_BYTES
+    if on:
+        strategy.PIPELINE_MIN_BYTES = 0
+    try:
+        yield
+    finally:
+        strategy.PIPELINE_MIN_BYTES = previous
+
+
 def params_snapshot(engine: Any) -> dict[str, torch.Tensor]:
     """Full fp32 parameters (gathered under ZeRO-3)."""
     from deepspeed.utils import safe_get_full_fp32_param

@@ -14,7 +14,7 @@ from deepspeed.utils import safe_get_full_grad
 import zero_dtensor as zd
 from zero_dtensor import materialize as mz
 
-from .common import DTYPES, EngineCase, build_engine, count_comms, forward_backward, rank_checks
+from .common import DTYPES, EngineCase, build_engine, count_comms, forward_backward, pipelining, rank_checks
 from .rows import Rows
 
 
@@ -26,19 +26,6 @@ def pinned(strategy: str | None) -> Iterator[None]:
         yield
     finally:
         mz.set_gather_strategy(previous)
-
-
-@contextlib.contextmanager
-def pipelining(on: bool = True) -> Iterator[None]:
-    """ZeRO-3 all_gathers pipelined whatever their size (``on``; else as the library decides): the test models are
-    far below ``PIPELINE_MIN_BYTES``."""
-    previous = mz.strategy.PIPELINE_MIN_BYTES
-    if on:
-        mz.strategy.PIPELINE_MIN_BYTES = 0
-    try:
-        yield
-    finally:
-        mz.strategy.PIPELINE_MIN_BYTES = previous
 
 
 @contextlib.contextmanager

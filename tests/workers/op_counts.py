@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import zero_dtensor as zd
 
-from .common import ds_config, make_engine
+from .common import ds_config, make_engine, pipelining
 
 SIZES = (4, 32)  # Linear(7, 5) layers: 8 and 64 parameters
 IN, OUT = 7, 5
@@ -150,12 +150,8 @@ def _iterate(grads: Any, strategy: str) -> int:
 def _pipelined(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` with every ZeRO-3 all_gather pipelined whatever its size (``PIPELINE_MIN_BYTES`` 0 meanwhile)."""
     def run(*args: Any) -> Any:
-        strategy = zd.materialize.strategy
-        previous, strategy.PIPELINE_MIN_BYTES = strategy.PIPELINE_MIN_BYTES, 0
-        try:
+        with pipelining():
             return fn(*args)
-        finally:
-            strategy.PIPELINE_MIN_BYTES = previous
     return run
 
 

@@ -29,7 +29,10 @@ parameter-order buffer by one row copy (:mod:`zero_dtensor.rows`: one ``index_se
 chunks' common divisor), or, where rows do not pay (under 32 bytes wide, or chunks of 4,096 elements or more on
 average), by one ``torch.split_with_sizes_copy`` along
 dimension 1 (as FSDP2 copies out its all-gather; one kernel on CUDA, a copy per block on the CPU) — and, for the
-zero-padded ``all_reduce``, each rank writes its chunks straight into parameter order (one row copy likewise).
+zero-padded ``all_reduce``, each rank writes its chunks straight into parameter order (one row copy likewise). A
+pipelined all_gather (:meth:`~GroupPlacement.pipeline_pieces`: ``ChunkShard`` only, large transfers) gathers the
+columns in two pieces cut at a parameter boundary and reorders each piece by its own row copy into its part of the
+parameter-order buffer.
 
 Streaming windows (``iter_full``): a window is consecutive parameters of one group whose spans
 (:meth:`~GroupPlacement.span`) cover ``[start, stop)``, ``W = stop - start`` elements. Its buffers come from the

@@ -185,15 +185,15 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype
 def _pipelined_gather(full: torch.Tensor, part: torch.Tensor, reordered: torch.Tensor | None, first: int,
                       group: dist.ProcessGroup) -> None:
     """Two all_gathers issued at once (``part[:first]``, ``part[first:]``), each copied once it has arrived."""
-    world, rest = world_size_of(group), part.numel() - first
-    heads = (full.narrow(0, 0, world * first), full.narrow(0, world * first, world * rest))
-    works = [all_gather_single(heads[0], part.narrow(0, 0, first), group, async_op=True),
-             all_gather_single(heads[1], part.narrow(0, first, rest), group, async_op=True)]
-    for work, head in zip(works, heads):
+    world = world_size_of(group)
+    spans = ((0, first), (first, part.numel() - first))  # (start, length) in the partition
+    works = [all_gather_single(full.narrow(0, world * start, world * length), part.narrow(0, start, length), group,
+                               async_op=True) for start, length in spans]
+    for work, (start, length) in zip(works, spans):
         assert work is not None
         work.wait()
         if reordered is not None:
-            reordered.narrow(0, head.storage_offset() - full.storage_offset(), head.numel()).copy_(head)
+            reordered.narrow(0, world * start, world * length).copy_(full.narrow(0, world * start, world * length))
 
 
 def explicit(strategy: str) -> str:

@@ -159,9 +159,10 @@ class GroupPlacement:
         return 0
 
     def pipeline_pieces(self, plan: GroupPlan) -> tuple[ColumnPiece, ...]:
-        """The column ranges of the partitions that a pipelined all_gather gathers one after another, each
-        reordered by :meth:`to_param_order` while the next travels; empty where an all_gather needs no reorder
-        (then nothing is worth pipelining)."""
+        """The column ranges of the partitions that a pipelined all_gather gathers as collectives of their own,
+        each reordered by :meth:`to_param_order` once it has arrived (while the next travels, where the process
+        group runs collectives in issue order); empty where an all_gather needs no reorder (then nothing is worth
+        pipelining)."""
         return ()
 
     # --- streaming windows (``iter_full``): the parameters covering [start, stop) of the :meth:`span` axis -------

@@ -27,10 +27,12 @@ from .segments import SegmentPlan, segment_plan
 
 __all__ = ["PIPELINE_FIRST_SHARE", "AllParams", "ColumnPiece", "GradPlan", "GroupPlan", "Tiling", "plan_for", "tiling"]
 
-#: A pipelined ZeRO-3 all_gather (:attr:`GroupPlan.column_pieces`) gathers first the columns up to the parameter
-#: boundary nearest this share of the partition, then the rest, which travels while the first part is reordered.
-#: Reordering costs about a third of gathering the same bytes on gloo (a memory-bound copy against a loopback
-#: transfer): at 3/4 the second part's transfer would last as long as the first part's reorder.
+#: A pipelined ZeRO-3 all_gather (:attr:`GroupPlan.column_pieces`) gathers the columns up to the parameter
+#: boundary nearest this share of the partition and the rest as two collectives. Where a process group runs its
+#: collectives in issue order (NCCL: one stream), the rest travels while the first part is reordered; reordering
+#: costs about a third of gathering the same bytes on gloo (a memory-bound copy against a loopback transfer), so at
+#: 3/4 the second part's transfer would last as long as the first part's reorder. (Gloo itself runs the two at once
+#: on its worker threads: see :mod:`zero_dtensor.materialize.strategy`.)
 PIPELINE_FIRST_SHARE = 0.75
 
 

@@ -263,7 +263,8 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         rank), then ``all_gather``: one all_gather per (process group, dtype, device),
         coalesced over the flat groups sharing them, ``(N-1)/N·S`` bytes per rank (ZeRO-3 transfers of 16 MiB or
         more: two all_gathers issued at once, splitting every partition at a parameter boundary near 3/4, the same
-        bytes; the first part is reordered into parameter order while the second travels,
+        bytes; each part is reordered into parameter order once it has arrived, the first while the second travels
+        where the group runs collectives in issue order, as NCCL does; gloo moves both at once,
         :func:`~zero_dtensor.materialize.strategy.pipelines`). ``all_reduce``: one sum all_reduce
         per (process group, dtype, device) of a zero-filled ``S`` buffer, ``2(N-1)/N·S`` bytes per rank. ``auto`` on
         gloo, for transfers of at least 1 MiB: the first call per (process group, dtype, power-of-two size) also

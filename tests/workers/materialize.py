@@ -113,7 +113,7 @@ class _PipelinedOptions(_Options):
 
 
 def check_pipelined(case: EngineCase) -> dict:
-    """ZeRO-3, every all_gather pipelined (two all_gathers, the first part reordered while the second travels):
+    """ZeRO-3, every all_gather pipelined (two all_gathers, each part reordered once it has arrived):
     every option of full_tensors returns what DeepSpeed and the one-collective path return, bit for bit."""
     assert case.stage == 3, case
     st = _PipelinedOptions(case)  # its default: one all_gather

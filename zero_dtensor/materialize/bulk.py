@@ -9,8 +9,9 @@ number of tensor operations whatever the number of parameters. See ``ShardedGrad
 A large ZeRO-3 all_gather is *pipelined* (:func:`~zero_dtensor.materialize.strategy.pipelines`): two coalesced
 all_gathers issued at once, of each group's columns up to and from its cut
 (:attr:`~zero_dtensor.plan.GroupPlan.column_pieces`), each into its part of the group's region; once the first has
-arrived its part is reordered while the second travels. The steps (collectives, then what follows each) run in
-order at the end of a synchronous call or in ``PendingFullTensors.wait()``.
+arrived its part is reordered, while the second travels where the group runs collectives in issue order (NCCL; gloo
+runs the two at once, see :mod:`~zero_dtensor.materialize.strategy`). The steps (collectives, then what follows
+each) run in order at the end of a synchronous call or in ``PendingFullTensors.wait()``.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class _Transfer:
     groups: list[int] = field(default_factory=list)
     partitions: list[torch.Tensor] = field(default_factory=list)
     strategy: str = ""
-    pipelined: bool = False  # gathered in two steps, the first part reordered while the second travels
+    pipelined: bool = False  # gathered as two all_gathers, each part reordered once it has arrived
     offsets: dict[int, int] = field(default_factory=dict)  # group index -> start in the transfer buffer
     numel: int = 0
 

@@ -133,7 +133,7 @@ class PendingFullTensors:
     change (no ``engine.step()``) before ``wait()``.
 
     ``steps``: pending collectives in issue order, each with what to do once they are done (a pipelined gather's
-    reorder of the part that has arrived, while the next part travels; ``None``: nothing); then ``finish``."""
+    reorder of the part that has arrived; ``None``: nothing); then ``finish``."""
 
     def __init__(self, steps: list[tuple[list[Any], Callable[[], None] | None]],
                  finish: Callable[[], dict[str, torch.Tensor]]) -> None:

@@ -14,12 +14,16 @@
     power-of-two size class) and the faster one is cached (:func:`calibrate`). Transfers under
     ``CALIBRATION_MIN_BYTES`` (1 MiB) are not measured and use all_gather.
 
-A ZeRO-3 ``all_gather`` of ``PIPELINE_MIN_BYTES`` (16 MiB) or more is *pipelined* (:func:`pipelines`): it travels
-as two all_gathers issued at once, of the columns up to a parameter boundary near 3/4 of every partition and of the
-rest (:attr:`~zero_dtensor.plan.GroupPlan.column_pieces`), and the first part is reordered into parameter order
-while the second travels. One collective more; the reorder (a memory-bound copy of ``S``, 25-35% of the gather's
-time on gloo) then partly overlaps the transfer (2 gloo ranks sharing 2 cores, 21 MiB: 1.17-1.43 of a bare
-all_gather instead of 1.34-1.52). Smaller transfers are latency-bound: one collective, reordered after it.
+A ZeRO-3 ``all_gather`` of ``PIPELINE_MIN_BYTES`` (16 MiB) or more is *pipelined* (:func:`pipelines`): it travels as
+two all_gathers issued at once, of the columns up to a parameter boundary near 3/4 of every partition and of the
+rest (:attr:`~zero_dtensor.plan.GroupPlan.column_pieces`), and each part is reordered into parameter order once it
+has arrived, in issue order. One collective more. Where the group runs collectives in issue order (NCCL: one
+communication stream) the second part travels while the first is reordered. Gloo runs the two at once on its worker
+threads: the smaller second part has then usually arrived before the first (25-27 of 30 calls, 2 ranks, 21 MiB) and
+both reorders (a memory-bound copy of ``S``, 25-35% of the gather's time on gloo) follow the transfers; what the
+pipelining gains there comes from the two concurrent transfers finishing sooner than one (2 gloo ranks sharing 2
+cores, 21 MiB, 16 launches: 1.12-1.43 of a bare all_gather instead of 1.31-1.58). Smaller transfers are
+latency-bound: one collective, reordered after it.
 """
 
 from __future__ import annotations
@@ -142,8 +146,8 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype
     calibrations that all_gather won once warm), then times, 3 times and interleaved, what each strategy does on
     scratch buffers: all_gather is the collective, plus, with ``unpack`` (ZeRO-3, where only all_gather results need
     a reordering copy into parameter order), one local copy of the gathered buffer right after it (where the gather
-    has left the caches) — with ``pipelined``, two all_gathers issued at once (3/4 and 1/4 of the partition), the
-    first part copied while the second travels, as :mod:`~zero_dtensor.materialize.bulk` does; all_reduce is the
+    has left the caches) — with ``pipelined``, two all_gathers issued at once (3/4 and 1/4 of the partition), each
+    part copied once it has arrived, in issue order, as :mod:`~zero_dtensor.materialize.bulk` does; all_reduce is the
     zero fill of the full buffer, the copy of the rank's own part into it, then the collective. The per-rank
     minimum of each is then maximized over the group in one ``all_reduce(MAX)``, so every rank takes the same
     decision. Scratch memory: about ``2·nbytes`` (``3·nbytes`` with ``unpack``; capped), freed on return. Ties go

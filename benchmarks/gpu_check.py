@@ -848,9 +848,9 @@ def environment(device_type: str, backend: str) -> dict[str, Any]:
 
 
 def fmt_bytes(n: float | None) -> str:
-    from zero_dtensor.bench import _fmt_bytes
+    from zero_dtensor._bench_common import fmt_bytes
 
-    return "n/a" if n is None else _fmt_bytes(n)
+    return "n/a" if n is None else fmt_bytes(n)
 
 
 def render(results: dict[str, Any], console: Any) -> None:

@@ -30,8 +30,8 @@ from torch.distributed.tensor import Replicate, Shard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero_dtensor.layout import GradLayout, GroupLayout, Packing, ParamLayout
-from zero_dtensor.placement import ChunkShard, RaggedShard, Replicated, placement_of
+from zero_dtensor.layout import GradLayout, GroupLayout, Packing, ParamLayout, placement_of
+from zero_dtensor.placement import ChunkShard, RaggedShard, Replicated
 from zero_dtensor.plan import plan_for
 
 PAD = -1.0  # every parameter element is a non-negative id: the sentinel marks padding

@@ -20,7 +20,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero_dtensor.plan import Tiling
+from zero_dtensor.tiling import Tiling
 from zero_dtensor.reductions import GradStats, _grad_stats
 from zero_dtensor.segments import (
     BLOCK,

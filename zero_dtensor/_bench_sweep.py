@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .bench import _fmt_bytes, _sync
+from ._bench_common import engine_config, fmt_bytes, run_ranks, sync
 
 __all__ = ["ROWS", "main", "sweep_model"]
 
@@ -88,7 +88,6 @@ def _sweep_stage(args: argparse.Namespace, stage: int, tensors: int, progress: C
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     torch.manual_seed(0)
     model = sweep_model(tensors, args.sweep_width)
-    from .bench import engine_config
 
     config = engine_config(stage, args.dtype, lr=1e-6)
     progress(f"ZeRO-{stage}, {tensors} tensors: building the engine")
@@ -120,10 +119,10 @@ def _sweep_stage(args: argparse.Namespace, stage: int, tensors: int, progress: C
 
     def timed(fn: Callable[[], Any]) -> float:
         dist.barrier()
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         result = fn()
-        _sync(device)
+        sync(device)
         elapsed = time.perf_counter() - t0
         del result
         return elapsed
@@ -255,7 +254,7 @@ def render(results: dict[str, Any], console: Any = None) -> None:
     stages = sorted({m["stage"] for m in results["runs"]})
     for stage in stages:
         runs = [m for m in results["runs"] if m["stage"] == stage]
-        sizes = ", ".join(f"K={m['tensors']}: {m['params'] / 1e6:.2f}M params, {_fmt_bytes(m['stored_bytes'])}"
+        sizes = ", ".join(f"K={m['tensors']}: {m['params'] / 1e6:.2f}M params, {fmt_bytes(m['stored_bytes'])}"
                           for m in runs)
         table = Table(title=escape(f"ZeRO-{stage} ({runs[0]['optimizer']}), {results['world_size']} ranks on "
                                    f"{results['backend']}, {runs[0]['stored_dtype']} ({sizes}); "
@@ -295,7 +294,6 @@ def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     when ``RANK`` and ``WORLD_SIZE`` are set (torchrun), like ``zero_dtensor.bench``."""
     if not hasattr(args, "sweep_width"):
         args.sweep_width = 8 if args.tiny else 32
-    from .bench import run_ranks
 
     results = run_ranks(_rank_main, args)
     if results is None:

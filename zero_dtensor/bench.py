@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
+
+from ._bench_common import engine_config, fmt_bytes, run_ranks, sync
+from ._bench_sweep import main as sweep_main
 
 SIZES = {"tiny": (32, 2), "small": (128, 4), "default": (352, 16)}
 
@@ -92,13 +94,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 # --- rank side -----------------------------------------------------------------------------------------------------
-def _sync(device: Any) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _ring_bytes(kind: str, full_bytes: float, world: int) -> float:
     """Bytes per rank for a collective whose full size is ``full_bytes`` (ring model)."""
     if world <= 1:
@@ -166,10 +161,10 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
         times = []
         for _ in range(repeat):
             dist.barrier()
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             result = fn()
-            _sync(device)
+            sync(device)
             times.append(time.perf_counter() - t0)
             del result
         t = torch.tensor(times, dtype=torch.float64, device=device)
@@ -342,16 +337,6 @@ def _rank_main(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # --- presentation --------------------------------------------------------------------------------------------------
-def _fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def render(results: dict[str, Any], args: argparse.Namespace | None = None, console: Any = None) -> None:
     """Print the results as rich tables (one per stage)."""
     from rich.console import Console
@@ -363,7 +348,7 @@ def render(results: dict[str, Any], args: argparse.Namespace | None = None, cons
         table = Table(
             title=escape(f"ZeRO-{stage} ({meta['optimizer']}), {results['world_size']} ranks on {results['backend']}: "
                    f"{meta['params'] / 1e6:.1f}M params, {meta['tensors']} tensors, {meta['stored_dtype']}, "
-                   f"{_fmt_bytes(meta['stored_bytes'])} flat"),
+                   f"{fmt_bytes(meta['stored_bytes'])} flat"),
             title_justify="left",
         )
         for col, just in (("row", "left"), ("median ms", "right"), ("min ms", "right"), ("max ms", "right"),
@@ -377,10 +362,10 @@ def render(results: dict[str, Any], args: argparse.Namespace | None = None, cons
             table.add_row(
                 escape(r["row"]), f"{1e3 * r['median_s']:.1f}", f"{1e3 * r['min_s']:.1f}", f"{1e3 * r['max_s']:.1f}",
                 f"{r['collectives']}" + (f" {ops.split(' ', 1)[1]}" if ops and len(r["collective_ops"]) == 1 else ""),
-                _fmt_bytes(r["bytes_per_rank"]),
+                fmt_bytes(r["bytes_per_rank"]),
                 f"{r['speedup_vs_deepspeed']:.2f}" if r["speedup_vs_deepspeed"] else "-",
                 f"{r['ratio_to_floor']:.2f}" if r["ratio_to_floor"] else "-",
-                _fmt_bytes(r["memory_bytes"]),
+                fmt_bytes(r["memory_bytes"]),
             )
         console.print(table)
     from ._bench_redistribute import render as render_redistribution
@@ -392,50 +377,15 @@ def render(results: dict[str, Any], args: argparse.Namespace | None = None, cons
         " all_reduce 2(N-1)/N·S). × DeepSpeed: DeepSpeed loop median / row median (set_full_ vs the set loop, clip vs "
         "get+set loops). ÷ floor: row median / bare all_gather median. memory: bytes of new tensors held by the "
         "result (storages other than DeepSpeed's), for iter_full the peak of its live bucket buffers; allocations "
-        f"inside torch/the backend are not seen. Process max RSS (rank 0): {_fmt_bytes(results['maxrss_bytes'])}. "
+        f"inside torch/the backend are not seen. Process max RSS (rank 0): {fmt_bytes(results['maxrss_bytes'])}. "
         "CPU timings on a shared machine are noisy.[/dim]"
     )
-
-
-def engine_config(stage: int, dtype: str, *, lr: float) -> dict[str, Any]:
-    """The DeepSpeed config of the benchmark's engines (torch Adam: no op to build; micro-batch 2)."""
-    config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": 2,
-        "zero_optimization": {"stage": stage},
-        "optimizer": {"type": "Adam", "params": {"lr": lr, "torch_adam": True}},
-        "steps_per_print": 10**9,
-    }
-    if dtype == "bf16":
-        config["bf16"] = {"enabled": True}
-    return config
-
-
-def run_ranks(rank_main: Callable[[argparse.Namespace], dict[str, Any]], args: argparse.Namespace
-              ) -> dict[str, Any] | None:
-    """``rank_main(args)`` on every rank: in place under torchrun (``RANK``/``WORLD_SIZE`` set; NCCL on GPUs), else
-    on ``args.nproc`` local gloo ranks. Rank 0's results, ``None`` on the other ranks."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        import deepspeed
-        import torch
-        import torch.distributed as dist
-
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        deepspeed.init_distributed(dist_backend=backend, verbose=False)
-        results = rank_main(args)
-        return results if dist.get_rank() == 0 else None
-    from .launch import launch
-
-    return launch(rank_main, args, nprocs=args.nproc, timeout=args.timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.tensors is not None:  # the tensor-count sweep
-        from ._bench_sweep import main as sweep
-
-        return sweep(args, argv)
+        return sweep_main(args, argv)
     results = run_ranks(_rank_main, args)
     if results is None:
         return 0

@@ -27,9 +27,9 @@ from functools import cached_property
 
 import torch
 
-from .placement import GroupPlacement, placement_of
+from .placement import ChunkShard, GroupPlacement, RaggedShard, Replicated
 
-__all__ = ["GradLayout", "GroupLayout", "Packing", "ParamLayout"]
+__all__ = ["GradLayout", "GroupLayout", "Packing", "ParamLayout", "placement_of"]
 
 
 class Packing(enum.Enum):
@@ -133,3 +133,14 @@ class GradLayout:
     def params_of(self, group: int) -> tuple[ParamLayout, ...]:
         """The parameters of flat group ``group``, in model order (computed once per layout)."""
         return self._by_group.get(group, ())
+
+
+_RAGGED, _CHUNKED, _REPLICATED = RaggedShard(), ChunkShard(), Replicated()
+
+
+def placement_of(group: GroupLayout) -> GroupPlacement:
+    """The placement of ``group`` (the one place that reads its packing and replication flags): replicated, else
+    chunked (ZeRO-3) or ragged (ZeRO-1/2) by its packing. No communication."""
+    if group.replicated:
+        return _REPLICATED
+    return _CHUNKED if group.packing is Packing.CHUNKED else _RAGGED

@@ -64,13 +64,14 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from .collectives import all_gather_into, all_gather_single, all_reduce_sum_work, on_comm_device
+from .tiling import Tiling, tiling
 from .views import ViewCache
 
 if TYPE_CHECKING:
     from .layout import GroupLayout, ParamLayout
-    from .plan import ColumnPiece, GroupPlan, Tiling
+    from .plan import ColumnPiece, GroupPlan
 
-__all__ = ["Allocator", "ChunkShard", "GroupPlacement", "RaggedShard", "Replicated", "placement_of"]
+__all__ = ["Allocator", "ChunkShard", "GroupPlacement", "RaggedShard", "Replicated"]
 
 
 class Allocator(Protocol):
@@ -79,13 +80,6 @@ class Allocator(Protocol):
 
     def __call__(self, numel: int, dtype: torch.dtype, device: torch.device, *,
                  zero: bool = False) -> torch.Tensor: ...
-
-
-def _tiling(spans: list[tuple[int, int]], total: int) -> Tiling:
-    """:func:`zero_dtensor.plan.tiling` (imported on use: plan.py imports layout.py, which imports this module)."""
-    from .plan import tiling
-
-    return tiling(spans, total)
 
 
 @dataclass(frozen=True)
@@ -180,7 +174,7 @@ class GroupPlacement:
                             width: int) -> Tiling:
         """The layout of :meth:`assemble_window`'s result: each of ``params`` (consecutive, buffer order, spanning
         ``[start, start + width)``) at its place in the window, in parameter order."""
-        return _tiling([(self.span(p)[0] - start, p.numel) for p in params], width)
+        return tiling([(self.span(p)[0] - start, p.numel) for p in params], width)
 
     def window_elements(self, group: GroupLayout, strategy: str, start: int, stop: int) -> int:
         """Elements :meth:`assemble_window` allocates (through ``alloc``) for the window ``[start, stop)``."""
@@ -385,7 +379,7 @@ class ChunkShard(GroupPlacement):
         """Each parameter's ``(N, chunk)`` block (``N·chunk_numel`` elements: the parameter, then its padding) back
         to back: ``N·width`` elements."""
         n = group.world_size
-        return _tiling([((p.offset - start) * n, p.numel) for p in params], width * n)
+        return tiling([((p.offset - start) * n, p.numel) for p in params], width * n)
 
     def window_elements(self, group: GroupLayout, strategy: str, start: int, stop: int) -> int:
         """The ``(N, W)`` rows (``all_reduce``: written in parameter order), plus their reordered copy
@@ -401,7 +395,7 @@ class ChunkShard(GroupPlacement):
         (``(N-1)·W`` received), reordered by one ``split_with_sizes_copy`` into a second ``N·W`` buffer."""
         part = on_comm_device(partition, pg, device)
         width = stop - start
-        columns = _tiling([(p.offset - start, p.chunk_numel) for p in params], width)
+        columns = tiling([(p.offset - start, p.chunk_numel) for p in params], width)
         if strategy == "all_reduce":
             return self._window_by_all_reduce(group, plan, part, pg, params, columns, width, alloc)
         return self._window_by_all_gather(group, part, pg, columns, start, width, alloc)
@@ -485,15 +479,3 @@ def _views(cache: ViewCache | None, key: object, region: torch.Tensor,
            build: Callable[[torch.Tensor], Sequence[torch.Tensor]]) -> Sequence[torch.Tensor]:
     """``build(region)``: made once and kept in ``cache`` when the region's buffer is kept, else made now."""
     return build(region) if cache is None else cache.get(key, build)
-
-
-_RAGGED, _CHUNKED, _REPLICATED = RaggedShard(), ChunkShard(), Replicated()
-
-
-def placement_of(group: GroupLayout) -> GroupPlacement:
-    """The placement of ``group`` (the one place that reads its packing and replication flags)."""
-    from .layout import Packing
-
-    if group.replicated:
-        return _REPLICATED
-    return _CHUNKED if group.packing is Packing.CHUNKED else _RAGGED

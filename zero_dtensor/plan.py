@@ -24,6 +24,7 @@ import torch
 from .layout import GradLayout, GroupLayout, ParamLayout
 from .rows import RowMap, row_map
 from .segments import SegmentPlan, segment_plan
+from .tiling import Tiling, tiling
 
 __all__ = ["PIPELINE_FIRST_SHARE", "AllParams", "ColumnPiece", "GradPlan", "GroupPlan", "Tiling", "plan_for", "tiling"]
 
@@ -34,40 +35,6 @@ __all__ = ["PIPELINE_FIRST_SHARE", "AllParams", "ColumnPiece", "GradPlan", "Grou
 #: 3/4 the second part's transfer would last as long as the first part's reorder. (Gloo itself runs the two at once
 #: on its worker threads: see :mod:`zero_dtensor.materialize.strategy`.)
 PIPELINE_FIRST_SHARE = 0.75
-
-
-@dataclass(frozen=True)
-class Tiling:
-    """A 1-D buffer of ``sum(sizes)`` elements cut into pieces: ``sizes`` tile it; ``piece[k]`` is the piece of
-    the group's ``k``-th parameter (buffer order); every other piece is padding (``gaps``)."""
-
-    sizes: tuple[int, ...]
-    piece: tuple[int, ...]
-    gaps: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return sum(self.sizes)
-
-
-def tiling(spans: list[tuple[int, int]], total: int) -> Tiling:
-    """Pieces of ``[0, total)`` for sorted, disjoint ``spans`` ``(start, length)`` (zero-length ones allowed)."""
-    sizes: list[int] = []
-    piece: list[int] = []
-    gaps: list[int] = []
-    pos = 0
-    for start, length in spans:
-        if length and start > pos:
-            gaps.append(len(sizes))
-            sizes.append(start - pos)
-            pos = start
-        piece.append(len(sizes))
-        sizes.append(length)
-        pos = max(pos, start + length) if length else pos
-    if pos < total:
-        gaps.append(len(sizes))
-        sizes.append(total - pos)
-    return Tiling(tuple(sizes), tuple(piece), tuple(gaps))
 
 
 @dataclass(frozen=True, eq=False)

@@ -42,7 +42,7 @@ from .segments import (
     sizes_plan,
 )
 from .state import GradState, Selection
-from .transforms import mul_
+from .transforms import PerParam, mul_
 
 __all__ = [
     "GradStats",
@@ -291,8 +291,6 @@ def clip_grad_norm_(state: GradState, sel: Selection, max_norm: float, norm_type
 
 
 def clip_per_param_(state: GradState, sel: Selection, max_norm: float, norm_type: float) -> dict[str, torch.Tensor]:
-    from .transforms import PerParam
-
     values = norm_values(state, sel, norm_type)
     coefs = torch.clamp(max_norm / (values + 1e-6), max=1.0)
     mul_(state, sel, PerParam(list(coefs.unbind(0))))

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..layout import GroupLayout, ParamLayout
-from ..plan import Tiling
+from ..tiling import Tiling
 from ..state import GradState
 from .buffers import BUFFERS
 from .strategy import check_strategy, stream_strategy

@@ -1,0 +1,117 @@
+"""The package's imports point one way: no module imports, at run time, one that imports it back.
+
+Read from the source with ``ast`` (nothing is imported or run): every ``from . import``/``from .x import`` and
+``from zero_dtensor... import``, at module level or inside a function (a function-level import that closes a
+circle is the circle put off, not removed). Imports under ``if TYPE_CHECKING:`` are left out: they name types for
+annotations and never run.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "zero_dtensor"
+
+
+def _module_names() -> dict[str, pathlib.Path]:
+    names = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def _imported(module: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
+    """The package's modules that ``module`` imports at run time."""
+    found: set[str] = set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse)
+                continue
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                elif node.module and node.module.split(".")[0] == "zero_dtensor":
+                    target = node.module
+                else:
+                    target = ""
+                if target:
+                    submodules = {f"{target}.{a.name}" for a in node.names} & modules.keys()
+                    found.update(submodules if len(submodules) == len(node.names) else submodules | {target})
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name in modules)
+            for field in ("body", "orelse", "finalbody"):
+                inner = getattr(node, field, None)
+                if isinstance(inner, list):
+                    visit(inner)
+            for handler in getattr(node, "handlers", []):
+                visit(handler.body)
+
+    visit(ast.parse(path.read_text()).body)
+    found &= modules.keys()
+    found.discard(module)
+    # importing ``zero_dtensor.x`` runs ``zero_dtensor/__init__`` first, which every module inside it may rely on
+    return {m for m in found if not module.startswith(m + ".")}
+
+
+def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            connect(v)
+    return circles
+
+
+def test_no_runtime_import_circles() -> None:
+    modules = _module_names()
+    edges = {m: _imported(m, path, modules) for m, path in modules.items()}
+    assert len(modules) > 20 and sum(map(len, edges.values())) > 50  # the reader sees the package's imports
+    assert _circles(edges) == [], "modules that import each other at run time (directly or through others)"
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("from .b import f\n", {"pkg.b"}),
+    ("def g():\n    from .b import f\n", {"pkg.b"}),  # put off is still a circle
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import T\n", set()),
+    ("from . import b\n", {"pkg.b"}),
+])
+def test_the_reader_sees_each_kind_of_import(tmp_path: pathlib.Path, source: str, expected: set[str]) -> None:
+    (tmp_path / "a.py").write_text(source)
+    modules = {"pkg": tmp_path / "__init__.py", "pkg.a": tmp_path / "a.py", "pkg.b": tmp_path / "b.py"}
+    assert _imported("pkg.a", modules["pkg.a"], modules) == expected
+    assert _circles({"pkg.a": expected, "pkg.b": {"pkg.a"}, "pkg": set()}) == ([["pkg.a", "pkg.b"]] if expected
+                                                                              else [])

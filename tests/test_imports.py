@@ -1,4 +1,5 @@
-"""The package's imports point one way: no module imports, at run time, one that imports it back.
+"""The package's imports point one way: no module imports, at run time, one that imports it back; and every
+``torch.distributed`` call of the library is in ``collectives.py``.
 
 Read from the source with ``ast`` (nothing is imported or run): every ``from . import``/``from .x import`` and
 ``from zero_dtensor... import``, at module level or inside a function (a function-level import that closes a
@@ -115,3 +116,40 @@ def test_the_reader_sees_each_kind_of_import(tmp_path: pathlib.Path, source: str
     assert _imported("pkg.a", modules["pkg.a"], modules) == expected
     assert _circles({"pkg.a": expected, "pkg.b": {"pkg.a"}, "pkg": set()}) == ([["pkg.a", "pkg.b"]] if expected
                                                                               else [])
+
+
+#: entry points that start process groups or time bare collectives (the benchmark's floor) themselves
+TOOLS = ("bench.py", "_bench_common.py", "_bench_sweep.py", "_bench_redistribute.py", "demo.py", "launch.py")
+
+
+def _distributed_calls(source: str) -> list[tuple[int, str]]:
+    """``(line, name)`` of every call of a ``torch.distributed`` function (``dist.f(...)``,
+    ``torch.distributed.f(...)``, ``dist.group.WORLD.f(...)``); types and attributes that are not called aside."""
+    calls = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        chain, fn = [], node.func
+        while isinstance(fn, ast.Attribute):
+            chain.append(fn.attr)
+            fn = fn.value
+        chain.reverse()
+        if isinstance(fn, ast.Name) and (fn.id == "dist" or (fn.id == "torch" and chain[:1] == ["distributed"])):
+            calls.append((node.lineno, ".".join([fn.id, *chain])))
+    return calls
+
+
+def test_every_distributed_call_is_in_collectives() -> None:
+    found = {str(path.relative_to(PACKAGE)): calls for path in sorted(PACKAGE.rglob("*.py"))
+             if path.name != "collectives.py" and path.name not in TOOLS
+             and (calls := _distributed_calls(path.read_text()))}
+    assert found == {}, "call these through zero_dtensor.collectives"
+    assert len(_distributed_calls((PACKAGE / "collectives.py").read_text())) > 20  # the reader sees them there
+
+
+def test_the_call_reader_sees_each_spelling() -> None:
+    source = ("import torch\nimport torch.distributed as dist\n"
+              "def f(g: dist.ProcessGroup):\n    dist.all_reduce(t)\n    torch.distributed.barrier()\n"
+              "    dist.group.WORLD.size()\n    return dist.ReduceOp.SUM\n")
+    assert _distributed_calls(source) == [(4, "dist.all_reduce"), (5, "torch.distributed.barrier"),
+                                          (6, "dist.group.WORLD.size")]

@@ -19,7 +19,12 @@ __all__ = [
     "all_gather_into",
     "all_gather_single",
     "backend_of",
+    "default_backend",
+    "flagged_ranks",
     "global_rank",
+    "is_distributed",
+    "rank_in",
+    "world_timeout",
     "global_world_size",
     "group_rank_of",
     "world_size_of",
@@ -202,6 +207,33 @@ def world_size_of(group: dist.ProcessGroup) -> int:
     return dist.get_world_size(group)
 
 
+def rank_in(group: dist.ProcessGroup) -> int:
+    """This process's rank in ``group``. No communication."""
+    return dist.get_rank(group)
+
+
+def is_distributed() -> bool:
+    """Whether a default process group is up (``torch.distributed`` available and initialized)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def default_backend() -> str:
+    """The default process group's backend name (``"gloo"``, ``"nccl"``, ...). No communication."""
+    return dist.get_backend()
+
+
+def world_timeout() -> datetime.timedelta:
+    """The world process group's own timeout, or torch's default where its backend does not expose one."""
+    try:
+        world = dist.group.WORLD
+        backend = world._get_backend(torch.device("cpu" if dist.get_backend() == "gloo" else "cuda"))
+        return backend.options._timeout
+    except Exception:  # noqa: BLE001 - a backend that does not expose its options: torch's default
+        from torch.distributed.distributed_c10d import default_pg_timeout
+
+        return default_pg_timeout
+
+
 def global_world_size() -> int:
     return dist.get_world_size()
 
@@ -254,3 +286,17 @@ def sum_ints(values: Sequence[int], group: dist.ProcessGroup, device: torch.devi
     t = torch.tensor(list(values), dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t.tolist()
+
+
+def flagged_ranks(flagged: bool, group: dist.ProcessGroup | None, device: torch.device) -> list[int]:
+    """The global ranks of ``group`` (``None``: the world) that pass ``flagged=True``: one ``all_reduce(SUM)`` of an
+    ``N``-long int64 flag vector (``2(N-1)/N · 8N`` bytes per rank). Without a process group: this process alone
+    (rank 0). **Collective** on ``group``: every rank must call it."""
+    if not is_distributed():
+        return [0] if flagged else []
+    group = dist.group.WORLD if group is None else group
+    flags = [0] * dist.get_world_size(group)
+    if flagged:
+        flags[dist.get_rank(group)] = 1
+    members = group_ranks(group)
+    return [members[i] for i, f in enumerate(sum_ints(flags, group, device)) if f]

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .collectives import all_gather_objects, gather_ints_within, group_ranks
+from .collectives import all_gather_objects, gather_ints_within, group_ranks, world_size_of, world_timeout
 from .errors import RankDisagreementError
 
 __all__ = [
@@ -107,14 +107,7 @@ def check_timeout() -> datetime.timedelta:
     """How long a check waits: :func:`set_debug`'s ``timeout``, else the world process group's own timeout."""
     if _TIMEOUT is not None:
         return _TIMEOUT
-    try:
-        world = dist.group.WORLD
-        backend = world._get_backend(torch.device("cpu" if dist.get_backend() == "gloo" else "cuda"))
-        return backend.options._timeout
-    except Exception:  # noqa: BLE001 - a backend that does not expose its options: torch's default
-        from torch.distributed.distributed_c10d import default_pg_timeout
-
-        return default_pg_timeout
+    return world_timeout()
 
 
 def _hash(text: str) -> int:
@@ -216,7 +209,7 @@ def check_same_call(what: str, signature: Any, groups: Iterable[dist.ProcessGrou
         if any(group is s for s in seen):
             continue
         seen.append(group)
-        if dist.get_world_size(group) == 1:
+        if world_size_of(group) == 1:
             continue
         hashes = _gather_hashes(mine, group, device, what)
         if len(set(hashes)) == 1:

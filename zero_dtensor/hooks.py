@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ._deepspeed import check_engine
+from .collectives import default_backend, flagged_ranks, is_distributed
 from .api import sharded_grads
 from .sharded import ShardedGrads
 
@@ -340,7 +341,7 @@ class _Registry:
             except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank agreed
                 error = exc
             if sync_errors:
-                failed = _agree(error is not None, group, _device_of(self.engine))
+                failed = flagged_ranks(error is not None, group, _device_of(self.engine))
                 if failed:
                     self._discard()
                     if error is not None:
@@ -362,21 +363,6 @@ class _Registry:
         self.engine.optimizer.zero_grad()
 
 
-def _agree(failed_here: bool, group: dist.ProcessGroup | None, device: torch.device) -> list[int]:
-    """One ``all_reduce`` (SUM) of a ``world_size``-long int32 flag vector; the global ranks that failed."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return [0] if failed_here else []
-    world = dist.get_world_size(group)
-    flags = torch.zeros(world, dtype=torch.int32, device=device)
-    if failed_here:
-        flags[dist.get_rank(group)] = 1
-    dist.all_reduce(flags, group=group)
-    local = [i for i, f in enumerate(flags.tolist()) if f]
-    if group is None or group is dist.group.WORLD:
-        return local
-    return [dist.get_global_rank(group, i) for i in local]
-
-
 def _is_pipeline_engine(engine: Any) -> bool:
     try:
         from deepspeed.runtime.pipe.engine import PipelineEngine
@@ -389,7 +375,7 @@ def _device_of(engine: Any) -> torch.device:
     device = getattr(engine, "device", None)
     if device is not None:
         return torch.device(device)
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    if is_distributed() and default_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -12,8 +12,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch.distributed as dist
 
+from .collectives import global_rank, is_distributed
 from .hooks import GradHookHandle, on_grads
 from .sharded import ShardedGrads
 
@@ -118,4 +118,4 @@ class GradStatsLogger:
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return global_rank() if is_distributed() else 0

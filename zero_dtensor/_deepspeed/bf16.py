@@ -21,8 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from ..collectives import rank_in, world_size_of
 from ..errors import GradientsNotReadyError, UnsupportedDeepSpeedError
 from ..layout import GradLayout, GroupLayout, Packing, ParamLayout
 from ..storage import GradStorage
@@ -45,7 +45,7 @@ def _build_layout(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]) -
     for i, (group_params, flat) in enumerate(zip(opt.bf16_groups, partitions)):
         pg = opt.real_dp_process_group[i]
         groups.append(
-            GroupLayout(i, dist.get_world_size(pg), dist.get_rank(pg), flat.numel(), flat.dtype,
+            GroupLayout(i, world_size_of(pg), rank_in(pg), flat.numel(), flat.dtype,
                         Packing.CONTIGUOUS, replicated=True)
         )
         offset = 0

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from ..collectives import rank_in, world_size_of
 from ..errors import GradientsNotReadyError
 from ..layout import GradLayout, GroupLayout, Packing, ParamLayout
 from ..plan import plan_for
@@ -188,8 +188,8 @@ def _group_layout(opt: Any, group: int, partition: torch.Tensor) -> GroupLayout:
     pg = opt.real_dp_process_group[group]
     return GroupLayout(
         index=group,
-        world_size=dist.get_world_size(pg),
-        rank=dist.get_rank(pg),
+        world_size=world_size_of(pg),
+        rank=rank_in(pg),
         partition_numel=int(opt.partition_size[group]),
         dtype=partition.dtype,
         packing=Packing.CONTIGUOUS,

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..collectives import rank_in, world_size_of
 from ..errors import GradientsNotReadyError, UnsupportedDeepSpeedError
 from ..layout import GradLayout, GroupLayout, Packing, ParamLayout
 from ..plan import plan_for
@@ -99,7 +100,7 @@ def _build_layout(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]
                   ) -> tuple[GradLayout, dict[str, Any], dist.ProcessGroup]:
     names = param_names(engine)
     pg = _process_group(opt)
-    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    world, rank = world_size_of(pg), rank_in(pg)
     groups, params, by_name = [], [], {}
     for sg, (group_params, partition) in enumerate(zip(opt.fp16_groups, partitions)):
         groups.append(GroupLayout(sg, world, rank, partition.numel(), partition.dtype, Packing.CHUNKED))

@@ -21,7 +21,7 @@ Where it hooks (DeepSpeed 0.18.9 / 0.19.x, ``deepspeed/runtime/engine.py``):
   the finalized gradients are discarded (``engine.optimizer.zero_grad()``), as in the managed case.
 
 Errors: hooks run in registration order. After each hook, every rank takes part in one tiny ``all_reduce`` of an
-error flag (``world_size`` int32 values on the engine's device; latency-bound, a few microseconds on NCCL, tens on
+error flag (``world_size`` int64 values on the engine's device; latency-bound, a few microseconds on NCCL, tens on
 gloo), so that an exception on some ranks makes **every** rank raise, before any rank enters the optimizer step's
 collectives: the failing rank(s) re-raise their own exception, the others raise :class:`GradHookError` naming the
 failing rank(s). The optimizer step does not run and the step's gradients are discarded
@@ -124,7 +124,7 @@ def on_grads(engine: Any, fn: GradFn, *, every: int = 1, sync_errors: bool = Tru
         fn: ``fn(grads: ShardedGrads) -> Any``.
         every: call ``fn`` at every ``every``-th accumulation boundary only (the first one included); the other
             boundaries cost nothing (no ``ShardedGrads``, no agreement collective).
-        sync_errors: after ``fn``, all-reduce an error flag (``world_size`` int32) so that an exception on any rank
+        sync_errors: after ``fn``, all-reduce an error flag (``world_size`` int64) so that an exception on any rank
             raises on every rank before the optimizer step (:class:`GradHookError` on the ranks that did not fail).
         group: the process group for that agreement; default the world (every rank that runs ``engine.step()``).
 

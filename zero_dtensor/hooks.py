@@ -17,7 +17,8 @@ Where it hooks (DeepSpeed 0.18.9 / 0.19.x, ``deepspeed/runtime/engine.py``):
   (stage 2/3: ``optimizer.finalize_gradient_accumulation_boundary()``; stage 0/1: ``allreduce_gradients()``) and then
   calls ``self._take_model_step(lr_kwargs)``, which runs the optimizer. The hook therefore also wraps the instance's
   ``engine._take_model_step`` and runs there (after the finalize, before ``optimizer.step()``). If the hook raises
-  there, the ``step()`` wrapper resets ``_running_engine_step`` and stops the step timers; no update is applied and
+  there, the ``step()`` wrapper resets ``_running_engine_step`` and stops the step timers
+  (:mod:`zero_dtensor._deepspeed.engine_step` holds these DeepSpeed internals); no update is applied and
   the finalized gradients are discarded (``engine.optimizer.zero_grad()``), as in the managed case.
 
 Errors: hooks run in registration order. After each hook, every rank takes part in one tiny ``all_reduce`` of an
@@ -41,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ._deepspeed import check_engine
+from ._deepspeed.engine_step import MODEL_STEP, abandon_step, is_pipeline_engine
 from .collectives import default_backend, flagged_ranks, is_distributed
 from .api import sharded_grads
 from .sharded import ShardedGrads
@@ -141,7 +143,7 @@ def on_grads(engine: Any, fn: GradFn, *, every: int = 1, sync_errors: bool = Tru
             f"{type(engine).__name__}; under Accelerate pass the object accelerator.prepare() returned for the model, "
             "in the HF Trainer trainer.model_wrapped (after training started)"
         )
-    if _is_pipeline_engine(engine):
+    if is_pipeline_engine(engine):
         raise TypeError(
             "on_grads does not support DeepSpeed's PipelineEngine: train_batch() runs the optimizer through "
             "_take_model_step without engine.step(), and zero_dtensor does not map pipeline-parallel gradients"
@@ -248,7 +250,7 @@ class _Registry:
     def _install(self) -> None:
         engine = self.engine
         self._wrap("step", self._step_wrapper)
-        self._wrap("_take_model_step", self._take_model_step_wrapper)
+        self._wrap(MODEL_STEP, self._model_step_wrapper)
         object.__setattr__(engine, _ATTR, self)
         self.installed = True
 
@@ -296,35 +298,25 @@ class _Registry:
                 return original(*args, **kwargs)
             except BaseException:
                 if registry._unmanaged_fired:
-                    registry._undo_unmanaged_step_entry()
+                    abandon_step(registry.engine)
                 raise
 
         step.__wrapped__ = original  # type: ignore[attr-defined]
         step.__doc__ = getattr(original, "__doc__", None)
         return step
 
-    def _take_model_step_wrapper(self, original: Callable[..., Any]) -> Callable[..., Any]:
+    def _model_step_wrapper(self, original: Callable[..., Any]) -> Callable[..., Any]:
         registry = self
 
-        def _take_model_step(*args: Any, **kwargs: Any) -> Any:
+        def model_step(*args: Any, **kwargs: Any) -> Any:
             if registry.hooks and not registry._managed():
                 registry._unmanaged_fired = True
                 registry._fire()  # after step() finalized the accumulation, before optimizer.step()
                 registry._unmanaged_fired = False
             return original(*args, **kwargs)
 
-        _take_model_step.__wrapped__ = original  # type: ignore[attr-defined]
-        return _take_model_step
-
-    def _undo_unmanaged_step_entry(self) -> None:
-        """A hook raised inside ``_take_model_step`` (unmanaged accumulation): undo what ``step()`` had begun."""
-        engine = self.engine
-        if hasattr(engine, "_running_engine_step"):
-            engine._running_engine_step = False
-        try:
-            engine._stop_timers(engine.engine_timers.step_timers)
-        except Exception:  # noqa: BLE001 - best effort; timers are diagnostics only
-            pass
+        model_step.__wrapped__ = original  # type: ignore[attr-defined]
+        return model_step
 
     def _fire(self) -> None:
         grads: ShardedGrads | None = None
@@ -361,14 +353,6 @@ class _Registry:
         """A hook failed: drop the step's gradients, the same on every stage (ZeRO-3 would otherwise carry them
         into the next step, ZeRO-1/2 would not). No communication."""
         self.engine.optimizer.zero_grad()
-
-
-def _is_pipeline_engine(engine: Any) -> bool:
-    try:
-        from deepspeed.runtime.pipe.engine import PipelineEngine
-    except Exception:  # noqa: BLE001 - no pipeline support installed: nothing to refuse
-        return False
-    return isinstance(engine, PipelineEngine)
 
 
 def _device_of(engine: Any) -> torch.device:

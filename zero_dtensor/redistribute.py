@@ -52,6 +52,7 @@ from . import collectives
 from .debug import REFUSALS, error_code, is_debug
 from .errors import RankFailedError
 from .layout import GradLayout, ParamLayout
+from .state import state_of
 from .storage import GradStorage
 
 __all__ = [
@@ -779,7 +780,7 @@ def traffic(grads: Any, names: Sequence[str] | None = None, *, target: str = ROW
     """Bytes this rank sends to / receives from other ranks for a read and a write of ``target`` (``"rows"`` or
     ``"owners"``, with ``assignment`` or the balanced one), from the plan (exact, stored dtype). ``grads``: a ``ShardedGrads`` or its storage. No
     communication."""
-    storage: GradStorage = getattr(grads, "_storage", grads)
+    storage: GradStorage = grads if isinstance(grads, GradStorage) else state_of(grads).storage
     layout = storage.layout
     selected = list(layout.params) if names is None else [layout.by_name[n] for n in names]
     plan = plan_for(storage, selected, target, owners(storage, selected, assignment) if target == OWNERS else None)

@@ -1,5 +1,6 @@
-"""The package's imports point one way: no module imports, at run time, one that imports it back; and every
-``torch.distributed`` call of the library is in ``collectives.py``.
+"""The package's structure, read from the source: imports point one way (no module imports, at run time, one that
+imports it back); every ``torch.distributed`` call of the library is in ``collectives.py``; only
+``zero_dtensor/_deepspeed/`` reads DeepSpeed's private state.
 
 Read from the source with ``ast`` (nothing is imported or run): every ``from . import``/``from .x import`` and
 ``from zero_dtensor... import``, at module level or inside a function (a function-level import that closes a
@@ -136,7 +137,7 @@ def _distributed_calls(source: str) -> list[tuple[int, str]]:
         chain.reverse()
         if isinstance(fn, ast.Name) and (fn.id == "dist" or (fn.id == "torch" and chain[:1] == ["distributed"])):
             calls.append((node.lineno, ".".join([fn.id, *chain])))
-    return calls
+    return sorted(calls)
 
 
 def test_every_distributed_call_is_in_collectives() -> None:
@@ -153,3 +154,48 @@ def test_the_call_reader_sees_each_spelling() -> None:
               "    dist.group.WORLD.size()\n    return dist.ReduceOp.SUM\n")
     assert _distributed_calls(source) == [(4, "dist.all_reduce"), (5, "torch.distributed.barrier"),
                                           (6, "dist.group.WORLD.size")]
+
+
+#: names under which the library holds DeepSpeed objects
+DEEPSPEED_OBJECTS = frozenset({"engine", "optimizer", "opt"})
+
+
+def _deepspeed_private_reads(source: str) -> list[tuple[int, str]]:
+    """``(line, what)`` of every ``import deepspeed...``, every ``engine._x`` / ``optimizer._x`` / ``opt._x`` (also
+    ``x.engine._y``), and every ``getattr``/``hasattr``/``setattr`` of an underscore name on anything but ``self``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            found += [(node.lineno, f"import {n}") for n in names if n.split(".")[0] == "deepspeed"]
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = node.value
+            name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+            if name in DEEPSPEED_OBJECTS:
+                found.append((node.lineno, f"{name}.{node.attr}"))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) > 1
+              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+              and node.args[1].value.startswith("_") and not node.args[1].value.startswith("__")
+              and not (isinstance(node.args[0], ast.Name) and node.args[0].id == "self")):
+            found.append((node.lineno, f"{node.func.id}(..., {node.args[1].value!r})"))
+    return sorted(found)
+
+
+def test_only_the_adapters_read_deepspeed_private_state() -> None:
+    found = {str(path.relative_to(PACKAGE)): reads for path in sorted(PACKAGE.rglob("*.py"))
+             if "_deepspeed" not in path.relative_to(PACKAGE).parts and path.name not in TOOLS
+             and (reads := _deepspeed_private_reads(path.read_text()))}
+    assert found == {}, "move what reads DeepSpeed's internals into zero_dtensor/_deepspeed/"
+    adapters = [_deepspeed_private_reads(p.read_text()) for p in (PACKAGE / "_deepspeed").glob("*.py")]
+    assert sum(map(len, adapters)) > 10  # the reader sees the adapters' reads
+
+
+def test_the_private_state_reader_sees_each_spelling() -> None:
+    source = ("from deepspeed.runtime.engine import DeepSpeedEngine\n"
+              "def f(engine, self):\n    engine._running_engine_step = False\n"
+              "    self.engine._stop_timers()\n    hasattr(engine, '_x')\n    getattr(self, '_y')\n"
+              "    engine.optimizer.step()\n    engine.__dict__\n")
+    assert _deepspeed_private_reads(source) == [(1, "import deepspeed.runtime.engine"),
+                                                (3, "engine._running_engine_step"), (4, "engine._stop_timers"),
+                                                (5, "hasattr(..., '_x')")]

@@ -13,6 +13,9 @@ optimizer class                           module                      DeepSpeed 
 Versions outside ``[0.18.9, 0.20)`` and any other optimizer class (subclasses such as ZenFlow or SuperOffload
 included) are refused with :class:`~zero_dtensor.errors.UnsupportedDeepSpeedError`. Within the range, features are
 detected (e.g. ``round_robin_bit16_offsets``, the compact fp32 partition buffer) rather than inferred from the version.
+
+Beside the optimizer adapters: :mod:`.capture` (``keep_full_grads``' capture of the ZeRO-1/2 reduction),
+:mod:`.engine_step` (the engine's ``step()`` internals that :mod:`zero_dtensor.hooks` wraps), :mod:`.version`.
 """
 
 from __future__ import annotations

@@ -43,8 +43,8 @@ import torch.distributed as dist
 
 from ._deepspeed import check_engine
 from ._deepspeed.engine_step import MODEL_STEP, abandon_step, is_pipeline_engine
-from .collectives import default_backend, flagged_ranks, is_distributed
 from .api import sharded_grads
+from .collectives import default_backend, flagged_ranks, is_distributed
 from .sharded import ShardedGrads
 
 __all__ = ["GradHookError", "GradHookHandle", "attach_to_trainer", "on_grads", "on_grads_in_trainer"]

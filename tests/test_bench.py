@@ -10,8 +10,9 @@ import sys
 import pytest
 
 ROWS = {
-    "ds get loop", "ds set loop", "full_tensors out=prev", "full_tensors all_gather", "full_tensors all_reduce",
-    "set_full_", "floor: bare all_gather", "ref: bare all_reduce",
+    "ds get loop", "ds set loop", "full_tensors out=prev", "full_tensors all_gather", "full_tensors all_to_all",
+    "full_tensors all_reduce", "set_full_", "floor: bare all_gather", "ref: bare all_reduce",
+    "ref: bare all_to_all gather",
 }
 
 

@@ -9,6 +9,8 @@ from workers.common import EngineCase
 from workers.rows import RowResults, assert_row, slug
 
 CASES = [EngineCase(stage, dtype, world=ws) for ws in (2, 3) for stage in (1, 2, 3) for dtype in ("fp32", "bf16")]
+# a data-parallel group of one rank: every strategy still returns the gradients (all_to_all: a local copy)
+SINGLE_RANK_CASES = [EngineCase(stage, world=1) for stage in (1, 3)]
 # weights / biases in two optimizer param groups, nothing frozen, 4 ranks
 TWO_GROUP_CASES = [EngineCase(stage, world=4, groups=2, frozen=False) for stage in (1, 2, 3)]
 _RESULTS = RowResults()
@@ -20,9 +22,11 @@ def _row_tests(cases: list[EngineCase]) -> list:
 
 
 def _check_counts(results: list[dict], row: str) -> None:
-    for strategy in ("all_gather", "all_reduce"):
+    """The data collectives of one call: one per transfer; all_to_all (no coalesced form) one per sharded group."""
+    for strategy in materialize.GATHER_STRATEGIES:
         if row == f"{strategy} strategy=":
-            assert results[0][f"count_{strategy}"] == 1
+            want = results[0]["sharded_groups"] if strategy == "all_to_all" else 1
+            assert results[0][f"count_{strategy}"] == want
 
 
 @pytest.mark.parametrize("case,row", _row_tests(CASES))
@@ -30,6 +34,12 @@ def test_full_tensors_options_match_default(ranks, case: EngineCase, row: str) -
     results = _RESULTS.get(ranks, case.world, materialize.check_options, case)
     assert_row(results, row)
     _check_counts(results, row)
+
+
+@pytest.mark.parametrize("case,row", _row_tests(SINGLE_RANK_CASES))
+def test_full_tensors_options_on_one_rank(ranks, case: EngineCase, row: str) -> None:
+    results = _RESULTS.get(ranks, case.world, materialize.check_options, case)
+    assert_row(results, row)
 
 
 @pytest.mark.parametrize("case,row", _row_tests(TWO_GROUP_CASES))
@@ -58,7 +68,7 @@ def test_pipelined_zero3_gather_matches_one_collective(ranks, case: EngineCase, 
                                   EngineCase(3, "bf16", world=3), EngineCase(2, world=4)], ids=lambda c: c.id)
 def test_iter_full_streams_within_budget(ranks, case: EngineCase) -> None:
     report = ranks(case.world).run(materialize.check_streaming, case)[0]
-    for strategy in ("all_gather", "all_reduce"):
+    for strategy in materialize.GATHER_STRATEGIES:
         r = report[strategy]
         assert r["buckets"] > 3  # the 512-element bucket really splits the model
         assert r["peak"] <= r["budget"]
@@ -72,11 +82,14 @@ def test_fp16_results_are_unscaled_for_every_option(ranks, stage: int, pipelined
     ranks(2).run(materialize.check_fp16, stage, pipelined)
 
 
-@pytest.mark.parametrize("stage,pipelined", [(2, False), (3, False), (3, True)])
-def test_auto_calibrates_once_and_agrees_across_ranks(ranks, stage: int, pipelined: bool) -> None:
-    results = ranks(2).run(materialize.check_calibration, stage, pipelined)
+@pytest.mark.parametrize("stage,pipelined,groups", [(2, False, 1), (3, False, 1), (3, True, 1), (2, False, 2),
+                                                   (3, False, 2)])
+def test_auto_calibrates_once_and_agrees_across_ranks(ranks, stage: int, pipelined: bool, groups: int) -> None:
+    """A transfer of one flat group may pick all_to_all; one of two never does (one collective per transfer)."""
+    results = ranks(2).run(materialize.check_calibration, stage, pipelined, groups)
     decisions = [r["decisions"] for r in results]
-    assert len(decisions[0]) == 1 and decisions[0][0] in ("all_gather", "all_reduce")
+    candidates = ("all_gather", "all_to_all", "all_reduce") if groups == 1 else ("all_gather", "all_reduce")
+    assert len(decisions[0]) == 1 and decisions[0][0] in candidates
     assert all(d == decisions[0] for d in decisions)
     assert all(r["reorders"] == [stage == 3] for r in results)
     assert all(r["pipelines"] == [pipelined] for r in results)

@@ -98,7 +98,8 @@ def _ring_bytes(kind: str, full_bytes: float, world: int) -> float:
     """Bytes per rank for a collective whose full size is ``full_bytes`` (ring model)."""
     if world <= 1:
         return 0.0
-    return {"all_gather": (world - 1) / world, "all_reduce": 2 * (world - 1) / world, "none": 0.0}[kind] * full_bytes
+    return {"all_gather": (world - 1) / world, "all_to_all": (world - 1) / world, "all_reduce": 2 * (world - 1) / world,
+            "none": 0.0}[kind] * full_bytes
 
 
 class _Row:
@@ -116,7 +117,7 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
     import zero_dtensor as zd
     from zero_dtensor import materialize as mz
     from zero_dtensor._bench_model import TransformerLike
-    from zero_dtensor.collectives import all_gather_into
+    from zero_dtensor.collectives import all_gather_by_all_to_all, all_gather_into
     from zero_dtensor.state import state_of
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -225,7 +226,7 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
     measure(f"full_tensors [auto, fresh buffer]", fresh, repeat=args.repeat,
             bytes_per_rank=_ring_bytes(auto, stored_bytes, world), baseline="ds get loop",
             note="no recycling: allocates S every call (like a first call)")
-    for strategy in ("all_gather", "all_reduce"):
+    for strategy in ("all_gather", "all_to_all", "all_reduce"):
         measure(f"full_tensors {strategy}", lambda s=strategy: grads.full_tensors(strategy=s),
                 repeat=args.repeat, bytes_per_rank=_ring_bytes(strategy, stored_bytes, world),
                 baseline="ds get loop")
@@ -274,7 +275,15 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
         full_buf = torch.zeros(sum(g.flat_numel for g in sharded), dtype=parts[0].dtype, device=parts[0].device)
         measure("ref: bare all_reduce", lambda: dist.all_reduce(full_buf, group=pg),
                 repeat=args.repeat, bytes_per_rank=_ring_bytes("all_reduce", stored_bytes, world), baseline=None,
-                note="gloo's faster primitive", memory=lambda _: 0)
+                note="the zero-padded strategy's collective", memory=lambda _: 0)
+
+        def gather_by_all_to_all() -> None:
+            for out, part in zip(outs, ins):
+                all_gather_by_all_to_all(out, part, pg)
+
+        measure("ref: bare all_to_all gather", gather_by_all_to_all, repeat=args.repeat,
+                bytes_per_rank=_ring_bytes("all_to_all", stored_bytes, world), baseline=None,
+                note="the all_to_all strategy's collective", memory=lambda _: 0)
 
     by = {r["row"]: r for r in rows}
     floor = by.get("floor: bare all_gather")

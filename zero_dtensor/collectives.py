@@ -18,6 +18,8 @@ __all__ = [
     "comm_device_types",
     "all_gather_into",
     "all_gather_single",
+    "all_gather_by_all_to_all",
+    "peer_partitions_by_all_to_all",
     "backend_of",
     "default_backend",
     "flagged_ranks",
@@ -196,6 +198,58 @@ def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessG
                       async_op: bool = False) -> dist.Work | None:
     """One ``all_gather`` of an equal-size 1-D ``inp`` into ``out`` (``N×`` its length)."""
     return _all_gather_single(out, inp, group=group, async_op=async_op)
+
+
+def all_gather_by_all_to_all(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *,
+                             async_op: bool = False) -> list[dist.Work]:
+    """What ``all_gather_single(out, inp)`` leaves in ``out`` (``N×`` the equal-size 1-D ``inp``, rank after rank),
+    by **one** ``all_to_all_single``: bytes per rank sent and received ``(N-1)·S`` (``S`` = ``inp``'s bytes), as an
+    all_gather's.
+
+    Gloo's all_gather lands in a staging buffer of ``N·S`` it allocates per call and then copies out (and copies
+    the rank's own input into it); its all_to_all receives straight into the output. With 2 ranks the other rank's
+    half is received in place (:func:`peer_partitions_by_all_to_all`) and ``inp`` copied locally into this rank's
+    half: measured on 2 gloo ranks sharing 2 cores, 21 MiB gathered, about half the time of
+    ``all_gather_into_tensor``. With ``N > 2`` ranks the input is ``inp`` repeated ``N`` times (one local copy of
+    ``N·S`` into a scratch buffer, held by the pending work), since an all_to_all sends each peer its own
+    contiguous piece of one input, and every piece lands in place; with 1 rank, one local copy and no collective.
+    Returns the pending work when async."""
+    world = dist.get_world_size(group)
+    n = inp.numel()
+    if out.numel() != world * n:
+        raise ValueError(f"out has {out.numel()} elements, expected {world} x {n}")
+    if world == 1:
+        out.copy_(inp)
+        return []
+    if world == 2:
+        rank = dist.get_rank(group)
+        out.narrow(0, rank * n, n).copy_(inp)
+        return peer_partitions_by_all_to_all(out.narrow(0, (1 - rank) * n, n), inp, group, async_op=async_op)
+    repeated = torch.empty(world * n, dtype=inp.dtype, device=inp.device)
+    repeated.view(world, n).copy_(inp.expand(world, n))
+    splits = [n] * world
+    return all_to_all_into(out, repeated, splits, splits, group, async_op=async_op)
+
+
+def peer_partitions_by_all_to_all(peers: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *,
+                                  async_op: bool = False) -> list[dist.Work]:
+    """Every other rank's equal-size 1-D ``inp``, back to back in rank order (this rank's skipped), into ``peers``
+    (``(N-1)×`` its length), by **one** ``all_to_all_single`` that sends nothing to this rank itself: ``(N-1)·S``
+    bytes sent and received per rank. The input is ``inp`` itself with 2 ranks, else ``inp`` repeated ``N-1`` times
+    (one local copy of ``(N-1)·S`` into a scratch buffer, held by the pending work); nothing with 1 rank. Returns the
+    pending work when async."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    n = inp.numel()
+    if peers.numel() != (world - 1) * n:
+        raise ValueError(f"peers has {peers.numel()} elements, expected {world - 1} x {n}")
+    if world == 1:
+        return []  # no peers
+    splits = [0 if r == rank else n for r in range(world)]
+    if world > 2:
+        repeated = torch.empty((world - 1) * n, dtype=inp.dtype, device=inp.device)
+        repeated.view(world - 1, n).copy_(inp.expand(world - 1, n))
+        inp = repeated
+    return all_to_all_into(peers, inp, splits, splits, group, async_op=async_op)
 
 
 def backend_of(group: dist.ProcessGroup) -> str:

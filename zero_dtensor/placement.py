@@ -70,6 +70,7 @@ from .views import ViewCache
 if TYPE_CHECKING:
     from .layout import GroupLayout, ParamLayout
     from .plan import ColumnPiece, GroupPlan
+    from .rows import RowMap
 
 __all__ = ["Allocator", "ChunkShard", "GroupPlacement", "RaggedShard", "Replicated"]
 
@@ -151,6 +152,13 @@ class GroupPlacement:
     def reorder_area(self, group: GroupLayout) -> int:
         """Elements of the extra buffer :meth:`to_param_order` needs after an all_gather (0: none)."""
         return 0
+
+    def peer_rows(self, plan: GroupPlan) -> tuple[RowMap, RowMap] | None:
+        """Where an all_gather needs a reorder: the row copies that put this rank's partition, and the other ranks'
+        received back to back (:func:`~zero_dtensor.collectives.peer_partitions_by_all_to_all`), each straight
+        into its rows of parameter order (``area`` of :meth:`to_param_order`), so that this rank's own partition
+        is never copied into the gathered rows first; ``None`` where no reorder is needed or rows do not pay."""
+        return None
 
     def pipeline_pieces(self, plan: GroupPlan) -> tuple[ColumnPiece, ...]:
         """The column ranges of the partitions that a pipelined all_gather gathers as collectives of their own,
@@ -369,6 +377,12 @@ class ChunkShard(GroupPlacement):
 
     def reorder_area(self, group: GroupLayout) -> int:
         return group.flat_numel
+
+    def peer_rows(self, plan: GroupPlan) -> tuple[RowMap, RowMap] | None:
+        """:attr:`~zero_dtensor.plan.GroupPlan.own_column_rows` and
+        :attr:`~zero_dtensor.plan.GroupPlan.peer_column_rows` (both or ``None``)."""
+        own, peers = plan.own_column_rows, plan.peer_column_rows
+        return None if own is None or peers is None else (own, peers)
 
     def pipeline_pieces(self, plan: GroupPlan) -> tuple[ColumnPiece, ...]:
         """:attr:`~zero_dtensor.plan.GroupPlan.column_pieces`: two, cut at a parameter boundary."""

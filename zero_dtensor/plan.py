@@ -119,7 +119,7 @@ class GroupPlan:
         ``None`` for other groups or where rows do not pay (:func:`~zero_dtensor.rows.row_map`)."""
         if self.group.placement.param_order_gather:
             return None
-        return self._columns(range(self.group.world_size), local=False)
+        return self._columns(range(self.group.world_size))
 
     @cached_property
     def whole_columns(self) -> ColumnPiece:
@@ -139,8 +139,9 @@ class GroupPlan:
             return (self.whole_columns,)
         _, split, cut = min(inside)
         sizes = self.gathered.sizes
-        return (ColumnPiece(0, cut, sizes[:split], self._columns(range(self.group.world_size), False, 0, cut)),
-                ColumnPiece(cut, P, sizes[split:], self._columns(range(self.group.world_size), False, cut, P)))
+        every = range(self.group.world_size)
+        return (ColumnPiece(0, cut, sizes[:split], self._columns(every, 0, cut)),
+                ColumnPiece(cut, P, sizes[split:], self._columns(every, cut, P)))
 
     @cached_property
     def own_column_rows(self) -> RowMap | None:
@@ -148,12 +149,21 @@ class GroupPlan:
         destination untouched), as one row copy; ``None`` as for :attr:`column_rows`."""
         if self.group.placement.param_order_gather:
             return None
-        return self._columns((self.group.rank,), local=True)
+        return self._columns((self.group.rank,))
 
-    def _columns(self, ranks: Sequence[int], local: bool, lo: int = 0, hi: int | None = None) -> RowMap | None:
-        """The row copy of columns ``[lo, hi)`` (parameter boundaries; default all): from this rank's partition
-        (``local``) or the ``(N, hi - lo)`` rows of their all_gather, into their ``N·(hi - lo)`` elements of
-        parameter order."""
+    @cached_property
+    def peer_column_rows(self) -> RowMap | None:
+        """Chunked groups: the other ranks' partitions, back to back in rank order (``(N-1)·P`` elements, what
+        :func:`~zero_dtensor.collectives.peer_partitions_by_all_to_all` receives), to their rows of the
+        parameter-order blocks (this rank's rows untouched), as one row copy; ``None`` as for :attr:`column_rows`."""
+        if self.group.placement.param_order_gather:
+            return None
+        return self._columns(tuple(r for r in range(self.group.world_size) if r != self.group.rank))
+
+    def _columns(self, ranks: Sequence[int], lo: int = 0, hi: int | None = None) -> RowMap | None:
+        """The row copy of columns ``[lo, hi)`` (parameter boundaries; default all) of the partitions of ``ranks``,
+        held back to back in that order (``len(ranks)·(hi - lo)`` elements: every rank's for an all_gather, one
+        rank's, the other ranks'), into their rows of the ``N·(hi - lo)`` parameter-order elements."""
         N = self.group.world_size
         hi = self.group.partition_numel if hi is None else hi
         W = hi - lo
@@ -163,14 +173,14 @@ class GroupPlan:
         for i, width in enumerate(self.gathered.sizes):
             if lo <= start < hi:
                 at = start - lo
-                for r in ranks:
-                    src.append(at if local else r * W + at)
+                for row, r in enumerate(ranks):
+                    src.append(row * W + at)
                     dst.append(N * at + r * width)
                     lengths.append(width)
                     padding.append(i in gaps)
             start += width
         esize = torch.empty((), dtype=self.group.dtype).element_size()
-        return row_map(src, dst, lengths, W if local else N * W, N * W, esize, padding)
+        return row_map(src, dst, lengths, len(ranks) * W, N * W, esize, padding)
 
     @cached_property
     def local_segments(self) -> SegmentPlan:

@@ -249,12 +249,13 @@ class ShardedGrads(Mapping[str, ParamGrad]):
                 entries are created; the gather buffer is then a kept workspace
                 (``zero_dtensor.materialize.release_workspace()`` frees it).
             dst: a global rank: only it receives full tensors, every other rank gets an empty dict.
-                ``all_gather``/``auto``: one ``gather`` per flat group (gather has no coalesced form): each rank sends
+                ``all_gather``/``all_to_all``/``auto``: one ``gather`` per flat group (gather has no coalesced form): each rank sends
                 ``S/N``, the destination receives ``(N-1)/N·S`` and only it allocates ``S``. ``all_reduce``: one
                 sum ``reduce`` per transfer of a zero-padded ``S`` buffer that every rank allocates.
             async_op: return a :class:`~zero_dtensor.materialize.PendingFullTensors` whose ``wait()`` gives the
                 dict; do not change the gradients (``engine.step()``) before ``wait()``.
-            strategy: ``"all_gather"``, ``"all_reduce"`` or ``"auto"`` (see :mod:`zero_dtensor.materialize.strategy`).
+            strategy: ``"all_gather"``, ``"all_to_all"``, ``"all_reduce"`` or ``"auto"`` (see
+                :mod:`zero_dtensor.materialize.strategy`).
 
         Communication (``N`` ranks, ``S`` the padded flat bytes of the groups involved, in the stored dtype): first
         the rank-agreement check (one all_gather of one int64 per process group communicated on; see
@@ -265,17 +266,21 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         more: two all_gathers issued at once, splitting every partition at a parameter boundary near 3/4, the same
         bytes; each part is reordered into parameter order once it has arrived, the first while the second travels
         where the group runs collectives in issue order, as NCCL does; gloo moves both at once,
-        :func:`~zero_dtensor.materialize.strategy.pipelines`). ``all_reduce``: one sum all_reduce
+        :func:`~zero_dtensor.materialize.strategy.pipelines`). ``all_to_all``: the same gather by one
+        ``all_to_all_single`` per flat group, the same bytes (gloo receives it in place, where its all_gather
+        stages and copies out; ZeRO-3 copies this rank's partition into parameter order while the others' travel).
+        ``all_reduce``: one sum all_reduce
         per (process group, dtype, device) of a zero-filled ``S`` buffer, ``2(N-1)/N·S`` bytes per rank. ``auto`` on
         gloo, for transfers of at least 1 MiB: the first call per (process group, dtype, power-of-two size) also
-        calibrates (9 more collectives, 13 where the all_gather is pipelined); pin it with ``ZERO_DTENSOR_GATHER_STRATEGY`` or
+        calibrates (9 more collectives, 13 where the all_gather is pipelined, 4 more where the transfer is one flat
+        group and all_to_all is timed too); pin it with ``ZERO_DTENSOR_GATHER_STRATEGY`` or
         :func:`~zero_dtensor.materialize.set_gather_strategy`. Replicated groups (``BF16_Optimizer``,
         ``keep_full_grads``): none.
 
         Results are a **snapshot** the caller owns: changing them does not change the gradient, and
         ``engine.step()`` does not change them. Entries are views of one parameter-order buffer per flat group
-        (ZeRO-1/2: the gathered buffer itself; ZeRO-3: one reordering copy after an all_gather; replicated: one
-        local copy). Without ``out=`` the buffers are recycled from the previous call once none of that call's
+        (ZeRO-1/2: the gathered buffer itself; ZeRO-3: one reordering copy after an all_gather or all_to_all;
+        replicated: one local copy). Without ``out=`` the buffers are recycled from the previous call once none of that call's
         tensors (nor its dict) is alive, so a loop that drops each step's result allocates only once; a live result
         is never overwritten (``zero_dtensor.materialize.BUFFERS.recycle = False`` turns this off).
         """

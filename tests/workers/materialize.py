@@ -51,21 +51,25 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) ->
 
 
 def _expected_collectives(grads: zd.ShardedGrads, strategy: str, names: list[str] | None = None) -> int:
-    """One collective per (process group, dtype, device) bucket of sharded groups holding a requested name, plus the
-    always-on rank-agreement check."""
+    """One collective per (process group, dtype, device) bucket of sharded groups holding a requested name (per
+    sharded group for all_to_all, which has no coalesced form, and none on one rank), plus the always-on
+    rank-agreement check."""
     wanted = {grads.layout.by_name[n].group for n in (names or grads.names)}
-    keys = {
-        (grads._storage.process_groups[i], grads.local_partitions[i].dtype)
-        for i in wanted if not grads.layout.groups[i].replicated
-    }
-    return len(keys) + rank_checks(grads, names)
+    sharded = [i for i in wanted if not grads.layout.groups[i].replicated]
+    keys = {(grads._storage.process_groups[i], grads.local_partitions[i].dtype) for i in sharded}
+    if strategy == "all_to_all":  # one rank: nothing to send, a local copy
+        data = len(sharded) if dist.get_world_size() > 1 else 0
+    else:
+        data = len(keys)
+    return data + rank_checks(grads, names)
 
 
+GATHER_STRATEGIES = ("all_gather", "all_to_all", "all_reduce")
 # The rows of check_options, in order: each option's own test (tests/test_materialize.py).
 STRATEGY_OPTIONS = ["auto pinned", "strategy=", "subset", "dtype fp32", "out= reuse", "recycling", "user out=", "dst",
                     "async", "async dst fp32"]
 OPTION_ROWS = ["default matches DeepSpeed",
-               *(f"{strategy} {option}" for strategy in ("all_gather", "all_reduce") for option in STRATEGY_OPTIONS),
+               *(f"{strategy} {option}" for strategy in GATHER_STRATEGIES for option in STRATEGY_OPTIONS),
                "module helpers"]
 
 
@@ -80,7 +84,8 @@ class _Options:
         self.refs = {n: safe_get_full_grad(p).to(stored) for n, p in engine.module.named_parameters()
                      if p.requires_grad}
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.report: dict[str, Any] = {"groups": len(grads.groups)}
+        self.report: dict[str, Any] = {"groups": len(grads.groups),
+                                       "sharded_groups": sum(not g.replicated for g in grads.layout.groups)}
         with pinned("all_gather"):
             self.default = dict(grads.full_tensors())
 
@@ -94,7 +99,7 @@ def check_options(case: EngineCase) -> dict:
     rows = Rows(OPTION_ROWS, on_failure=mz.release_workspace)
     rows.run("default matches DeepSpeed", lambda: _equal(st.default, {n: st.refs[n] for n in st.grads.names},
                                                          "default vs DeepSpeed"))
-    for strategy in ("all_gather", "all_reduce"):
+    for strategy in GATHER_STRATEGIES:
         for option in STRATEGY_OPTIONS:
             rows.run(f"{strategy} {option}", _OPTION_CHECKS[option], st, strategy)
     rows.run("module helpers", _option_module_helpers, st)
@@ -232,8 +237,8 @@ def _option_dst(st: _Options, strategy: str) -> None:
             assert dict(got) == {}, (strategy, dst, list(got))
         groups = {grads.layout.by_name[n].group for n in grads.names}
         n_sharded = sum(1 for i in groups if not grads.layout.groups[i].replicated)
-        # gather: one per group; reduce: per bucket (both + the agreement check)
-        want = n_sharded + rank_checks(grads) if strategy == "all_gather" else st.expected(strategy)
+        # gather (all_gather and all_to_all alike): one per group; reduce: per bucket (both + the agreement check)
+        want = n_sharded + rank_checks(grads) if strategy != "all_reduce" else st.expected(strategy)
         assert mode.get_total_counts() == want, (strategy, dst, mode.get_comm_counts())
 
 
@@ -280,7 +285,7 @@ def check_streaming(case: EngineCase, bucket_elements: int = 512) -> dict:
     with pinned("all_gather"):
         default = dict(grads.full_tensors())
     report: dict[str, Any] = {}
-    for strategy in ("all_gather", "all_reduce"):
+    for strategy in GATHER_STRATEGIES:  # all_to_all windows travel by all_gather
         plan = mz.plan_windows(grads, bucket_bytes=bucket_bytes, strategy=strategy)
         esize = grads.local_partitions[0].element_size()
         budget = max(bucket_bytes, max(w["elements"] for w in plan) * esize)
@@ -332,7 +337,7 @@ def _check_fp16(stage: int) -> None:
     with pinned("all_gather"):
         default = dict(grads.full_tensors())
     _equal(default, refs, "fp16 default vs DeepSpeed/scale")
-    for strategy in ("all_gather", "all_reduce"):
+    for strategy in GATHER_STRATEGIES:
         got = grads.full_tensors(strategy=strategy)
         _equal(dict(got), default, f"fp16 {strategy}")
         again = grads.full_tensors(out=got, strategy=strategy)
@@ -346,17 +351,18 @@ def _check_fp16(stage: int) -> None:
         _equal({n: got[n] for n in default}, default, f"fp16 {strategy} iter_full")
 
 
-def check_calibration(stage: int, pipelined: bool = False) -> dict:
-    """auto on gloo: the first call per size bucket calibrates (``CALIBRATION_COLLECTIVES`` extra collectives),
-    later calls reuse the decision, and every rank takes the same one; on ZeRO-3 the calibration also times the
-    reordering copy (the decision's key says so). ``pipelined``: ZeRO-3 all_gathers pipelined whatever their size,
-    so the calibration times the pipelined gather (``CALIBRATION_PIPELINED_COLLECTIVES``)."""
+def check_calibration(stage: int, pipelined: bool = False, groups: int = 1) -> dict:
+    """auto on gloo: the first call per size bucket calibrates (``CALIBRATION_COLLECTIVES`` extra collectives, and
+    ``CALIBRATION_ALL_TO_ALL_COLLECTIVES`` more where the transfer is one flat group: ``groups=1``), later calls
+    reuse the decision, and every rank takes the same one; on ZeRO-3 the calibration also times the reordering copy
+    (the decision's key says so). ``pipelined``: ZeRO-3 all_gathers pipelined whatever their size, so the
+    calibration times the pipelined gather (``CALIBRATION_PIPELINED_COLLECTIVES``)."""
     with pipelining(pipelined):
-        return _check_calibration(stage, pipelined)
+        return _check_calibration(stage, pipelined, groups)
 
 
-def _check_calibration(stage: int, pipelined: bool) -> dict:
-    engine = build_engine(EngineCase(stage))
+def _check_calibration(stage: int, pipelined: bool, groups: int) -> dict:
+    engine = build_engine(EngineCase(stage, groups=groups, frozen=False) if groups > 1 else EngineCase(stage))
     forward_backward(engine)
     grads = zd.sharded_grads(engine)
     with pinned("all_gather"):
@@ -374,19 +380,23 @@ def _check_calibration(stage: int, pipelined: bool) -> dict:
         decisions = list(mz.strategy_decisions().values())
         reorders = [key[-1] for key in mz.strategy_decisions()]
         pipelines = [key[-2] for key in mz.strategy_decisions()]
+        one_groups = [key[-3] for key in mz.strategy_decisions()]
     finally:
         mz.strategy.CALIBRATION_MIN_BYTES = previous_min
         mz.clear_calibration()
     checks = rank_checks(grads)
+    assert one_groups == [groups == 1], one_groups
     calls = 2 if pipelined and decisions == ["all_gather"] else 1  # the call's own data collectives
     calibration = mz.CALIBRATION_PIPELINED_COLLECTIVES if pipelined else mz.CALIBRATION_COLLECTIVES
+    if groups == 1:  # a transfer of one flat group also times the all_to_all
+        calibration += mz.CALIBRATION_ALL_TO_ALL_COLLECTIVES
     assert first.get_total_counts() == calls + calibration + checks, first.get_comm_counts()
     assert second.get_total_counts() == calls + checks, second.get_comm_counts()
     # below the threshold, auto does not calibrate (and uses all_gather)
     with pinned(None), count_comms() as small:
         grads.full_tensors()
     assert small.get_total_counts() == (2 if pipelined else 1) + checks and mz.strategy_decisions() == {}
-    return {"decisions": decisions, "reorders": reorders, "pipelines": pipelines}
+    return {"decisions": decisions, "reorders": reorders, "pipelines": pipelines, "one_group": one_groups}
 
 
 def check_errors() -> None:

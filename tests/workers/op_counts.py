@@ -157,9 +157,9 @@ def _pipelined(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _rows() -> list[OpRow]:
     rows: list[OpRow] = []
-    for s in ("all_gather", "all_reduce", "auto"):
+    for s in ("all_gather", "all_to_all", "all_reduce", "auto"):
         rows.append(OpRow(f"full_tensors[{s}]", lambda g, c, s=s: g.full_tensors(strategy=s)))
-    for s in ("all_gather", "all_reduce"):
+    for s in ("all_gather", "all_to_all", "all_reduce"):
         rows += [
             OpRow(f"full_tensors(dtype=float32)[{s}, bf16 storage]",
                   lambda g, c, s=s: g.full_tensors(dtype=torch.float32, strategy=s), dtype="bf16"),

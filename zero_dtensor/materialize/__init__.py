@@ -23,6 +23,7 @@ from . import buffers, bulk, results, stream, strategy
 from .buffers import BUFFERS, AllocationRecorder, BufferPool, release_workspace
 from .results import FullGrads, FullTensorsHandle, GatheredGrads, PendingFullTensors
 from .strategy import (
+    CALIBRATION_ALL_TO_ALL_COLLECTIVES,
     CALIBRATION_COLLECTIVES,
     CALIBRATION_MAX_BYTES,
     CALIBRATION_PIPELINED_COLLECTIVES,
@@ -41,6 +42,7 @@ __all__ = [
     "AllocationRecorder",
     "BUFFERS",
     "BufferPool",
+    "CALIBRATION_ALL_TO_ALL_COLLECTIVES",
     "CALIBRATION_COLLECTIVES",
     "CALIBRATION_MAX_BYTES",
     "CALIBRATION_PIPELINED_COLLECTIVES",

@@ -1,8 +1,8 @@
 """Bulk materialization: every requested full gradient with one collective per transfer.
 
 A *transfer* is the set of sharded flat groups that share a process group, dtype and device: they travel in one
-(coalesced) collective. Per group, the assembled buffer is brought into parameter order (already so for ZeRO-1/2
-and for the zero-padded all_reduce; one row copy, :mod:`zero_dtensor.rows`, for a ZeRO-3 all_gather), converted
+(coalesced) collective, or, gathered by ``all_to_all`` (no coalesced form), in one per flat group. Per group, the assembled buffer is brought into parameter order (already so for ZeRO-1/2
+and for the zero-padded all_reduce; one row copy, :mod:`zero_dtensor.rows`, for a ZeRO-3 all_gather or all_to_all), converted
 once if the output dtype or loss scale asks for it, and cut into parameters with one ``split_with_sizes``: a fixed
 number of tensor operations whatever the number of parameters. See ``ShardedGrads.full_tensors`` for the contract.
 
@@ -26,7 +26,9 @@ import torch
 import torch.distributed as dist
 
 from ..collectives import (
+    all_gather_by_all_to_all,
     all_gather_into,
+    peer_partitions_by_all_to_all,
     all_reduce_sum_work,
     comm_device,
     gather_to,
@@ -264,15 +266,16 @@ def full_tensors(
 
     transfers = _transfers(state, wanted)
     for t in transfers:
-        if dst is not None:  # no calibration: it times all_gather/all_reduce, while dst= uses gather/reduce
+        if dst is not None:  # no calibration: it times the all-rank collectives, while dst= uses gather/reduce
             chosen = explicit(strategy)
-            t.strategy = "all_gather" if chosen == "auto" else chosen
+            t.strategy = "all_reduce" if chosen == "all_reduce" else "all_gather"  # all_to_all: a gather too
         else:
             reorder = any(state.group(g).placement.reorder_area(state.group(g)) for g in t.groups)
             # the pieces (and their row copies) are planned only for transfers large enough to pipeline
             pipelinable = (pipelines(t.nbytes, reorder)
                            and any(len(_pieces(state, g)) > 1 for g in t.groups))
-            t.strategy = resolve(strategy, t.pg, t.device, t.dtype, t.nbytes, reorder, pipelinable)
+            t.strategy = resolve(strategy, t.pg, t.device, t.dtype, t.nbytes, reorder, pipelinable,
+                                 one_group=len(t.groups) == 1)
             t.pipelined = pipelinable and t.strategy == "all_gather"
 
     result: MutableMapping[str, torch.Tensor] = out if out is not None else GatheredGrads()
@@ -285,8 +288,8 @@ def full_tensors(
             continue
         # ZeRO-3 all_gather results are reordered into a second area of the same buffer, so that a kept result
         # pins (and a recycled one frees) all of the call's memory at once
-        areas = {g: state.group(g).placement.reorder_area(state.group(g)) if t.strategy == "all_gather" else 0
-                 for g in t.groups}
+        gathered = t.strategy in ("all_gather", "all_to_all")  # rank after rank: ZeRO-3 needs reordering
+        areas = {g: state.group(g).placement.reorder_area(state.group(g)) if gathered else 0 for g in t.groups}
         buf = buffers.get(t.key(), t.numel + sum(areas.values()), t.dtype, t.device)
         narrow = _narrower(buf, _view_cache(result, buf))
         at = t.numel
@@ -301,11 +304,13 @@ def full_tensors(
                           else reduce_sum_to(buf, group_rank_of(t.pg, dst), t.pg, async_op=async_op), None))
         elif t.pipelined:
             steps += _pipelined_gather(state, t, regions, narrow, result)
+        elif dst is None and t.strategy == "all_to_all":
+            steps.append(_gather_by_all_to_all(state, t, regions, async_op))
         elif dst is None:
             outs = [regions[g][0] for g in t.groups]
             steps.append((all_gather_into(outs, t.partitions, t.pg, async_op=async_op), None))
         else:
-            works: list[Any] = []
+            works = []
             for g, part in zip(t.groups, t.partitions):  # gather has no coalesced form: one per flat group
                 rows = list(regions[g][0].view(state.group(g).world_size, -1).unbind(0))
                 works += gather_to(part, rows, group_rank_of(t.pg, dst), t.pg, async_op=async_op)
@@ -353,6 +358,41 @@ def _pipelined_gather(state: GradState, t: _Transfer, regions: dict[int, tuple[t
                                 async_op=True)
         steps.append((works, _reorder_step(state, members, regions, result)))
     return steps
+
+
+def _gather_by_all_to_all(state: GradState, t: _Transfer,
+                          regions: dict[int, tuple[torch.Tensor, torch.Tensor | None]],
+                          async_op: bool) -> tuple[list[Any], Callable[[], None] | None]:
+    """One ``all_to_all_single`` per flat group (it has no coalesced form), and the step that follows them. Where the
+    placement reorders through rows (:meth:`~zero_dtensor.placement.GroupPlacement.peer_rows`: ZeRO-3), the other
+    ranks' partitions are received back to back into the group's region (the collective issued asynchronously even
+    for a synchronous call: the step awaits it) while this rank's partition is copied into its rows of parameter
+    order, and copied into theirs once they have arrived: ``S`` copied in all, not ``S/N`` into the gathered rows
+    and then ``S``. Elsewhere the group is gathered rank after rank
+    (:func:`~zero_dtensor.collectives.all_gather_by_all_to_all`) and reordered as an all_gather is. The regions of
+    the first kind then hold their areas."""
+    works: list[Any] = []
+    after: list[tuple[Any, torch.Tensor, torch.Tensor]] = []  # (peer row copy, received, area)
+    for g, part in zip(t.groups, t.partitions):
+        group = state.group(g)
+        region, area = regions[g]
+        rows = group.placement.peer_rows(state.plan.groups[g]) if area is not None else None
+        if rows is None or area is None:
+            works += all_gather_by_all_to_all(region, part, t.pg, async_op=async_op)
+            continue
+        own, peers = rows
+        received = region.narrow(0, 0, (group.world_size - 1) * group.partition_numel)
+        works += peer_partitions_by_all_to_all(received, part, t.pg, async_op=True)  # awaited by the step
+        own.copy(part, area)  # while it travels (both only read the partition)
+        after.append((peers, received, area))
+        regions[g] = (area, None)
+    if not after:
+        return works, None
+
+    def reorder() -> None:
+        for peers, received, area in after:
+            peers.copy(received, area)
+    return works, reorder
 
 
 def _reorder_step(state: GradState, members: list[tuple[int, torch.Tensor, torch.Tensor, ColumnPiece]],

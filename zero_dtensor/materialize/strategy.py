@@ -1,18 +1,32 @@
-"""How bulk materialization travels: ``all_gather`` of the partitions or a zero-padded ``all_reduce``.
+"""How bulk materialization travels: ``all_gather`` of the partitions, the same gather by ``all_to_all``, or a
+zero-padded ``all_reduce``.
 
 ``"all_gather"``
     one ``all_gather`` of the equal-size partitions per (process group, dtype, device), coalesced over the flat
     groups that share them: ``(N-1)/N·S`` bytes per rank. The default on NCCL.
+``"all_to_all"``
+    the partitions by one ``all_to_all_single`` per flat group (it has no coalesced form), the same ``(N-1)/N·S``
+    bytes per rank: ZeRO-1/2 rank after rank, as an all_gather leaves them
+    (:func:`~zero_dtensor.collectives.all_gather_by_all_to_all`); ZeRO-3 the other ranks' partitions received back
+    to back (:func:`~zero_dtensor.collectives.peer_partitions_by_all_to_all`) while this rank's is copied into its
+    rows of parameter order, then theirs into the rest (one row copy each,
+    :meth:`~zero_dtensor.placement.GroupPlacement.peer_rows`; where rows do not pay, gathered as ZeRO-1/2 and
+    reordered). Gloo's all_gather lands in a staging buffer of ``S`` it allocates per call and copies out of (the
+    rank's own input too); its all_to_all receives in place and sends nothing to the rank itself. With more than 2
+    ranks the input is the partition repeated (a local copy of up to ``S``). Measured on 2 gloo ranks sharing 2
+    cores, 21 MiB: a bare all_to_all gather 0.63-0.72 of an ``all_gather_into_tensor``'s time.
 ``"all_reduce"``
     each rank writes its partition into a zeroed full-size buffer, then one sum ``all_reduce`` of that buffer:
     ``2(N-1)/N·S`` bytes per rank, plus a memset of ``S``. Exact (every element has exactly one non-zero
-    contributor; ``x + 0 == x`` in every float format). On gloo it is often *faster* than all_gather, and for ZeRO-3
-    it writes straight into parameter order, which skips the reordering copy.
+    contributor; ``x + 0 == x`` in every float format). For ZeRO-3 it writes straight into parameter order, which
+    skips the reordering copy.
 ``"auto"``
     the pinned strategy if one is set (:func:`set_gather_strategy` or ``ZERO_DTENSOR_GATHER_STRATEGY``), else
-    ``all_gather`` on every backend but gloo; on gloo both are measured once per (process group, device, dtype,
-    power-of-two size class) and the faster one is cached (:func:`calibrate`). Transfers under
-    ``CALIBRATION_MIN_BYTES`` (1 MiB) are not measured and use all_gather.
+    ``all_gather`` on every backend but gloo; on gloo the candidates are measured once per (process group, device,
+    dtype, power-of-two size class, ...) and the fastest is cached (:func:`calibrate`): all_gather and all_reduce,
+    and all_to_all where the transfer is one flat group (it has no coalesced form, and ``auto`` never issues more
+    data collectives than one per transfer). Transfers under ``CALIBRATION_MIN_BYTES`` (1 MiB) are not measured and
+    use all_gather.
 
 A ZeRO-3 ``all_gather`` of ``PIPELINE_MIN_BYTES`` (16 MiB) or more is *pipelined* (:func:`pipelines`): it travels as
 two all_gathers issued at once, of the columns up to a parameter boundary near 3/4 of every partition and of the
@@ -35,11 +49,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..collectives import (all_gather_single, all_reduce_op, backend_of, global_rank, group_rank_of, max_across,
-                           world_size_of)
+from ..collectives import (all_gather_by_all_to_all, all_gather_single, all_reduce_op, backend_of, global_rank,
+                           group_rank_of, max_across, peer_partitions_by_all_to_all, world_size_of)
 from ..plan import PIPELINE_FIRST_SHARE
 
 __all__ = [
+    "CALIBRATION_ALL_TO_ALL_COLLECTIVES",
     "CALIBRATION_COLLECTIVES",
     "CALIBRATION_MAX_BYTES",
     "CALIBRATION_MIN_BYTES",
@@ -59,14 +74,16 @@ __all__ = [
     "stream_strategy",
 ]
 
-STRATEGIES = ("auto", "all_gather", "all_reduce")
+STRATEGIES = ("auto", "all_gather", "all_to_all", "all_reduce")
 ENV_STRATEGY = "ZERO_DTENSOR_GATHER_STRATEGY"
 #: Collectives one calibration issues: 1 untimed + 3 timed all_gathers and as many all_reduces of the transfer's size
-#: (capped at ``CALIBRATION_MAX_BYTES``) + 1 ``all_reduce(MAX)`` of the two timings so that every rank takes the
-#: same decision.
+#: (capped at ``CALIBRATION_MAX_BYTES``) + 1 ``all_reduce(MAX)`` of the timings so that every rank takes the same
+#: decision.
 CALIBRATION_COLLECTIVES = 9
 #: The same where the all_gather is pipelined (:func:`pipelines`): each of its 4 rounds is two all_gathers.
 CALIBRATION_PIPELINED_COLLECTIVES = 13
+#: Added to either where the all_to_all is a candidate too (a transfer of one flat group): its 4 rounds.
+CALIBRATION_ALL_TO_ALL_COLLECTIVES = 4
 #: ZeRO-3 all_gathers of at least this many bytes (a power of two: a size class of calibration) are pipelined.
 PIPELINE_MIN_BYTES = 16 * 2**20
 CALIBRATION_MAX_BYTES = 128 * 2**20
@@ -107,8 +124,8 @@ def gather_strategy() -> str:
 
 
 def strategy_decisions() -> dict[tuple[Any, ...], str]:
-    """Calibrated ``auto`` decisions so far: ``{(process group, device type, dtype, size class, pipelined, reorder):
-    strategy}``. No communication."""
+    """Calibrated ``auto`` decisions so far: ``{(process group, device type, dtype, size class, all_to_all a
+    candidate, pipelined, reorder): strategy}``. No communication."""
     return dict(_DECISIONS)
 
 
@@ -137,21 +154,25 @@ def pipelines(nbytes: int, reorder: bool) -> bool:
 
 
 def calibrate(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, nbytes: int,
-              unpack: bool = False, pipelined: bool = False) -> str:
-    """Time both strategies at ``nbytes`` (capped at ``CALIBRATION_MAX_BYTES``) and return the faster.
-    **Collective** (``CALIBRATION_COLLECTIVES`` = 9 collectives; ``CALIBRATION_PIPELINED_COLLECTIVES`` = 13 with
-    ``pipelined``, unless the scratch partition is a single element).
+              unpack: bool = False, pipelined: bool = False, all_to_all: bool = False) -> str:
+    """Time the strategies at ``nbytes`` (capped at ``CALIBRATION_MAX_BYTES``) and return the fastest: all_gather,
+    all_reduce and, with ``all_to_all``, all_to_all. **Collective** (``CALIBRATION_COLLECTIVES`` = 9 collectives;
+    ``CALIBRATION_PIPELINED_COLLECTIVES`` = 13 with ``pipelined``, unless the scratch partition is a single element;
+    ``CALIBRATION_ALL_TO_ALL_COLLECTIVES`` = 4 more with ``all_to_all``).
 
-    Each rank runs both once untimed (a first transfer of a size costs more on gloo: measured first, all_reduce won
+    Each rank runs each once untimed (a first transfer of a size costs more on gloo: measured first, all_reduce won
     calibrations that all_gather won once warm), then times, 3 times and interleaved, what each strategy does on
-    scratch buffers: all_gather is the collective, plus, with ``unpack`` (ZeRO-3, where only all_gather results need
+    scratch buffers: all_gather is the collective, plus, with ``unpack`` (ZeRO-3, where only gathered results need
     a reordering copy into parameter order), one local copy of the gathered buffer right after it (where the gather
     has left the caches) — with ``pipelined``, two all_gathers issued at once (3/4 and 1/4 of the partition), each
-    part copied once it has arrived, in issue order, as :mod:`~zero_dtensor.materialize.bulk` does; all_reduce is the
-    zero fill of the full buffer, the copy of the rank's own part into it, then the collective. The per-rank
+    part copied once it has arrived, in issue order, as :mod:`~zero_dtensor.materialize.bulk` does; all_to_all is
+    :func:`~zero_dtensor.collectives.all_gather_by_all_to_all`, or, with ``unpack``, as bulk does it: the other
+    ranks' partitions received (:func:`~zero_dtensor.collectives.peer_partitions_by_all_to_all`) while this rank's
+    is copied, then the received ones copied; all_reduce is
+    the zero fill of the full buffer, the copy of the rank's own part into it, then the collective. The per-rank
     minimum of each is then maximized over the group in one ``all_reduce(MAX)``, so every rank takes the same
     decision. Scratch memory: about ``2·nbytes`` (``3·nbytes`` with ``unpack``; capped), freed on return. Ties go
-    to all_gather (fewer bytes).
+    to all_gather (fewer bytes than all_reduce; no scratch input, unlike all_to_all with more than 2 ranks).
     """
     world = world_size_of(group)
     esize = torch.empty((), dtype=dtype).element_size()
@@ -161,29 +182,45 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype
     own = full.narrow(0, group_rank_of(group, global_rank()) * per_rank, per_rank)
     reordered = torch.zeros_like(full) if unpack else None  # touched once here: no page faults in the timing
     first = min(max(1, round(PIPELINE_FIRST_SHARE * per_rank)), per_rank - 1) if pipelined and per_rank > 1 else 0
-    timings: dict[str, float] = {"all_gather": float("inf"), "all_reduce": float("inf")}
-    for attempt in range(4):
-        t0 = time.perf_counter()
+
+    def gather() -> None:
         if first:
             _pipelined_gather(full, part, reordered, first, group)
-        else:
-            all_gather_single(full, part, group)
-            if reordered is not None:
-                reordered.copy_(full)
-        _sync(device)
-        t1 = time.perf_counter()
+            return
+        all_gather_single(full, part, group)
+        if reordered is not None:
+            reordered.copy_(full)
+
+    def gather_by_all_to_all() -> None:
+        if reordered is None:
+            all_gather_by_all_to_all(full, part, group)
+            return
+        peers = full.narrow(0, 0, (world - 1) * per_rank)
+        works = peer_partitions_by_all_to_all(peers, part, group, async_op=True)
+        reordered.narrow(0, (world - 1) * per_rank, per_rank).copy_(part)
+        for work in works:
+            work.wait()
+        reordered.narrow(0, 0, (world - 1) * per_rank).copy_(peers)
+
+    def reduce() -> None:
         full.zero_()
         own.copy_(part)
         all_reduce_op(full, group, dist.ReduceOp.SUM)
-        _sync(device)
-        t2 = time.perf_counter()
-        if attempt == 0:  # the warm-up
-            continue
-        timings["all_gather"] = min(timings["all_gather"], t1 - t0)
-        timings["all_reduce"] = min(timings["all_reduce"], t2 - t1)
+
+    runs = {"all_gather": gather, "all_to_all": gather_by_all_to_all, "all_reduce": reduce}
+    if not all_to_all:
+        del runs["all_to_all"]
+    timings = dict.fromkeys(runs, float("inf"))
+    for attempt in range(4):
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            _sync(device)
+            if attempt:  # attempt 0 is the warm-up
+                timings[name] = min(timings[name], time.perf_counter() - t0)
     del reordered
-    ag, ar = max_across([timings["all_gather"], timings["all_reduce"]], group, device)
-    return "all_reduce" if ar < ag else "all_gather"
+    slowest = dict(zip(runs, max_across(list(timings.values()), group, device)))
+    return min(runs, key=lambda name: (slowest[name], name != "all_gather"))
 
 
 def _pipelined_gather(full: torch.Tensor, part: torch.Tensor, reordered: torch.Tensor | None, first: int,
@@ -206,26 +243,30 @@ def explicit(strategy: str) -> str:
 
 
 def resolve(strategy: str, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, nbytes: int,
-            unpack: bool = False, pipelined: bool = False) -> str:
+            unpack: bool = False, pipelined: bool = False, one_group: bool = False) -> str:
     """The strategy a bulk transfer of ``nbytes`` uses (may calibrate: see the module docstring). ``unpack``: an
     all_gather result needs reordering; ``pipelined``: an all_gather of this transfer would be pipelined
-    (:func:`pipelines`, and a parameter boundary lies inside a partition to cut it at)."""
+    (:func:`pipelines`, and a parameter boundary lies inside a partition to cut it at); ``one_group``: the transfer
+    is one flat group (then all_to_all is a candidate)."""
     chosen = explicit(strategy)
     if chosen != "auto":
         return chosen
     if backend_of(group) != "gloo" or nbytes < CALIBRATION_MIN_BYTES:
         return "all_gather"
-    key = (group, device.type, dtype, _size_class(nbytes), pipelined, unpack)
+    key = (group, device.type, dtype, _size_class(nbytes), one_group, pipelined, unpack)
     decision = _DECISIONS.get(key)
     if decision is None:
-        decision = _DECISIONS[key] = calibrate(group, device, dtype, nbytes, unpack, pipelined)
+        decision = _DECISIONS[key] = calibrate(group, device, dtype, nbytes, unpack, pipelined, one_group)
     return decision
 
 
 def stream_strategy(strategy: str, group: dist.ProcessGroup, param_order_gather: bool) -> str:
-    """What ``iter_full`` uses per window: the explicit or pinned strategy, else all_reduce on gloo and for
-    parameter-order (ZeRO-1/2) windows (no stitching), all_gather for ZeRO-3 windows elsewhere."""
+    """What ``iter_full`` uses per window: the explicit or pinned strategy (``all_to_all`` windows travel by
+    all_gather: a window is small and gathered into scratch), else all_reduce on gloo and for parameter-order
+    (ZeRO-1/2) windows (no stitching), all_gather for ZeRO-3 windows elsewhere."""
     chosen = explicit(strategy)
+    if chosen == "all_to_all":
+        return "all_gather"
     if chosen != "auto":
         return chosen
     if backend_of(group) == "gloo":

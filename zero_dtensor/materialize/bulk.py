@@ -28,13 +28,13 @@ import torch.distributed as dist
 from ..collectives import (
     all_gather_by_all_to_all,
     all_gather_into,
-    peer_partitions_by_all_to_all,
     all_reduce_sum_work,
     comm_device,
     gather_to,
     global_rank,
     global_world_size,
     group_rank_of,
+    peer_partitions_by_all_to_all,
     reduce_sum_to,
 )
 from ..layout import ParamLayout

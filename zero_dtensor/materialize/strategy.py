@@ -49,8 +49,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..collectives import (all_gather_by_all_to_all, all_gather_single, all_reduce_op, backend_of, global_rank,
-                           group_rank_of, max_across, peer_partitions_by_all_to_all, world_size_of)
+from ..collectives import (
+    all_gather_by_all_to_all,
+    all_gather_single,
+    all_reduce_op,
+    backend_of,
+    global_rank,
+    group_rank_of,
+    max_across,
+    peer_partitions_by_all_to_all,
+    world_size_of,
+)
 from ..plan import PIPELINE_FIRST_SHARE
 
 __all__ = [
@@ -218,7 +227,7 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype
             _sync(device)
             if attempt:  # attempt 0 is the warm-up
                 timings[name] = min(timings[name], time.perf_counter() - t0)
-    del reordered
+    reordered = None  # freed before the agreement (the closures above are done with it)
     slowest = dict(zip(runs, max_across(list(timings.values()), group, device)))
     return min(runs, key=lambda name: (slowest[name], name != "all_gather"))
 

@@ -9,6 +9,9 @@ For each ``K`` a model of ``K`` tensors is built from ``Linear(32, 32)`` layers 
   ``stats()``;
 - ``first sharded_grads`` of a step: a step and a fresh backward before each repetition; only the
   ``zd.sharded_grads(engine)`` call is timed;
+- ``ref: bare all_to_all gather``: what ``strategy="all_to_all"`` sends, bare (one ``all_to_all_single`` per flat
+  group, :func:`~zero_dtensor.collectives.all_gather_by_all_to_all`), for a floor of the strategy gloo's ``auto``
+  picks;
 - the floor: one bare ``all_gather_into_tensor`` of the padded flat partitions (copies of them) into a preallocated
   buffer.
 
@@ -46,6 +49,7 @@ ROWS = (
     "global_norm",
     "stats()",
     "first sharded_grads",
+    "ref: bare all_to_all gather",
     "floor: bare all_gather",
 )
 FLOOR = ROWS[-1]
@@ -81,7 +85,7 @@ def _sweep_stage(args: argparse.Namespace, stage: int, tensors: int, progress: C
     from torch.distributed.tensor.debug import CommDebugMode
 
     import zero_dtensor as zd
-    from zero_dtensor.collectives import all_gather_into
+    from zero_dtensor.collectives import all_gather_by_all_to_all, all_gather_into
 
     rank = dist.get_rank()
     use_cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
@@ -140,6 +144,7 @@ def _sweep_stage(args: argparse.Namespace, stage: int, tensors: int, progress: C
             "stored_bytes": sum(g.flat_numel * parts[g.index].element_size() for g in sharded),
             "optimizer": type(engine.optimizer).__name__}
     floor: Callable[[], Any] | None = None
+    gather_by_all_to_all: Callable[[], Any] | None = None
     if sharded:
         pg = grads.groups[sharded[0].index].device_mesh.get_group()
         ins = [parts[g.index].clone() for g in sharded]
@@ -150,6 +155,10 @@ def _sweep_stage(args: argparse.Namespace, stage: int, tensors: int, progress: C
         else:  # several flat groups: one coalesced all_gather, as full_tensors() issues
             def floor() -> Any:
                 return all_gather_into(outs, ins, pg)
+
+        def gather_by_all_to_all() -> None:  # what strategy="all_to_all" sends: one per flat group
+            for out, part in zip(outs, ins):
+                all_gather_by_all_to_all(out, part, pg)
     del grads, parts
 
     def repetitions(fn: Callable[[], Any], before: Callable[[], Any] | None = None
@@ -200,6 +209,8 @@ def _sweep_stage(args: argparse.Namespace, stage: int, tensors: int, progress: C
     measure("global_norm", lambda: grads.global_norm())
     measure("stats()", lambda: grads.stats())
     record("first sharded_grads", firsts, first_floors, first_comms)
+    if gather_by_all_to_all is not None:
+        measure("ref: bare all_to_all gather", gather_by_all_to_all)
     meta["auto_strategy"] = ", ".join(sorted(set(zd.materialize.strategy_decisions().values()))) or "all_gather"
     if floor is not None:  # every floor repetition of this run, interleaved with the rows'
         with CommDebugMode() as comm:

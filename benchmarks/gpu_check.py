@@ -9,7 +9,7 @@ The device defaults to ``cuda`` when torch sees a GPU, else ``cpu``. Three parts
    (``pin_memory`` on CUDA) and gradient accumulation 2; first at world 1 (NCCL on CUDA, gloo on CPU), then on 2
    ranks sharing the one device (gloo; on CUDA over CUDA tensors). Each case trains two optimizer steps and checks:
 
-   - ``reads``: ``full_tensors()`` (both strategies), ``iter_full`` and every ``ParamGrad.full_tensor()`` equal
+   - ``reads``: ``full_tensors()`` (every strategy), ``iter_full`` and every ``ParamGrad.full_tensor()`` equal
      DeepSpeed's ``safe_get_full_grad`` for every parameter. Exactly (``torch.equal`` after casting to fp32)
      when the loss scale is 1; under fp16 loss scaling DeepSpeed's values are scaled and ours are not, so they are
      compared after dividing by the scale with the test suite's tolerance (rtol 1e-6, atol 1e-7,
@@ -327,7 +327,7 @@ def check_reads(engine: Any, grads: Any) -> dict[str, Any]:
     exact = scale == 1.0
     refs = {n: safe_get_full_grad(p) for n, p in params.items()}
     reads = {"full_tensors": _full32(grads)}
-    for strategy in ("all_gather", "all_reduce"):
+    for strategy in ("all_gather", "all_to_all", "all_reduce"):
         reads[f"full_tensors[{strategy}]"] = _full32(grads, strategy=strategy)
     reads["iter_full"] = {n: t.to(torch.float32).clone() for n, t in grads.iter_full(bucket_bytes=4096)}
     reads["ParamGrad.full_tensor"] = {n: grads[n].full_tensor(dtype=torch.float32) for n in grads.names}

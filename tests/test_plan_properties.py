@@ -15,6 +15,8 @@ float64) and padding holds a sentinel, so a wrong, missing or repeated element c
   ``torch.split_with_sizes_copy(rows, gathered.sizes, dim=1, out=...)`` into a buffer laid out by
   ``param_order.sizes``, each parameter then the first ``numel`` elements of its flattened ``(N, chunk)`` block
   (chunked);
+- ZeRO-3's peer rows (``peer_rows``: this rank's partition and the other ranks', back to back) reassemble the same
+  parameter-order buffer as the whole rows;
 - the plan is cached per layout, and its lookups (``where``, ``fragments``, ``positions``, ``has_local``) agree
   with the tilings.
 """
@@ -272,6 +274,40 @@ def test_pipelined_column_pieces_reassemble_every_parameter(case) -> None:
                 assert torch.equal(blocks[gp.param_order.piece[k]][: p.numel].view(p.shape), full[p.name]), p.name
 
 
+@settings(max_examples=100, deadline=None)
+@given(cases())
+def test_peer_rows_reassemble_every_parameter(case) -> None:
+    """ZeRO-3 by all_to_all: this rank's partition through ``own`` and the other ranks' partitions, back to back in
+    rank order (what ``peer_partitions_by_all_to_all`` receives), through ``peers`` (``peer_rows``) fill the whole
+    parameter-order buffer exactly as the ``(N, P)`` rows reordered at once; other placements have no peer rows."""
+    world, per_rank, full = case
+    for gi in range(len(per_rank[0].groups)):
+        g0 = per_rank[0].groups[gi]
+        if g0.packing is not Packing.CHUNKED or g0.replicated:
+            assert placement_of(g0).peer_rows(plan_for(per_rank[0]).groups[gi]) is None
+            continue
+        parts = partitions(per_rank, full, gi)
+        rows = torch.stack(parts)
+        for layout in per_rank:
+            gp, g = plan_for(layout).groups[gi], layout.groups[gi]
+            placement = placement_of(g)
+            found = placement.peer_rows(gp)
+            if found is None:  # rows do not pay: the gather falls back to the rank-major rows
+                assert gp.own_column_rows is None or gp.peer_column_rows is None
+                continue
+            own, peers = found
+            P = g.partition_numel
+            whole = torch.full((world * P,), -2.0, dtype=torch.float64)
+            placement.to_param_order(rows.reshape(-1).clone(), g, gp, whole)
+            by_rows = torch.full((world * P,), -3.0, dtype=torch.float64)
+            own.copy(parts[g.rank].clone(), by_rows)
+            others = [parts[r] for r in range(world) if r != g.rank]
+            received = torch.cat(others) if others else torch.empty(0, dtype=torch.float64)
+            if others:
+                peers.copy(received, by_rows)
+            assert torch.equal(whole, by_rows)
+
+
 def _chunked_case(world: int, shapes: list[tuple[int, ...]], extra: int = 0):
     """One chunked group of ``shapes`` in model order, as :func:`cases` lays it out."""
     entries, offset = [], 0
@@ -304,3 +340,17 @@ def test_pipelined_column_pieces_take_each_copy_path(world, shapes, extra, paths
         kinds = tuple("split" if p.rows is None else ("families" if p.rows.families else "index") for p in pieces)
         assert kinds == paths
     test_pipelined_column_pieces_reassemble_every_parameter.hypothesis.inner_test(case)
+
+
+@pytest.mark.parametrize("world,shapes,extra", [
+    (2, [(32, 32), (32,)] * 12, 0),  # a stack of equal layers: strided copies per run family
+    (3, [(24, 16), (48,), (12, 8), (36,)], 4),  # no period: indexed rows
+    (4, [(32, 32), (32,)] * 6 + [(64, 16)], 8),
+])
+def test_peer_rows_take_the_row_paths(world, shapes, extra) -> None:
+    """The same as ``test_peer_rows_reassemble_every_parameter`` on layouts whose peer rows exist on every rank (the
+    random ones mostly have rows too narrow to pay)."""
+    case = _chunked_case(world, shapes, extra)
+    for layout in case[1]:
+        assert placement_of(layout.groups[0]).peer_rows(plan_for(layout).groups[0]) is not None
+    test_peer_rows_reassemble_every_parameter.hypothesis.inner_test(case)

@@ -391,7 +391,7 @@ def fuzz_arguments(case: EngineCase, examples: int = 40) -> dict[str, int]:
 
     @config
     @given(requested=names_choice, dtype=dtype_choice,
-           strategy=st.sampled_from(["auto", "all_gather", "all_reduce", "bogus"]))
+           strategy=st.sampled_from(["auto", "all_gather", "all_to_all", "all_reduce", "bogus"]))
     def reads(requested: Any, dtype: Any, strategy: str) -> None:
         bad = (isinstance(requested, str)
                or (requested is not None and (len(set(requested)) != len(requested)

@@ -9,8 +9,8 @@ the dtype DeepSpeed stores them. "Bytes per rank" follows the ring model (nccl-t
 and reduce-scatter move ``(N-1)/N·S``, all_reduce ``2(N-1)/N·S``; a gather sends ``S/N`` from every rank and
 delivers ``(N-1)/N·S`` to the root.
 
-Modules, one concept each: :mod:`.strategy` (all_gather or all_reduce, calibration on gloo), :mod:`.buffers` (the
-allocator with its observers, recycling, the kept workspace), :mod:`.results` (the result dict and the pending
+Modules, one concept each: :mod:`.strategy` (all_gather, all_to_all or all_reduce, calibration on gloo),
+:mod:`.buffers` (the allocator with its observers, recycling, the kept workspace), :mod:`.results` (the result dict and the pending
 handle), :mod:`.bulk` (``full_tensors``), :mod:`.stream` (``iter_full``).
 """
 

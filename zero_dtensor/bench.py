@@ -208,9 +208,10 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
     # zero_dtensor
     storage = state_of(grads).storage
     first = grads.layout.groups[0]
-    auto = mz.strategy.resolve("auto", storage.process_groups[0], parts[0].device, parts[0].dtype, stored_bytes,
-                               not first.placement.param_order_gather) \
-        if first.placement.is_sharded else "none"
+    mz.clear_calibration()  # each stage calibrates strategy="auto" for itself (gloo) ...
+    grads.full_tensors()  # ... here, so that the label says what full_tensors() chose
+    decided = sorted(set(mz.strategy_decisions().values()))  # one transfer: at most one decision
+    auto = (decided[0] if decided else "all_gather") if first.placement.is_sharded else "none"
     measure(f"full_tensors [auto={auto}]", lambda: grads.full_tensors(), repeat=args.repeat,
             bytes_per_rank=_ring_bytes(auto, stored_bytes, world), baseline="ds get loop",
             note="stored dtype")

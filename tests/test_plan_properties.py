@@ -242,36 +242,43 @@ def test_pipelined_column_pieces_reassemble_every_parameter(case) -> None:
     columns ``[lo, hi)`` of every rank's partition) and reordered by ``to_param_order(..., piece=)`` into its part
     of the parameter-order buffer gives the same buffer as the whole ``(N, P)`` rows reordered at once; the pieces
     tile the columns, cut at a parameter boundary, and are two wherever one lies inside."""
-    world, per_rank, full = case
+    world, _, full = case
+    for g, gp, placement, _, rows in _chunked_groups(case, lambda placement, gp: placement.pipeline_pieces(gp) == ()):
+        pieces = placement.pipeline_pieces(gp)
+        P = g.partition_numel
+        bounds = set(itertools.accumulate(gp.gathered.sizes))
+        inside = {b for b in bounds if 0 < b < P}
+        assert len(pieces) == (2 if inside else 1)
+        assert pieces[0].lo == 0 and pieces[-1].hi == P
+        assert all(a.hi == b.lo for a, b in zip(pieces, pieces[1:]))
+        assert all(p.hi in bounds for p in pieces) and sum(p.width for p in pieces) == P
+        whole = torch.full((world * P,), -2.0, dtype=torch.float64)
+        placement.to_param_order(rows.reshape(-1).clone(), g, gp, whole)
+        by_pieces = torch.full((world * P,), -3.0, dtype=torch.float64)
+        for piece in pieces:
+            gathered = rows[:, piece.lo : piece.hi].contiguous().reshape(-1)  # what its all_gather lands
+            target = by_pieces.narrow(0, world * piece.lo, world * piece.width)
+            placement.to_param_order(gathered, g, gp, target, piece=piece)
+        assert torch.equal(whole, by_pieces)
+        blocks = torch.split_with_sizes(by_pieces, list(gp.param_order.sizes))
+        for k, p in enumerate(gp.params):
+            assert torch.equal(blocks[gp.param_order.piece[k]][: p.numel].view(p.shape), full[p.name]), p.name
+
+
+def _chunked_groups(case, absent):
+    """``(group, plan, placement, every rank's partition, their (N, P) rows)`` for every rank's layout of each
+    chunked group of ``case``; for every other group ``absent(placement, plan)`` must hold."""
+    _, per_rank, full = case
     for gi in range(len(per_rank[0].groups)):
         g0 = per_rank[0].groups[gi]
         if g0.packing is not Packing.CHUNKED or g0.replicated:
-            assert placement_of(g0).pipeline_pieces(plan_for(per_rank[0]).groups[gi]) == ()
+            assert absent(placement_of(g0), plan_for(per_rank[0]).groups[gi])
             continue
         parts = partitions(per_rank, full, gi)
         rows = torch.stack(parts)
         for layout in per_rank:
-            gp, g = plan_for(layout).groups[gi], layout.groups[gi]
-            placement = placement_of(g)
-            pieces = placement.pipeline_pieces(gp)
-            P = g.partition_numel
-            bounds = set(itertools.accumulate(gp.gathered.sizes))
-            inside = {b for b in bounds if 0 < b < P}
-            assert len(pieces) == (2 if inside else 1)
-            assert pieces[0].lo == 0 and pieces[-1].hi == P
-            assert all(a.hi == b.lo for a, b in zip(pieces, pieces[1:]))
-            assert all(p.hi in bounds for p in pieces) and sum(p.width for p in pieces) == P
-            whole = torch.full((world * P,), -2.0, dtype=torch.float64)
-            placement.to_param_order(rows.reshape(-1).clone(), g, gp, whole)
-            by_pieces = torch.full((world * P,), -3.0, dtype=torch.float64)
-            for piece in pieces:
-                gathered = rows[:, piece.lo : piece.hi].contiguous().reshape(-1)  # what its all_gather lands
-                target = by_pieces.narrow(0, world * piece.lo, world * piece.width)
-                placement.to_param_order(gathered, g, gp, target, piece=piece)
-            assert torch.equal(whole, by_pieces)
-            blocks = torch.split_with_sizes(by_pieces, list(gp.param_order.sizes))
-            for k, p in enumerate(gp.params):
-                assert torch.equal(blocks[gp.param_order.piece[k]][: p.numel].view(p.shape), full[p.name]), p.name
+            g = layout.groups[gi]
+            yield g, plan_for(layout).groups[gi], placement_of(g), parts, rows
 
 
 @settings(max_examples=100, deadline=None)
@@ -280,32 +287,22 @@ def test_peer_rows_reassemble_every_parameter(case) -> None:
     """ZeRO-3 by all_to_all: this rank's partition through ``own`` and the other ranks' partitions, back to back in
     rank order (what ``peer_partitions_by_all_to_all`` receives), through ``peers`` (``peer_rows``) fill the whole
     parameter-order buffer exactly as the ``(N, P)`` rows reordered at once; other placements have no peer rows."""
-    world, per_rank, full = case
-    for gi in range(len(per_rank[0].groups)):
-        g0 = per_rank[0].groups[gi]
-        if g0.packing is not Packing.CHUNKED or g0.replicated:
-            assert placement_of(g0).peer_rows(plan_for(per_rank[0]).groups[gi]) is None
+    world = case[0]
+    for g, gp, placement, parts, rows in _chunked_groups(case, lambda placement, gp: placement.peer_rows(gp) is None):
+        found = placement.peer_rows(gp)
+        if found is None:  # rows do not pay: the gather falls back to the rank-major rows
+            assert gp.own_column_rows is None or gp.peer_column_rows is None
             continue
-        parts = partitions(per_rank, full, gi)
-        rows = torch.stack(parts)
-        for layout in per_rank:
-            gp, g = plan_for(layout).groups[gi], layout.groups[gi]
-            placement = placement_of(g)
-            found = placement.peer_rows(gp)
-            if found is None:  # rows do not pay: the gather falls back to the rank-major rows
-                assert gp.own_column_rows is None or gp.peer_column_rows is None
-                continue
-            own, peers = found
-            P = g.partition_numel
-            whole = torch.full((world * P,), -2.0, dtype=torch.float64)
-            placement.to_param_order(rows.reshape(-1).clone(), g, gp, whole)
-            by_rows = torch.full((world * P,), -3.0, dtype=torch.float64)
-            own.copy(parts[g.rank].clone(), by_rows)
-            others = [parts[r] for r in range(world) if r != g.rank]
-            received = torch.cat(others) if others else torch.empty(0, dtype=torch.float64)
-            if others:
-                peers.copy(received, by_rows)
-            assert torch.equal(whole, by_rows)
+        own, peers = found
+        P = g.partition_numel
+        whole = torch.full((world * P,), -2.0, dtype=torch.float64)
+        placement.to_param_order(rows.reshape(-1).clone(), g, gp, whole)
+        by_rows = torch.full((world * P,), -3.0, dtype=torch.float64)
+        own.copy(parts[g.rank].clone(), by_rows)
+        others = [parts[r] for r in range(world) if r != g.rank]
+        if others:
+            peers.copy(torch.cat(others), by_rows)
+        assert torch.equal(whole, by_rows)
 
 
 def _chunked_case(world: int, shapes: list[tuple[int, ...]], extra: int = 0):

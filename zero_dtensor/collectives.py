@@ -225,10 +225,8 @@ def all_gather_by_all_to_all(out: torch.Tensor, inp: torch.Tensor, group: dist.P
         rank = dist.get_rank(group)
         out.narrow(0, rank * n, n).copy_(inp)
         return peer_partitions_by_all_to_all(out.narrow(0, (1 - rank) * n, n), inp, group, async_op=async_op)
-    repeated = torch.empty(world * n, dtype=inp.dtype, device=inp.device)
-    repeated.view(world, n).copy_(inp.expand(world, n))
     splits = [n] * world
-    return all_to_all_into(out, repeated, splits, splits, group, async_op=async_op)
+    return all_to_all_into(out, inp.repeat(world), splits, splits, group, async_op=async_op)
 
 
 def peer_partitions_by_all_to_all(peers: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *,
@@ -245,11 +243,8 @@ def peer_partitions_by_all_to_all(peers: torch.Tensor, inp: torch.Tensor, group:
     if world == 1:
         return []  # no peers
     splits = [0 if r == rank else n for r in range(world)]
-    if world > 2:
-        repeated = torch.empty((world - 1) * n, dtype=inp.dtype, device=inp.device)
-        repeated.view(world - 1, n).copy_(inp.expand(world - 1, n))
-        inp = repeated
-    return all_to_all_into(peers, inp, splits, splits, group, async_op=async_op)
+    return all_to_all_into(peers, inp if world == 2 else inp.repeat(world - 1), splits, splits, group,
+                           async_op=async_op)
 
 
 def backend_of(group: dist.ProcessGroup) -> str:

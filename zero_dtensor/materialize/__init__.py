@@ -10,8 +10,8 @@ and reduce-scatter move ``(N-1)/N·S``, all_reduce ``2(N-1)/N·S``; a gather sen
 delivers ``(N-1)/N·S`` to the root.
 
 Modules, one concept each: :mod:`.strategy` (all_gather, all_to_all or all_reduce, calibration on gloo),
-:mod:`.buffers` (the allocator with its observers, recycling, the kept workspace), :mod:`.results` (the result dict and the pending
-handle), :mod:`.bulk` (``full_tensors``), :mod:`.stream` (``iter_full``).
+:mod:`.buffers` (the allocator with its observers, recycling, the kept workspace), :mod:`.results` (the result dict
+and the pending handle), :mod:`.bulk` (``full_tensors``), :mod:`.stream` (``iter_full``).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Bulk materialization: every requested full gradient with one collective per transfer.
 
 A *transfer* is the set of sharded flat groups that share a process group, dtype and device: they travel in one
-(coalesced) collective, or, gathered by ``all_to_all`` (no coalesced form), in one per flat group. Per group, the assembled buffer is brought into parameter order (already so for ZeRO-1/2
-and for the zero-padded all_reduce; one row copy, :mod:`zero_dtensor.rows`, for a ZeRO-3 all_gather or all_to_all), converted
-once if the output dtype or loss scale asks for it, and cut into parameters with one ``split_with_sizes``: a fixed
+(coalesced) collective, or, gathered by ``all_to_all`` (no coalesced form), in one per flat group. Per group, the
+assembled buffer is brought into parameter order (already so for ZeRO-1/2 and for the zero-padded all_reduce; one
+row copy, :mod:`zero_dtensor.rows`, for a ZeRO-3 all_gather; one per side for a ZeRO-3 all_to_all), converted once
+if the output dtype or loss scale asks for it, and cut into parameters with one ``split_with_sizes``: a fixed
 number of tensor operations whatever the number of parameters. See ``ShardedGrads.full_tensors`` for the contract.
 
 A large ZeRO-3 all_gather is *pipelined* (:func:`~zero_dtensor.materialize.strategy.pipelines`): two coalesced

@@ -29,9 +29,9 @@ def test_bad_writes_change_nothing(ranks, case: EngineCase) -> None:
     assert ranks(case.world).run(bad_input.bad_writes, case)[0] == 8 + 8
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_disagreeing_ranks_raise_in_debug_mode(ranks, stage: int) -> None:
-    messages = ranks(2).run(bad_input.disagreeing_collectives, stage)
+@pytest.mark.parametrize("stage,debug_mode", [(2, False), (3, True)])
+def test_disagreeing_ranks_raise(ranks, stage: int, debug_mode: bool) -> None:
+    messages = ranks(2).run(bad_input.disagreeing_collectives, stage, debug_mode)
     assert "rank 0" in messages[0][0] and "rank 1" in messages[0][0]
 
 

@@ -22,6 +22,11 @@ def test_result_views_reused_only_when_free(ranks, case: EngineCase) -> None:
     ranks(case.world).run(view_reuse.check_result_views_reused, case)
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_storage_held_by_the_caller_is_never_reused(ranks, case: EngineCase) -> None:
+    ranks(case.world).run(view_reuse.check_held_storage_not_reused, case)
+
+
 @pytest.mark.parametrize("max_classes", [0, 16], ids=["per-param-views", "row-copy"])
 @pytest.mark.parametrize("case", [EngineCase(1, model="wide"), EngineCase(2, model="wide"), EngineCase(3, model="wide"),
                                   EngineCase(2, "fp16", model="wide"), EngineCase(3, "fp16", world=3, model="wide"),

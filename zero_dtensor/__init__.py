@@ -1,15 +1,15 @@
 """zero_dtensor: whole-model access to DeepSpeed ZeRO gradients as DTensors, between backward() and step()."""
 
 from .api import get_full_model_grads, set_full_model_grads, sharded_grads
-from .debug import set_debug, set_rank_checks
 from .errors import (
+    GradHookError,
     GradientsNotReadyError,
     RankDisagreementError,
     RankFailedError,
     StaleGradientsError,
     UnsupportedDeepSpeedError,
 )
-from .hooks import GradHookError, GradHookHandle, attach_to_trainer, on_grads, on_grads_in_trainer
+from .hooks import GradHookHandle, attach_to_trainer, on_grads, on_grads_in_trainer
 from .launch import RankPool, launch
 from .layout import GradLayout, GroupLayout, Packing, ParamLayout
 from .noise import counter_normal
@@ -17,6 +17,7 @@ from .overflow import found_inf
 from .param_values import ParamValues
 from .reductions import GradStats
 from .replicate import FullGradsHandle, KeepFullGradsHandle, keep_full_grads
+from .settings import set_debug, set_gather_strategy
 from .sharded import ParamGrad, ShardedGrads
 from .stats_logger import GradStatsLogger
 
@@ -52,6 +53,6 @@ __all__ = [
     "on_grads_in_trainer",
     "set_debug",
     "set_full_model_grads",
-    "set_rank_checks",
+    "set_gather_strategy",
     "sharded_grads",
 ]

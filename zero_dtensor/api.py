@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from ._deepspeed import check_engine, grad_storage
-from .debug import install_step_checkpoint, is_debug
+from .agreement import agree, install_step_checkpoint
+from .settings import is_debug
 from .sharded import ShardedGrads
 
 __all__ = ["get_full_model_grads", "set_full_model_grads", "sharded_grads"]
@@ -18,14 +19,17 @@ _CURRENT: weakref.WeakKeyDictionary[Any, ShardedGrads] = weakref.WeakKeyDictiona
 
 
 def sharded_grads(engine: Any) -> ShardedGrads:
-    """The reduced gradients of a DeepSpeed ZeRO ``engine``, sharded as stored. **No communication.**
+    """The reduced gradients of a DeepSpeed ZeRO ``engine``, sharded as stored. **No communication** (outside
+    debug mode).
 
     Valid after ``engine.backward()`` at a gradient-accumulation boundary, until ``engine.step()``. Calling it again
     in the same window returns the same object (the default ZeRO-1/2 list of views is made contiguous once per step).
     Raises :class:`~zero_dtensor.errors.GradientsNotReadyError` outside the window and
     :class:`~zero_dtensor.errors.UnsupportedDeepSpeedError` for an unknown DeepSpeed version or optimizer (ZeRO
-    stage 0 included), ``TypeError`` for anything that is not a DeepSpeed engine. In debug mode it also installs
-    the rank-agreement checkpoint at the optimizer step (see :mod:`zero_dtensor.debug`).
+    stage 0 included), ``TypeError`` for anything that is not a DeepSpeed engine. It also installs the
+    rank-agreement checkpoint at the optimizer step, which checks only in debug mode (see
+    :mod:`zero_dtensor.agreement`); in debug mode the first call of a step is itself one agreement (one small
+    all_gather), which arms that checkpoint on every rank.
     """
     check_engine(engine)
     key = engine.optimizer
@@ -33,8 +37,9 @@ def sharded_grads(engine: Any) -> ShardedGrads:
     if cached is not None and cached.is_current():
         return cached
     storage = grad_storage(engine)
-    if is_debug():
-        install_step_checkpoint(key, storage.process_groups, storage.device)
+    install_step_checkpoint(key, storage.process_groups, storage.device)  # checks only in debug mode
+    if is_debug():  # arms the step checkpoint on every rank (or raises where a rank differs)
+        agree("sharded_grads", (), storage.process_groups, storage.device)
     grads = ShardedGrads(storage)
     _CURRENT[key] = grads
     return grads

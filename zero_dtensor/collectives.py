@@ -22,7 +22,6 @@ __all__ = [
     "peer_partitions_by_all_to_all",
     "backend_of",
     "default_backend",
-    "flagged_ranks",
     "global_rank",
     "is_distributed",
     "rank_in",
@@ -31,7 +30,7 @@ __all__ = [
     "group_rank_of",
     "world_size_of",
     "all_gather_objects",
-    "gather_ints_within",
+    "gather_int_rows_within",
     "all_reduce_op",
     "all_reduce_rows",
     "all_reduce_sum_work",
@@ -173,18 +172,19 @@ def all_reduce_rows(rows: torch.Tensor, which: list[int], group: dist.ProcessGro
     rows.index_copy_(0, index, part)
 
 
-def gather_ints_within(value: int, group: dist.ProcessGroup, device: torch.device,
-                       timeout: datetime.timedelta) -> list[int] | None:
-    """Every rank's ``value`` (one ``all_gather`` of one int64 per rank, ``N·8`` bytes received), or ``None`` when
-    not every rank joined within ``timeout`` (the group is then unusable: a collective is left pending)."""
-    local = torch.tensor([value], dtype=torch.int64, device=device)
-    gathered = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
+def gather_int_rows_within(values: Sequence[int], group: dist.ProcessGroup, device: torch.device,
+                           timeout: datetime.timedelta) -> list[list[int]] | None:
+    """Every rank's ``values`` (the same length on every rank), as one row per group rank: one ``all_gather`` of
+    ``len(values)`` int64 per rank (``N·8·len`` bytes received), or ``None`` when not every rank joined within
+    ``timeout`` (the group is then unusable: a collective is left pending)."""
+    local = torch.tensor(list(values), dtype=torch.int64, device=device)
+    gathered = torch.empty(dist.get_world_size(group) * local.numel(), dtype=torch.int64, device=device)
     work = _all_gather_single(gathered, local, group=group, async_op=True)
     try:
         work.wait(timeout=timeout)
     except RuntimeError:
         return None
-    return gathered.tolist()
+    return gathered.view(-1, local.numel()).tolist()
 
 
 def all_gather_objects(obj: object, group: dist.ProcessGroup) -> list[object]:
@@ -335,17 +335,3 @@ def sum_ints(values: Sequence[int], group: dist.ProcessGroup, device: torch.devi
     t = torch.tensor(list(values), dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t.tolist()
-
-
-def flagged_ranks(flagged: bool, group: dist.ProcessGroup | None, device: torch.device) -> list[int]:
-    """The global ranks of ``group`` (``None``: the world) that pass ``flagged=True``: one ``all_reduce(SUM)`` of an
-    ``N``-long int64 flag vector (``2(N-1)/N · 8N`` bytes per rank). Without a process group: this process alone
-    (rank 0). **Collective** on ``group``: every rank must call it."""
-    if not is_distributed():
-        return [0] if flagged else []
-    group = dist.group.WORLD if group is None else group
-    flags = [0] * dist.get_world_size(group)
-    if flagged:
-        flags[dist.get_rank(group)] = 1
-    members = group_ranks(group)
-    return [members[i] for i, f in enumerate(sum_ints(flags, group, device)) if f]

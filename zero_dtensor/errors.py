@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 __all__ = [
+    "GradHookError",
     "GradientsNotReadyError",
     "RankDisagreementError",
     "RankFailedError",
@@ -26,13 +27,19 @@ class StaleGradientsError(GradientsNotReadyError):
 
 
 class RankDisagreementError(RuntimeError):
-    """Ranks called the same collective with different arguments (raised on every rank in debug mode)."""
+    """Ranks called a collective with different arguments or settings, or one rank never reached it: raised on
+    every rank by the rank agreement (:mod:`zero_dtensor.agreement`) before any data moved."""
 
 
 class RankFailedError(RuntimeError):
-    """Raised on the ranks whose own part succeeded when a user function (``map_full_``'s ``fn``) raised on other
-    ranks. ``failed_ranks`` lists their global ranks. Nothing was written on any rank."""
+    """Something failed on *another* rank: raised on the ranks whose own part succeeded (a user function such as
+    ``map_full_``'s ``fn`` or an ``on_grads`` hook raised elsewhere). ``failed_ranks`` lists the global ranks that
+    failed; their own exception was raised there. Nothing was written on any rank."""
 
     def __init__(self, message: str, failed_ranks: Sequence[int]) -> None:
         super().__init__(message)
         self.failed_ranks = list(failed_ranks)
+
+
+class GradHookError(RankFailedError):
+    """A gradient hook (``on_grads``) raised on other ranks; the optimizer step was not run on any rank."""

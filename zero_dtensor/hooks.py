@@ -21,11 +21,12 @@ Where it hooks (DeepSpeed 0.18.9 / 0.19.x, ``deepspeed/runtime/engine.py``):
   (:mod:`zero_dtensor._deepspeed.engine_step` holds these DeepSpeed internals); no update is applied and
   the finalized gradients are discarded (``engine.optimizer.zero_grad()``), as in the managed case.
 
-Errors: hooks run in registration order. After each hook, every rank takes part in one tiny ``all_reduce`` of an
-error flag (``world_size`` int64 values on the engine's device; latency-bound, a few microseconds on NCCL, tens on
-gloo), so that an exception on some ranks makes **every** rank raise, before any rank enters the optimizer step's
-collectives: the failing rank(s) re-raise their own exception, the others raise :class:`GradHookError` naming the
-failing rank(s). The optimizer step does not run and the step's gradients are discarded
+Errors: hooks run in registration order. After each hook, every rank takes part in one tiny agreement
+(:func:`zero_dtensor.agreement.agree_outcome`: one ``all_gather`` of 2 int64 per rank on the engine's device;
+latency-bound, a few microseconds on NCCL, tens on gloo), so that an exception on some ranks makes **every** rank
+raise, before any rank enters the optimizer step's collectives: the failing rank(s) re-raise their own exception, the others raise
+:class:`~zero_dtensor.errors.GradHookError` (a :class:`~zero_dtensor.errors.RankFailedError`) naming the failing
+rank(s). The optimizer step does not run and the step's gradients are discarded
 (``engine.optimizer.zero_grad()`` on every rank, every stage). Pass ``sync_errors=False`` to skip the collective (then a
 rank-dependent exception hangs the job, as any rank-dependent exception in ``torch.distributed`` code does). The
 agreement cannot help a hook that raises on one rank *between* collectives the other ranks complete (e.g. before a
@@ -44,7 +45,9 @@ import torch.distributed as dist
 from ._deepspeed import check_engine
 from ._deepspeed.engine_step import MODEL_STEP, abandon_step, is_pipeline_engine
 from .api import sharded_grads
-from .collectives import default_backend, flagged_ranks, is_distributed
+from .agreement import agree_outcome
+from .collectives import default_backend, is_distributed
+from .errors import GradHookError
 from .sharded import ShardedGrads
 
 __all__ = ["GradHookError", "GradHookHandle", "attach_to_trainer", "on_grads", "on_grads_in_trainer"]
@@ -53,17 +56,6 @@ GradFn = Callable[[ShardedGrads], Any]
 
 _ATTR = "_zero_dtensor_grad_hooks"
 _ids = itertools.count()
-
-
-class GradHookError(RuntimeError):
-    """Raised on the ranks whose own hook succeeded when a gradient hook raised on other ranks.
-
-    ``failed_ranks`` lists the global ranks (of the agreement group) that raised. The optimizer step was not run.
-    """
-
-    def __init__(self, message: str, failed_ranks: list[int]) -> None:
-        super().__init__(message)
-        self.failed_ranks = failed_ranks
 
 
 class GradHookHandle:
@@ -333,18 +325,14 @@ class _Registry:
             except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank agreed
                 error = exc
             if sync_errors:
-                failed = flagged_ranks(error is not None, group, _device_of(self.engine))
-                if failed:
+                world = [group if group is not None else dist.group.WORLD] if is_distributed() else []
+                try:
+                    agree_outcome(f"on_grads: hook {_fn_name(fn)}", error, world, _device_of(self.engine),
+                                  failure=GradHookError, validation_classes=False,
+                                  consequence="The optimizer step was not run on any rank.")
+                except BaseException:
                     self._discard()
-                    if error is not None:
-                        _add_note(error, f"zero_dtensor.on_grads: hook {_fn_name(fn)} raised on ranks {failed}; "
-                                         "the optimizer step was not run")
-                        raise error
-                    raise GradHookError(
-                        f"zero_dtensor.on_grads: gradient hook {_fn_name(fn)} raised on rank(s) {failed} (see that "
-                        "rank's traceback); this rank's hook succeeded. The optimizer step was not run on any rank.",
-                        failed,
-                    )
+                    raise
             elif error is not None:
                 self._discard()
                 raise error
@@ -366,9 +354,3 @@ def _device_of(engine: Any) -> torch.device:
 
 def _fn_name(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__name__
-
-
-def _add_note(exc: BaseException, note: str) -> None:
-    if hasattr(exc, "add_note"):
-        exc.add_note(note)
-

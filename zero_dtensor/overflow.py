@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import debug as _debug
+from .agreement import agree, distinct_groups
 from .collectives import all_reduce_op
 from .state import state_of
 
@@ -23,20 +23,19 @@ __all__ = ["found_inf"]
 def found_inf(grads: Any) -> bool:
     """True if any element of any gradient (on any rank) is inf or nan. **Collective** (same answer on every rank).
 
-    Communication: one ``all_reduce`` (max) of one float per distinct process group of the sharded groups; none
+    Communication: the rank agreement (:mod:`zero_dtensor.agreement`), then one ``all_reduce`` (max) of one float
+    per distinct process group of the multi-rank sharded groups; none
     when every group is replicated (``BF16_Optimizer``: every rank holds the same full buffer). Padding is zero and
     never counts. Local work: one ``isfinite`` reduction per flat group, one host sync.
     """
     state = state_of(grads)
     state.check_current()
     storage = state.storage
-    _debug.check_grads_call(storage, "found_inf")
     device = storage.device
+    pgs = distinct_groups(pg for group, pg in zip(state.layout.groups, storage.process_groups)
+                          if group.placement.is_sharded)
+    agree("found_inf", (), pgs, device)
     flags = torch.stack([torch.isfinite(p).all().logical_not().to(device) for p in storage.partitions])
-    pgs: list[Any] = []
-    for group, pg in zip(state.layout.groups, storage.process_groups):
-        if group.placement.is_sharded and not any(pg is q for q in pgs):
-            pgs.append(pg)
     if not pgs:
         return bool(flags.any())
     flag = flags.any().to(torch.float32).reshape(1)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +50,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import collectives
-from .debug import REFUSALS, error_code, is_debug
+from .agreement import Refusal, agree, error_code, local_only, raise_outcome
 from .errors import RankFailedError
 from .layout import GradLayout, ParamLayout
 from .state import state_of
@@ -63,6 +64,7 @@ __all__ = [
     "Transfer",
     "agreement_groups",
     "balanced_owners",
+    "checked_dtensors",
     "dtensor_signature",
     "map_full_",
     "mapping_names",
@@ -357,12 +359,26 @@ def balanced_owners(storage: GradStorage, selected: Sequence[ParamLayout]) -> di
     return {p.name: _group_ranks_of(storage, p)[r] for p, r in zip(selected, ranks)}
 
 
+def _as_rank(name: str, rank: Any) -> int:
+    """A global rank given as any integer: ``int``, a NumPy integer, a 0-d integer tensor (``operator.index``
+    accepts the first two; a tensor is read once). ``TypeError`` for bools, floats and anything else."""
+    if isinstance(rank, torch.Tensor) and rank.ndim == 0 and not rank.is_floating_point() \
+            and not rank.is_complex() and rank.dtype != torch.bool:
+        return int(rank.item())
+    if not isinstance(rank, bool):
+        try:
+            return operator.index(rank)
+        except TypeError:
+            pass
+    raise TypeError(f"owners=: the owner of {name!r} must be a global rank (an integer: int, a NumPy integer or a "
+                    f"0-d integer tensor), got {type(rank).__name__}")
+
+
 def _check_owner_entry(storage: GradStorage, name: str, rank: Any) -> int:
     param = storage.layout.by_name.get(name) if isinstance(name, str) else None
     if param is None:
         raise KeyError(f"owners=: {name!r} is not a trainable parameter of this engine")
-    if isinstance(rank, bool) or not isinstance(rank, int):
-        raise TypeError(f"owners=: the owner of {name!r} must be a global rank (int), got {type(rank).__name__}")
+    rank = _as_rank(name, rank)
     members = _group_ranks_of(storage, param)
     if rank not in members:
         raise ValueError(f"owners=: the owner of {name!r} is rank {rank}, which is not in its data-parallel process "
@@ -435,20 +451,73 @@ def _read(storage: GradStorage, plan: Plan, dtype: torch.dtype | None) -> list[t
     return results
 
 
-def _write(storage: GradStorage, plan: Plan, values: Mapping[str, torch.Tensor]) -> None:
+def _write(storage: GradStorage, plan: Plan, values: Mapping[str, torch.Tensor], *,
+           code: int | None = None) -> list[tuple[int, int]]:
     """Send every bucket's targets back into the partitions. ``values[name]``: this rank's flattened target (true
-    units, any floating dtype); names absent on this rank must have an empty target here."""
+    units, any floating dtype); names absent on this rank must have an empty target here.
+
+    ``code`` (a user function ran before this write; :func:`~zero_dtensor.agreement.error_code` of its failure on
+    this rank): every multi-rank bucket's exchange then carries one error code per peer after its data, every
+    exchange completes before anything is written, and where any rank failed nothing is written: returns
+    ``(global rank, code)`` of the failed ranks (this one included), in rank order. A failed rank sends zeros."""
+    failed: dict[int, int] = {}
+    received = []
     with torch.no_grad():
         for bucket in plan.buckets:
             device = _comm_device(storage, bucket)
-            none = torch.empty(0, dtype=bucket.dtype, device=device)  # for targets this rank does not hold
-            sources = [_flat_on(values.get(slot.name), none, device) for slot in bucket.params]
-            send = _pack(sources, bucket.write.send_pieces, bucket.dtype, device)
-            send = storage.to_stored(send)
-            send = send if send.dtype == bucket.dtype else send.to(bucket.dtype)
-            recv = _exchange(send, bucket.write, storage, bucket)
+            if code:
+                send = torch.zeros(sum(bucket.write.send_counts), dtype=bucket.dtype, device=device)
+            else:
+                none = _empty(bucket.dtype, device)  # for targets this rank does not hold
+                sources = [_flat_on(values.get(slot.name), none, device) for slot in bucket.params]
+                send = _pack(sources, bucket.write.send_pieces, bucket.dtype, device)
+                send = storage.to_stored(send)
+                send = send if send.dtype == bucket.dtype else send.to(bucket.dtype)
+            if code is None or bucket.world_size == 1:
+                recv = _exchange(send, bucket.write, storage, bucket)
+            else:
+                recv, codes = _exchange_with_codes(send, bucket.write, storage, bucket, code)
+                members = collectives.group_ranks(storage.process_groups[bucket.groups[0]])
+                failed.update({members[r]: c for r, c in enumerate(codes) if c})
+            received.append((bucket, recv))
+        if code:
+            failed[_my_rank(storage)] = code
+        if failed:
+            return sorted(failed.items())
+        for bucket, recv in received:
             parts = [storage.partitions[g] for g in bucket.groups]
             _unpack(recv.to(parts[0].device), bucket.write.recv_pieces, parts)
+    return []
+
+
+_EMPTY: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A shared empty tensor (made once per dtype and device; nothing can be written into it)."""
+    key = (dtype, device)
+    t = _EMPTY.get(key)
+    if t is None:
+        t = _EMPTY[key] = torch.empty(0, dtype=dtype, device=device)
+    return t
+
+
+def _exchange_with_codes(send: torch.Tensor, transfer: Transfer, storage: GradStorage, bucket: BucketPlan,
+                         code: int) -> tuple[torch.Tensor, list[int]]:
+    """The bucket's ``all_to_all_single`` with this rank's error ``code`` appended to what it sends each peer (also
+    where no data crosses ranks): returns the received data, as :func:`_exchange` would, and every peer's code in
+    group-rank order. One element more each way per peer; one copy of the data on each side."""
+    send_counts = [n + 1 for n in transfer.send_counts]
+    recv_counts = [n + 1 for n in transfer.recv_counts]
+    framed = torch.full((sum(send_counts),), float(code), dtype=send.dtype, device=send.device)
+    torch.split_with_sizes_copy(send, list(transfer.send_counts),
+                                out=[c.narrow(0, 0, n) for c, n in zip(framed.split(send_counts),
+                                                                        transfer.send_counts)])
+    recv = torch.empty(sum(recv_counts), dtype=send.dtype, device=send.device)
+    collectives.all_to_all_into(recv, framed, recv_counts, send_counts, storage.process_groups[bucket.groups[0]])
+    chunks = recv.split(recv_counts)
+    codes = [int(c) for c in torch.cat([c.narrow(0, n, 1) for c, n in zip(chunks, transfer.recv_counts)]).tolist()]
+    return torch.cat([c.narrow(0, 0, n) for c, n in zip(chunks, transfer.recv_counts)]), codes
 
 
 def _flat_on(value: torch.Tensor | None, none: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -459,58 +528,9 @@ def _flat_on(value: torch.Tensor | None, none: torch.Tensor, device: torch.devic
     return flat if flat.device == device else flat.to(device)
 
 
-# --- agreement on errors --------------------------------------------------------------------------------------------
-
-
 def _my_rank(storage: GradStorage) -> int:
     """This process's global rank (from the first group's process group and group rank). No communication."""
     return collectives.group_ranks(storage.process_groups[0])[storage.layout.groups[0].rank]
-
-
-def _plan_groups(storage: GradStorage, plan: Plan) -> list[tuple[Any, int]]:
-    """``(process group, this rank's group rank)`` of the plan's multi-rank buckets, distinct, in bucket order."""
-    out: list[tuple[Any, int]] = []
-    for bucket in plan.buckets:
-        pg = storage.process_groups[bucket.groups[0]]
-        if bucket.world_size > 1 and not any(pg is q for q, _ in out):
-            out.append((pg, bucket.rank))
-    return out
-
-
-def _failed_ranks(storage: GradStorage, groups: Sequence[tuple[Any, int]], code: int) -> list[tuple[int, int]]:
-    """``(global rank, error code)`` of every rank that failed: one ``all_reduce`` of ``N`` int64 per group."""
-    failed: dict[int, int] = {}
-    for pg, rank in groups:
-        members = collectives.group_ranks(pg)
-        flags = [0] * len(members)
-        flags[rank] = code
-        failed.update({r: c for r, c in zip(members, collectives.sum_ints(flags, pg, storage.device)) if c})
-    return sorted(failed.items())
-
-
-def _raise_agreed(what: str, error: BaseException | None, failed: list[tuple[int, int]]) -> None:
-    """Re-raise this rank's error, or the first failing rank's class here when only other ranks failed."""
-    if error is not None:
-        note = getattr(error, "add_note", None)
-        if note is not None:
-            note(f"zero_dtensor.{what}: failed on rank(s) {[r for r, _ in failed] or 'this one'}; nothing was "
-                 "written on any rank")
-        raise error
-    if not failed:
-        return
-    ranks = [r for r, _ in failed]
-    code = failed[0][1]
-    message = (f"zero_dtensor.{what}: rank(s) {ranks} failed (see their traceback); this rank's part was fine. "
-               "Nothing was written on any rank.")
-    if code <= len(REFUSALS):
-        raise REFUSALS[code - 1](message)
-    raise RankFailedError(message, ranks)
-
-
-def _agree(storage: GradStorage, plan: Plan, what: str, error: BaseException | None) -> None:
-    """Every rank learns whether any rank failed before anything is sent, and raises if one did."""
-    groups = _plan_groups(storage, plan)
-    _raise_agreed(what, error, _failed_ranks(storage, groups, error_code(error)) if groups else [])
 
 
 # --- validation -------------------------------------------------------------------------------------------------------
@@ -532,9 +552,7 @@ def dtensor_signature(mapping: Mapping[str, Any]) -> tuple:
 
 def agreement_groups(storage: GradStorage, selected: Sequence[ParamLayout] | None) -> tuple[Any, ...]:
     """The process groups a write over ``selected`` (``None``: any parameter) may communicate on: multi-rank groups,
-    replicated ones included (every rank needs the whole new value); in debug mode every group."""
-    if is_debug():
-        return storage.process_groups
+    replicated ones included (every rank needs the whole new value)."""
     indices = sorted({p.group for p in selected}) if selected is not None else range(len(storage.process_groups))
     return tuple(storage.process_groups[i] for i in indices if storage.layout.groups[i].world_size > 1)
 
@@ -643,22 +661,25 @@ def to_dtensors(storage: GradStorage, selected: Sequence[ParamLayout], *, dtype:
     return {p.name: result[p.name] for p in selected}
 
 
-def set_dtensors_(storage: GradStorage, selected: Sequence[ParamLayout], mapping: Mapping[str, Any]) -> None:
-    """Write ``Shard(0)`` DTensors (as :func:`to_dtensors` returns) back. **Collective**: one ``all_reduce`` of ``N``
-    int64 error codes per process group, then one ``all_to_all_single`` per (process group, dtype), replicated
-    groups included, about ``(N-1)/N · S/N`` bytes each way per rank (replicated: ``(N-1)/N · S`` received)."""
+def checked_dtensors(storage: GradStorage, selected: Sequence[ParamLayout], mapping: Mapping[str, Any]
+                     ) -> dict[str, torch.Tensor]:
+    """This rank's local shards of ``set_dtensors_``'s entries, each checked (DTensor type, mesh over the group's
+    ranks, placement, global shape, dtype, this rank's local shard shape, device); raises at the first bad one.
+    No communication."""
     plan = plan_for(storage, selected, ROWS)
     values: dict[str, torch.Tensor] = {}
-    error: BaseException | None = None
-    try:
-        for bucket in plan.buckets:
-            pg = storage.process_groups[bucket.groups[0]]
-            for slot in bucket.params:
-                values[slot.name] = _check_dtensor(storage, slot, mapping[slot.name], pg)
-    except (TypeError, ValueError, KeyError) as exc:
-        error = exc
-    _agree(storage, plan, "set_dtensors_", error)
-    _write(storage, plan, values)
+    for bucket in plan.buckets:
+        pg = storage.process_groups[bucket.groups[0]]
+        for slot in bucket.params:
+            values[slot.name] = _check_dtensor(storage, slot, mapping[slot.name], pg)
+    return values
+
+
+def set_dtensors_(storage: GradStorage, selected: Sequence[ParamLayout], values: Mapping[str, torch.Tensor]) -> None:
+    """Write the local shards of ``Shard(0)`` DTensors (:func:`checked_dtensors`, agreed on every rank) back.
+    **Collective**: one ``all_to_all_single`` per (process group, dtype), replicated groups included, about
+    ``(N-1)/N · S/N`` bytes each way per rank (replicated: ``(N-1)/N · S`` received)."""
+    _write(storage, plan_for(storage, selected, ROWS), values)
     storage.after_write([p.name for p in selected])
 
 
@@ -680,97 +701,105 @@ def _owned_views(storage: GradStorage, plan: Plan, dtype: torch.dtype | None) ->
     return {n: result[n] for n in plan.names if n in result}
 
 
-def _provided(storage: GradStorage, mapping: Any, restrict: Mapping[str, int] | None
-              ) -> tuple[dict[str, torch.Tensor], BaseException | None]:
-    """This rank's validated ``set_owned_`` entries (or the first error)."""
+def _provided(storage: GradStorage, mapping: Any, restrict: Mapping[str, int] | None) -> dict[str, torch.Tensor]:
+    """This rank's ``set_owned_`` entries, each checked; raises at the first bad one. No communication."""
     values: dict[str, torch.Tensor] = {}
-    try:
-        names = mapping_names(mapping, "set_owned_")
-        me = _my_rank(storage)
-        for name in names:
-            param = storage.layout.by_name.get(name) if isinstance(name, str) else None
-            if param is None:
-                raise KeyError(f"set_owned_: {name!r} is not a trainable parameter of this engine")
-            if restrict is not None and restrict.get(name) != me:
-                owner = f"rank {restrict[name]}" if name in restrict else "not given"
-                raise ValueError(f"set_owned_: rank {me} passed {name!r}, whose owner under owners= is {owner}: "
-                                 "pass each parameter on its owner only")
-            values[name] = _check_full(storage, "set_owned_", param, mapping[name])
-    except (TypeError, ValueError, KeyError) as exc:
-        return {}, exc
-    return values, None
+    names = mapping_names(mapping, "set_owned_")
+    me = _my_rank(storage)
+    for name in names:
+        param = storage.layout.by_name.get(name) if isinstance(name, str) else None
+        if param is None:
+            raise KeyError(f"set_owned_: {name!r} is not a trainable parameter of this engine")
+        if restrict is not None and restrict.get(name) != me:
+            owner = f"rank {restrict[name]}" if name in restrict else "not given"
+            raise ValueError(f"set_owned_: rank {me} passed {name!r}, whose owner under owners= is {owner}: "
+                             "pass each parameter on its owner only")
+        values[name] = _check_full(storage, "set_owned_", param, mapping[name])
+    return values
+
+
+def _restriction(storage: GradStorage, assignment: Any) -> dict[str, int] | None:
+    """``set_owned_``'s ``owners=``, checked (``None`` when not given). No communication."""
+    if assignment is None:
+        return None
+    if not isinstance(assignment, Mapping):
+        raise TypeError(f"owners= must be a mapping name -> global rank, got {type(assignment).__name__}")
+    return {name: _check_owner_entry(storage, name, rank) for name, rank in assignment.items()}
 
 
 def set_owned_(storage: GradStorage, mapping: Mapping[str, torch.Tensor], *,
                assignment: Mapping[str, int] | None = None) -> None:
     """Write whole gradients from the ranks holding them (each parameter from at most one rank; ``assignment``
-    given: from its owner there). **Collective**: per process group one ``all_reduce`` of ``N + 2k`` int64 (error codes,
-    which rank passed which of its ``k`` parameters), then one ``all_to_all_single`` per (process group, dtype),
-    about ``(N-1)/N · S/N`` bytes each way per rank (replicated groups: the owner's values to every rank)."""
-    restrict = None
-    if assignment is not None:
-        if not isinstance(assignment, Mapping):
-            raise TypeError(f"owners= must be a mapping name -> global rank, got {type(assignment).__name__}")
-        restrict = {name: _check_owner_entry(storage, name, rank) for name, rank in assignment.items()}
-    values, error = _provided(storage, mapping, restrict)
-    selection, assignment, failed = _discover(storage, values, error_code(error))
-    _raise_agreed("set_owned_", error, failed)
-    selected = [storage.layout.by_name[n] for n in selection]
-    plan = plan_for(storage, selected, OWNERS, assignment)
-    _write(storage, plan, values)
-    storage.after_write(list(selection))
-
-
-def _discover(storage: GradStorage, values: Mapping[str, torch.Tensor], code: int
-              ) -> tuple[list[str], dict[str, int], list[tuple[int, int]]]:
-    """Which rank passed which parameter, agreed on every rank (layout order); duplicates raise everywhere."""
+    given: from its owner there). **Collective**: the rank agreement, which also tells every rank which rank passed
+    which parameter (per multi-rank process group one ``all_gather`` of ``2 + k`` int64 per rank, ``k`` the
+    group's parameters), then one ``all_to_all_single`` per (process group, dtype), about ``(N-1)/N · S/N`` bytes
+    each way per rank (replicated groups: the owner's values to every rank)."""
+    values: dict[str, torch.Tensor] = {}
+    restrict: dict[str, int] | None = None
+    with Refusal() as refusal:
+        restrict = _restriction(storage, assignment)
+        values = _provided(storage, mapping, restrict)
+    signature = () if refusal.error else (None if restrict is None else sorted(restrict.items()),)
     layout = storage.layout
-    pg_keys = _pg_keys(storage)
-    provider: dict[str, int] = {}
-    failed: dict[int, int] = {}
-    for key in sorted(set(pg_keys)):
-        pg = storage.process_groups[key]
-        members = collectives.group_ranks(pg)
-        rank = layout.groups[key].rank
-        params = [p for p in layout.params if pg_keys[p.group] == key]
-        flags = [0] * len(members)
-        flags[rank] = code
-        counts = [int(p.name in values) for p in params]
-        who = [rank + 1 if p.name in values else 0 for p in params]
-        vector = flags + counts + who
-        if len(members) > 1:
-            vector = collectives.sum_ints(vector, pg, storage.device)
-        n, k = len(members), len(params)
-        failed.update({members[r]: c for r, c in enumerate(vector[:n]) if c})
-        twice = [p.name for p, c in zip(params, vector[n:n + k]) if c > 1]
-        if twice and not failed:
-            raise ValueError(f"set_owned_: {twice[:8]} were passed by more than one rank; pass each parameter on "
-                             "one rank only (its owner: see grads.owners())")
-        provider.update({p.name: members[w - 1] for p, c, w in zip(params, vector[n:n + k], vector[n + k:])
-                         if c == 1})
+    groups = agreement_groups(storage, None)
+    by_pg = {id(storage.process_groups[g.index]): [p for p in layout.params
+                                                   if storage.process_groups[p.group] is storage.process_groups[g.index]]
+             for g in layout.groups}
+    rows = agree("set_owned_", signature, groups, storage.device, refused=refusal.error,
+                 payload=lambda pg: [int(p.name in values) for p in by_pg[id(pg)]])
+    provider = _providers(storage, values, rows, by_pg)
     selection = [p.name for p in layout.params if p.name in provider]
-    return selection, provider, sorted(failed.items())
+    plan = plan_for(storage, [layout.by_name[n] for n in selection], OWNERS, provider)
+    _write(storage, plan, values)
+    storage.after_write(selection)
+
+
+def _providers(storage: GradStorage, values: Mapping[str, torch.Tensor], rows: Mapping[int, list[list[int]]],
+               by_pg: Mapping[int, list[ParamLayout]]) -> dict[str, int]:
+    """``{name: global rank that passed it}`` from the agreement's rows (the same on every rank); a parameter passed
+    by more than one rank raises ``ValueError`` on every rank. No communication."""
+    provider: dict[str, int] = {}
+    twice: list[str] = []
+    for pg in {id(storage.process_groups[p.group]): storage.process_groups[p.group]
+               for p in storage.layout.params}.values():
+        params = by_pg[id(pg)]
+        if id(pg) not in rows:  # a single-rank group: this rank alone
+            provider.update({p.name: _my_rank(storage) for p in params if p.name in values})
+            continue
+        members = collectives.group_ranks(pg)
+        for k, p in enumerate(params):
+            passed = [members[r] for r, row in enumerate(rows[id(pg)]) if row[2 + k]]
+            if len(passed) > 1:
+                twice.append(p.name)
+            elif passed:
+                provider[p.name] = passed[0]
+    if twice:
+        raise ValueError(f"set_owned_: {twice[:8]} were passed by more than one rank; pass each parameter on one "
+                         "rank only (its owner: see grads.owners()). Nothing was written on any rank.")
+    return provider
 
 
 def map_full_(storage: GradStorage, selected: Sequence[ParamLayout], assignment: Mapping[str, int],
               fn: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
     """``fn(name, whole gradient)`` on each parameter's owner, written back: each gradient computed once in the job.
-    **Collective**: :func:`owned`'s ``all_to_all_single``, one ``all_reduce`` of ``N`` int64 error codes per process
-    group, then the reverse ``all_to_all_single`` per (process group, dtype): about ``2 · (N-1)/N · S/N`` bytes each
-    way per rank in all. An exception in ``fn`` (or a bad result) on any rank raises on every rank before anything is
-    written: there the original one, elsewhere :class:`RankFailedError` (or the same validation error class)."""
+    **Collective**: :func:`owned`'s ``all_to_all_single``, then the reverse ``all_to_all_single`` per (process
+    group, dtype) carrying one error code per peer besides the data: about ``2 · (N-1)/N · S/N`` bytes each way per
+    rank in all. ``fn`` runs on the owner only and must not communicate. An exception in ``fn`` (or a bad result)
+    on any rank raises on every rank before anything is written: there the original one, elsewhere
+    :class:`RankFailedError` (or the same validation error class)."""
     plan = plan_for(storage, selected, OWNERS, assignment)
     mine = _owned_views(storage, plan, None)
     results: dict[str, torch.Tensor] = {}
     error: BaseException | None = None
     try:
-        for name, full in mine.items():
-            param = storage.layout.by_name[name]
-            results[name] = _check_full(storage, "map_full_", param, fn(name, full))
+        with local_only("map_full_"):
+            for name, full in mine.items():
+                param = storage.layout.by_name[name]
+                results[name] = _check_full(storage, "map_full_", param, fn(name, full))
     except Exception as exc:  # noqa: BLE001 - any failure of the user's function must reach every rank
         error = exc
-    _agree(storage, plan, "map_full_", error)
-    _write(storage, plan, results)
+    failed = _write(storage, plan, results, code=error_code(error))
+    raise_outcome("map_full_", error, failed)
     storage.after_write([p.name for p in selected])
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_reduce_rows
-from .debug import check_grads_call, is_debug
+from .agreement import distinct_groups
 from .param_values import ParamStatsMap, ParamValues
 from .segments import (
     SegmentPlan,
@@ -142,9 +142,6 @@ def _reduce(state: GradState, sel: Selection, local: torch.Tensor, op: Any,
     """All-reduce the rows of ``local`` (one per selected parameter) over each distinct process group of the
     multi-rank sharded groups (one collective per process group). Returns the reduced rows on the engine's
     device."""
-    if is_debug():
-        check_grads_call(state.storage, "reduce", names if names is not None else sel.names, str(op),
-                         tuple(local.shape[1:]))
     storage = state.storage
     local = local.to(storage.device)  # where the process group communicates (offloaded partitions are host memory)
     communicating = [i for i, g in enumerate(state.layout.groups) if g.placement.is_sharded and g.world_size > 1]
@@ -173,10 +170,22 @@ def _partials(state: GradState, sel: Selection, norm_type: float) -> torch.Tenso
     return _per_param(state, sel, _parts((state,), sel), values, torch.float32)
 
 
-def _reduced_partials(state: GradState, sel: Selection, norm_type: float,
-                      names: Sequence[str] | None = None) -> tuple[torch.Tensor, bool]:
+def communicating_groups(state: GradState) -> list[Any]:
+    """The process groups a reduction communicates on: those of the multi-rank sharded groups, each once. No
+    communication."""
+    return distinct_groups(pg for g, pg in zip(state.layout.groups, state.storage.process_groups)
+                           if g.placement.is_sharded)
+
+
+def check_norm_type(norm_type: float) -> None:
+    """``ValueError`` unless ``norm_type`` is a positive number or ``inf``."""
     if not (norm_type > 0):
         raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
+
+
+def _reduced_partials(state: GradState, sel: Selection, norm_type: float,
+                      names: Sequence[str] | None = None) -> tuple[torch.Tensor, bool]:
+    check_norm_type(norm_type)
     is_inf = math.isinf(norm_type)
     local = _partials(state, sel, norm_type)
     return _reduce(state, sel, local, dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, names), is_inf

@@ -2,8 +2,9 @@
 
 Nothing here communicates unless its docstring says so. Each collective call must run on every rank of the
 data-parallel group, in the same order, or the job hangs (as with any ``torch.distributed`` collective); bulk reads
-and writes check that they do (see :mod:`zero_dtensor.debug`), and a call whose arguments one rank refuses (an
-unknown name, a bad ``out=`` entry or ``dtype``) raises on every rank at that check, before anything is sent. The
+and writes agree first (see :mod:`zero_dtensor.agreement`), and a call whose arguments or settings differ between
+ranks, or that one rank refuses (an unknown name, a bad ``out=`` entry or ``dtype``), raises on every rank there,
+before anything is sent. The
 work is done by modules that take the internal state explicitly: :mod:`~zero_dtensor.materialize` (full tensors),
 :mod:`~zero_dtensor.transforms` (elementwise, clone), :mod:`~zero_dtensor.reductions` (norms, dots, stats,
 clipping).
@@ -19,9 +20,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import debug as _debug
 from . import reductions, transforms, writes
 from . import redistribute as _redistribute
+from .agreement import Refusal, agree
 from .collectives import mesh_for
 from .layout import GradLayout, ParamLayout
 from .materialize import bulk as _bulk
@@ -29,7 +30,7 @@ from .materialize import stream as _stream
 from .materialize.results import PendingFullTensors
 from .param_values import ParamValues
 from .reductions import GradStats
-from .state import GradState, ParamSelection, short_names
+from .state import GradState, ParamSelection, Selection, short_names
 from .storage import GradStorage
 from .transforms import Scalar
 
@@ -107,13 +108,14 @@ class ParamGrad:
         """
         state = self._grads._state
         state.check_current()
-        with _debug.Refusal() as refusal:
+        with Refusal() as refusal:
             check_dtype(dtype, "ParamGrad.full_tensor")
         storage = state.storage
         param = self._param
         pg = storage.process_groups[param.group]
-        _debug.check_same_call("ParamGrad.full_tensor", (self.name, str(dtype)), [pg], storage.device,
-                               refused=refusal.error)
+        communicates = state.group(param.group).placement.is_sharded
+        agree("ParamGrad.full_tensor", (self.name, str(dtype)), [pg] if communicates else [], storage.device,
+              refused=refusal.error)
         group = state.group(param.group)
         full = group.placement.gather_param(group, param, storage.partitions[param.group], pg, storage.device)
         return state.finish(full.view(param.shape), dtype)
@@ -286,11 +288,14 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         """
         self._state.check_current()
         selected: list[ParamLayout] | None = None
-        with _debug.Refusal() as refusal:
+        plans: tuple[str, ...] = ()
+        with Refusal() as refusal:
             selected = self._select(names)
             check_dtype(dtype, "full_tensors")
             _bulk.check_request(self._state, selected, dtype=dtype, out=out, dst=dst, strategy=strategy)
-        self._check_agreement("full_tensors", selected, str(dtype), dst, async_op, strategy, refused=refusal.error)
+            plans = _bulk.planned_strategies(self._state, selected, dst, strategy)
+        self._agree("full_tensors", selected, refusal.error, str(dtype), dst, async_op, strategy, plans,
+                    type(out).__name__)
         return _bulk.full_tensors(self._state, selected, dtype=dtype, out=out, dst=dst, async_op=async_op,
                                   strategy=strategy)
 
@@ -323,11 +328,11 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         """
         self._state.check_current()
         selected: list[ParamLayout] | None = None
-        with _debug.Refusal() as refusal:
+        with Refusal() as refusal:
             selected = self._select(names)
             check_dtype(dtype, "iter_full")
             _stream.check_request(bucket_bytes, strategy)
-        self._check_agreement("iter_full", selected, bucket_bytes, str(dtype), strategy, refused=refusal.error)
+        self._agree("iter_full", selected, refusal.error, bucket_bytes, str(dtype), strategy)
         return _stream.iter_full(self._state, selected, bucket_bytes=bucket_bytes, dtype=dtype, strategy=strategy)
 
     def set_full_(self, mapping: Mapping[str, torch.Tensor]) -> None:
@@ -482,12 +487,14 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         ``norm_type``: any ``p > 0`` or ``inf``. **Communication: one all_reduce of a (k,) float32 vector per process
         group** (sum of ``|g|^p`` partials; ``max`` for inf), none for replicated or single-rank groups.
         """
-        return reductions.norms(self._state, self._state.pick(params), float(norm_type))
+        sel = self._agreed_selection("norms", params, norm_type)
+        return reductions.norms(self._state, sel, float(norm_type))
 
     def global_norm(self, norm_type: float = 2.0, *, params: ParamSelection = None) -> torch.Tensor:
         """The norm of all selected true gradients taken together (as ``torch.nn.utils.get_total_norm``), a 0-d
         float32 tensor. **Communication: one all_reduce of a (k,) float32 vector per process group.**"""
-        return reductions.global_norm(self._state, self._state.pick(params), float(norm_type))
+        sel = self._agreed_selection("global_norm", params, norm_type)
+        return reductions.global_norm(self._state, sel, float(norm_type))
 
     def dots(self, other: Any, *, params: ParamSelection = None, with_norms: bool = False):
         """Per-parameter dot products ``{name: <g, other_g>}`` of true gradients (0-d float32 tensors), e.g. for
@@ -500,7 +507,8 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         if not _is_grads(other):
             raise TypeError(f"dots takes another ShardedGrads or a clone, got {type(other).__name__}")
         self._check_same_layout(other)
-        return reductions.dots(self._state, other._state, self._state.pick(params), with_norms)
+        sel = self._agreed_selection("dots", params, bool(with_norms))
+        return reductions.dots(self._state, other._state, sel, with_norms)
 
     def stats(self, *, params: ParamSelection = None) -> Mapping[str, GradStats]:
         """``{name: GradStats}``: 2-norm, max ``|g|``, mean, nan and inf counts of each true gradient, as Python
@@ -508,7 +516,7 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         most two all_reduces per process group** (a (k, 4) float64 sum vector and a (k,) float32 max vector), none
         for replicated or single-rank groups.
         """
-        return reductions.stats(self._state, self._state.pick(params))
+        return reductions.stats(self._state, self._agreed_selection("stats", params))
 
     def clip_grad_norm_(
         self,
@@ -525,8 +533,8 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         formula). **Communication: one all_reduce of a (k,) float32 vector per process group**; the multiply is
         local.
         """
-        return reductions.clip_grad_norm_(self._state, self._state.pick(params), max_norm, float(norm_type),
-                                          error_if_nonfinite)
+        sel = self._agreed_selection("clip_grad_norm_", params, norm_type)
+        return reductions.clip_grad_norm_(self._state, sel, max_norm, float(norm_type), error_if_nonfinite)
 
     def clip_per_param_(
         self, max_norm: float, norm_type: float = 2.0, *, params: ParamSelection = None
@@ -536,7 +544,8 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         :class:`~zero_dtensor.ParamValues` mapping).
         **Communication: one all_reduce of a (k,) float32 vector per process group.**
         """
-        return reductions.clip_per_param_(self._state, self._state.pick(params), max_norm, float(norm_type))
+        sel = self._agreed_selection("clip_per_param_", params, norm_type)
+        return reductions.clip_per_param_(self._state, sel, max_norm, float(norm_type))
 
     # --- redistribution (zero_dtensor.redistribute): Shard(0) rows and whole parameters on owners --------------
     def to_dtensors(self, names: list[str] | None = None, *, dtype: torch.dtype | None = None) -> dict[str, DTensor]:
@@ -557,10 +566,10 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         """
         self._check_current()
         selected: list[ParamLayout] | None = None
-        with _debug.Refusal() as refusal:
+        with Refusal() as refusal:
             selected = self._select(names)
             check_dtype(dtype, "to_dtensors")
-        self._check_agreement("to_dtensors", selected, str(dtype), refused=refusal.error)
+        self._agree("to_dtensors", selected, refusal.error, str(dtype))
         return _redistribute.to_dtensors(self._storage, selected, dtype=dtype)
 
     def set_dtensors_(self, mapping: Mapping[str, DTensor]) -> None:
@@ -576,14 +585,16 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         """
         self._check_current()
         selected: list[ParamLayout] | None = None
-        with _debug.Refusal() as refusal:
-            selected = self._select(_redistribute.mapping_names(mapping, "set_dtensors_"))
         storage = self._storage
+        values: dict[str, torch.Tensor] = {}
+        with Refusal() as refusal:
+            selected = self._select(_redistribute.mapping_names(mapping, "set_dtensors_"))
+            values = _redistribute.checked_dtensors(storage, selected, mapping)
         signature = () if refusal.error else ([p.name for p in selected], _redistribute.dtensor_signature(mapping))
-        _debug.check_same_call("set_dtensors_", signature, _redistribute.agreement_groups(storage, selected),
-                               storage.device, always=True, refused=refusal.error)
+        agree("set_dtensors_", signature, _redistribute.agreement_groups(storage, selected), storage.device,
+              refused=refusal.error)
         assert selected is not None  # a refusal raised above
-        _redistribute.set_dtensors_(storage, selected, mapping)
+        _redistribute.set_dtensors_(storage, selected, values)
 
     def owners(self, names: list[str] | None = None, *, owners: Mapping[str, int] | None = None) -> dict[str, int]:
         """``{name: global rank}`` that :meth:`owned` and :meth:`map_full_` give each selected parameter to. **No
@@ -608,11 +619,11 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         self._check_current()
         selected: list[ParamLayout] | None = None
         assignment: dict[str, int] = {}
-        with _debug.Refusal() as refusal:
+        with Refusal() as refusal:
             selected = self._select(names)
             check_dtype(dtype, "owned")
             assignment = _redistribute.owners(self._storage, selected, owners)
-        self._check_agreement("owned", selected, str(dtype), tuple(assignment.values()), refused=refusal.error)
+        self._agree("owned", selected, refusal.error, str(dtype), tuple(assignment.values()))
         return _redistribute.owned(self._storage, selected, assignment, dtype=dtype)
 
     def set_owned_(self, mapping: Mapping[str, torch.Tensor], *, owners: Mapping[str, int] | None = None) -> None:
@@ -628,11 +639,7 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         rank). Writes never record autograd history.
         """
         self._check_current()
-        storage = self._storage
-        signature = repr(sorted(owners.items(), key=repr)) if isinstance(owners, Mapping) else repr(owners)
-        _debug.check_same_call("set_owned_", (signature,), _redistribute.agreement_groups(storage, None),
-                               storage.device, always=True)
-        _redistribute.set_owned_(storage, mapping, assignment=owners)
+        _redistribute.set_owned_(self._storage, mapping, assignment=owners)
 
     def map_full_(self, fn: Callable[[str, torch.Tensor], torch.Tensor], names: list[str] | None = None, *,
                   owners: Mapping[str, int] | None = None) -> None:
@@ -651,39 +658,53 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         storage = self._storage
         selected: list[ParamLayout] | None = None
         assignment: dict[str, int] = {}
-        with _debug.Refusal() as refusal:
+        with Refusal() as refusal:
             selected = self._select(names)
             if not callable(fn):
                 raise TypeError(f"map_full_ takes a function fn(name, full_gradient) -> tensor, got "
                                 f"{type(fn).__name__}")
             assignment = _redistribute.owners(storage, selected, owners)
         signature = () if refusal.error else ([p.name for p in selected], tuple(assignment.values()))
-        _debug.check_same_call("map_full_", signature, _redistribute.agreement_groups(storage, selected),
-                               storage.device, always=True, refused=refusal.error)
+        agree("map_full_", signature, _redistribute.agreement_groups(storage, selected), storage.device,
+              refused=refusal.error)
         assert selected is not None  # a refusal raised above
         _redistribute.map_full_(storage, selected, assignment, fn)
 
     # --- internals -----------------------------------------------------------------------------------------------
-    def _check_agreement(self, what: str, selected: list[ParamLayout] | None, *signature: Any,
-                         refused: Exception | None = None) -> None:
-        """The always-on rank-agreement check of a bulk read (see :mod:`zero_dtensor.debug`): over the process
-        groups the call will communicate on (none for replicated or single-rank groups); in debug mode over all.
-        ``refused``: this rank's validation error, which every rank then raises (``selected`` is ``None`` when the
-        selection itself failed: the check then runs over the process groups of every sharded group)."""
+    def _agree(self, what: str, selected: list[ParamLayout] | None, refused: Exception | None,
+               *signature: Any) -> None:
+        """The rank agreement of a bulk read (:func:`zero_dtensor.agreement.agree`) over the process groups the
+        call will communicate on (none for replicated or single-rank groups). ``refused``: this rank's validation
+        error, which every rank then raises (``selected`` is ``None`` when the selection itself failed: the
+        agreement then runs over the process groups of every sharded group)."""
         storage = self._state.storage
-        if _debug.is_debug():
-            groups = storage.process_groups
-        else:
-            used = range(len(self.layout.groups)) if selected is None else sorted(self._state.plan.by_group(selected))
-            groups = tuple(storage.process_groups[i] for i in used
-                           if self.layout.groups[i].placement.is_sharded and self.layout.groups[i].world_size > 1)
-        if refused is not None:  # raises on every rank
-            _debug.check_same_call(what, (), groups, storage.device, always=True, refused=refused)
-        if not groups:
+        used = range(len(self.layout.groups)) if selected is None else sorted(self._state.plan.by_group(selected))
+        groups = [storage.process_groups[i] for i in used if self.layout.groups[i].placement.is_sharded]
+        if refused is not None or selected is None:
+            agree(what, (), groups, storage.device, refused=refused)
             return
-        everything = self._state.plan.is_everything(selected)
-        names = "<all, model order>" if everything else [p.name for p in selected]
-        _debug.check_same_call(what, (names, *signature), groups, storage.device, always=True)
+        names = "<all, model order>" if self._state.plan.is_everything(selected) else [p.name for p in selected]
+        agree(what, (names, *signature), groups, storage.device)
+
+    def _agreed_selection(self, what: str, params: ParamSelection, norm_type: Any = None) -> Selection:
+        """A reduction's ``params=`` selection, validated (with ``norm_type`` where given) and agreed on every rank
+        of the process groups it reduces over (:func:`zero_dtensor.agreement.agree`; none where no group
+        communicates): a selection, a norm type or a setting that differs between ranks raises on every rank."""
+        state = self._state
+        state.check_current()
+        sel: Selection | None = None
+        with Refusal() as refusal:
+            sel = state.pick(params)
+            if norm_type is not None:
+                reductions.check_norm_type(float(norm_type))
+        names: Any = None
+        if refusal.error is None:
+            assert sel is not None
+            names = "<all>" if params is None else sel.names
+        agree(what, (names, None if norm_type is None else float(norm_type)), reductions.communicating_groups(state),
+              state.device, refused=refusal.error)
+        assert sel is not None  # a refusal raised above
+        return sel
 
     @property
     def _storage(self) -> GradStorage:

@@ -146,15 +146,19 @@ class GradState:
 
     # --- selection -------------------------------------------------------------------------------------------------
     def select(self, names: Any) -> list[ParamLayout]:
-        """Requested parameters in request order (all, in model order, for ``None``); refuses a single string,
-        non-string entries, duplicates and unknown names before anything communicates."""
+        """Requested parameters in request order (all, in model order, for ``None``; those a predicate
+        ``name -> bool`` accepts, in model order); refuses a single string, non-string entries, duplicates and
+        unknown names before anything communicates."""
         layout = self.layout
         if names is None:
             return AllParams(layout.params)
+        if callable(names) and not isinstance(names, (Collection, Mapping)):
+            return [p for p in layout.params if names(p.name)]
         if isinstance(names, (str, bytes)):
             raise TypeError(f"names must be a list of parameter names, not a single string: pass [{names!r}]")
         if isinstance(names, Mapping) or not isinstance(names, Iterable):
-            raise TypeError(f"names must be a list of parameter names or None, got {type(names).__name__}")
+            raise TypeError(f"names must be a list of parameter names, a predicate name -> bool or None, got "
+                            f"{type(names).__name__}")
         names = list(names)
         bad = [n for n in names if not isinstance(n, str)]
         if bad:

@@ -1,7 +1,8 @@
 """``GradStatsLogger``: per-parameter gradient statistics at every (or every n-th) optimizer step, as plain floats.
 
-Built on :func:`zero_dtensor.on_grads` and :meth:`ShardedGrads.stats` (at most two small all_reduces per process group
-per logged step: a ``(k, 4)`` float64 sum and a ``(k,)`` float32 max for ``k`` parameters; no gradient is gathered).
+Built on :func:`zero_dtensor.on_grads` and :meth:`ShardedGrads.stats` (per process group per logged step, the rank
+agreement and at most two small all_reduces: a ``(k, 4)`` float64 sum and a ``(k,)`` float32 max for ``k``
+parameters; no gradient is gathered).
 The values are those the optimizer is about to use: true (unscaled under fp16), reduced, unclipped (DeepSpeed clips
 inside ``step()``), and after any hook registered earlier on the same engine.
 """

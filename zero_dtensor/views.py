@@ -18,13 +18,25 @@ from itertools import repeat
 
 import torch
 
-__all__ = ["ViewCache", "storage_refs"]
+__all__ = ["ViewCache", "storage_object_held", "storage_refs"]
 
 
 def storage_refs(t: torch.Tensor) -> int:
     """How many holders share ``t``'s storage (``t`` included, and the storage object this call makes: compare
-    counts taken by this function only)."""
+    counts taken by this function only). A Python storage object (``t.untyped_storage()``) held by a caller does
+    not count here: see :func:`storage_object_held`."""
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+#: ``sys.getrefcount`` of a storage object nobody holds: the temporary and the call's own argument
+_STORAGE_OBJECT_FREE = 2
+
+
+def storage_object_held(t: torch.Tensor) -> bool:
+    """Whether anything holds the Python storage object of ``t``'s memory (``x.untyped_storage()`` of any tensor
+    sharing it: torch keeps one such object per storage while it is referenced). Its C++ use count does not
+    rise with those references, so :func:`storage_refs` alone cannot see them."""
+    return sys.getrefcount(t.untyped_storage()) > _STORAGE_OBJECT_FREE
 
 
 #: ``sys.getrefcount`` of a view only the cache's tuple refers to (the tuple, and the call's own argument)
@@ -55,10 +67,11 @@ class ViewCache:
         return self.get(("split", sizes), lambda b: b.split_with_sizes(list(sizes)))
 
     def is_idle(self, *, check_objects: bool = False) -> bool:
-        """Whether only what held the memory when the cache was made and the cached views refer to the storage.
+        """Whether only what held the memory when the cache was made and the cached views refer to the storage,
+        and nobody holds its Python storage object.
         ``check_objects``: also whether no cached view *object* is referred to from outside
         the cache (views handed out as results)."""
-        if storage_refs(self.buffer) != self._base_refs + self._held:
+        if storage_refs(self.buffer) != self._base_refs + self._held or storage_object_held(self.buffer):
             return False
         return not check_objects or self.views_free()
 

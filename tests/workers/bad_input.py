@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import zero_dtensor as zd
-from zero_dtensor import debug, writes
+from zero_dtensor import settings, writes
 from zero_dtensor.errors import RankDisagreementError
 
 from .common import EngineCase, build_engine, count_comms, fill_value, forward_backward
@@ -116,34 +116,22 @@ def bad_writes(case: EngineCase) -> int:
     return len(cases) + len(bad_values)
 
 
-def disagreeing_collectives(stage: int) -> list[str]:
-    """In debug mode, ranks calling a collective with different names/order all raise instead of hanging."""
+def disagreeing_collectives(stage: int, debug_mode: bool) -> list[str]:
+    """Ranks calling a collective with different names/order all raise instead of hanging, in debug mode or not:
+    the agreement is one small collective per call."""
     engine = build_engine(EngineCase(stage))
     forward_backward(engine)
     grads = zd.sharded_grads(engine)
     names = list(grads.names)
     rank = dist.get_rank()
-    assert not debug.is_debug()
-    debug.set_debug(True)
+    assert not settings.is_debug()
+    settings.set_debug(debug_mode)
     seen = []
     try:
-        # agreement costs exactly one extra small collective (one process group)
-        debug.set_debug(False)
         grads.full_tensors(names[:2])  # warm-up: a first call may calibrate its gather strategy
-        debug.set_debug(True)
         with count_comms() as mode:
             grads.full_tensors(names[:2])
-        plain = mode.get_total_counts()
-        debug.set_debug(False)
-        debug.set_rank_checks(False)  # the always-on check of full_tensors is this same agreement
-        with count_comms() as mode:
-            grads.full_tensors(names[:2])
-        debug.set_rank_checks(True)
-        assert plain == mode.get_total_counts() + 1, (plain, mode.get_comm_counts())
-        with count_comms() as mode:  # on by default, outside debug mode too: the same one small collective
-            grads.full_tensors(names[:2])
-        assert plain == mode.get_total_counts(), (plain, mode.get_comm_counts())
-        debug.set_debug(True)
+        assert mode.get_total_counts() == 2, mode.get_comm_counts()  # one all_gather + the agreement
 
         mine = [names[rank % len(names)]]  # different names on every rank
         with pytest.raises(RankDisagreementError, match="different arguments") as info:
@@ -156,15 +144,19 @@ def disagreeing_collectives(stage: int) -> list[str]:
             grads[mine[0]].full_tensor()
         with pytest.raises(RankDisagreementError):
             grads.full_tensors(names, dtype=torch.float32 if rank == 0 else None)
-        with pytest.raises(RankDisagreementError):  # reductions (ops.py) check too
+        with pytest.raises(RankDisagreementError):  # reductions agree too
             grads.norms(params=mine)
         with pytest.raises(RankDisagreementError):
+            grads.stats(params=lambda n, r=rank: n == mine[0])
+        with pytest.raises(RankDisagreementError):
             grads.iter_full(mine)
+        with pytest.raises(RankDisagreementError):
+            zd.found_inf(grads) if rank == 0 else grads.norms()
         # and the pool is still usable: an agreeing call afterwards works
         full = grads.full_tensors(names)
         assert sorted(full) == sorted(names)
     finally:
-        debug.set_debug(False)
+        settings.set_debug(False)
     return seen
 
 
@@ -246,15 +238,14 @@ REFUSALS: dict[str, tuple[Any, type[Exception], str]] = {
         lambda s, bad: s.grads.map_full_(None if bad else (lambda name, t: t), s.names[:2]), TypeError, "function"),
     "set_dtensors_ mapping": (
         lambda s, bad: s.grads.set_dtensors_([1] if bad else s.dtensors), TypeError, "mapping"),
-    "ParamGrad.full_tensor dtype (debug mode)": (
+    "ParamGrad.full_tensor dtype": (
         lambda s, bad: s.grads[s.names[0]].full_tensor(dtype=torch.int32 if bad else None),
         TypeError, "floating dtype"),
 }
 REFUSAL_ROWS = [*REFUSALS, "every rank refuses alike"]
 #: the rows whose call communicates on a replicated engine (``BF16_Optimizer``) too; the others' calls communicate
 #: nothing there, so the refusing rank raises alone and the other ranks' calls return (nothing waits)
-COMMUNICATES_REPLICATED = frozenset({"map_full_ fn", "set_dtensors_ mapping",
-                                     "ParamGrad.full_tensor dtype (debug mode)"})
+COMMUNICATES_REPLICATED = frozenset({"map_full_ fn", "set_dtensors_ mapping"})
 
 
 @dataclass(frozen=True)
@@ -276,15 +267,11 @@ def _row_refusal(st: _Refusing, label: str, replicated: bool) -> None:
     raises = bad or agreed
     prev = st.prev
     before = {n: t.clone() for n, t in prev.items()}
-    debug.set_debug("debug mode" in label)
-    try:
-        if raises:
-            with pytest.raises(error) as info:
-                call(st, bad)
-        else:  # a replicated engine's call that communicates nothing: it is made here
+    if raises:
+        with pytest.raises(error) as info:
             call(st, bad)
-    finally:
-        debug.set_debug(False)
+    else:  # a replicated engine's call that communicates nothing: it is made here
+        call(st, bad)
     if bad:  # its own error, with a note that every rank raised where they did
         message = str(info.value)
         assert match in message, message

@@ -393,7 +393,7 @@ def check_stats_logger(case: EngineCase, every: int) -> dict:
     else:
         assert calls == []
 
-    # cost: the statistics take at most two collectives per step
+    # cost: the statistics take at most two collectives per step, plus the rank agreement
     engine2 = build_engine(dataclasses.replace(case, gas=1))
     probe = zd.GradStatsLogger(engine2, metrics=("norm",))
     probe.remove()
@@ -407,7 +407,7 @@ def check_stats_logger(case: EngineCase, every: int) -> dict:
     with zd.on_grads(engine2, counted):
         forward_backward(engine2)
         engine2.step()
-    assert counts and counts[0] <= 2, counts
+    assert counts and counts[0] <= 3, counts
     assert set(probe.latest) == {f"grad/{n}/norm" for n, _ in engine2.module.named_parameters()} | {
         "grad/global_norm", "grad/nan_count", "grad/inf_count"}
     return {"steps": [s for s, _ in logged], "optimizer": type(engine.optimizer).__name__}

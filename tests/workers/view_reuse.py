@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import torch
 from deepspeed.utils import safe_get_full_grad
 
 import zero_dtensor as zd
 from zero_dtensor import writes
+from zero_dtensor.materialize import BUFFERS
+from zero_dtensor.views import storage_refs
 
 from .common import EngineCase, build_engine, fill_value, forward_backward
 
@@ -47,6 +52,51 @@ def check_partition_reuse(case: EngineCase) -> dict[str, bool]:
     return {"reused": pointers[3] in pointers[:3]}
 
 
+def _tensors_released() -> bool:
+    """Whether no tensor outside the pool refers to any recycled buffer (storage objects held by the caller
+    aside)."""
+    return all(storage_refs(c.buffer) == c._base_refs + c._held and c.views_free()
+               for kept in BUFFERS._recycled.values() for c in kept)
+
+
+def _wait_released(timeout: float = 10.0, idle: Callable[[], bool] = BUFFERS.idle) -> None:
+    """Until every recycled buffer is free (``idle``): a synchronous gloo collective returns once its work
+    completed, and the backend's worker thread drops its reference to the buffers a moment later (on a busy
+    machine, later than the pool's own short wait). The pool must then recycle; this makes the moment
+    deterministic, not the check."""
+    deadline = time.monotonic() + timeout
+    while not idle():
+        assert time.monotonic() < deadline, "the backend never let go of a dropped result's buffer"
+        time.sleep(0.001)
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).clone()
+
+
+def check_held_storage_not_reused(case: EngineCase) -> None:
+    """A result held only through its storage object (``t.untyped_storage()``) is never overwritten by later calls;
+    once that is dropped too, its buffer is recycled."""
+    engine = build_engine(case)
+    forward_backward(engine)
+    grads = zd.sharded_grads(engine)
+    first = grads.full_tensors()
+    name = grads.names[0]
+    storage = first[name].untyped_storage()
+    held = _bytes_of(storage)
+    pointer = storage.data_ptr()
+    del first
+    _wait_released(idle=_tensors_released)  # only the storage object holds the first buffer now
+    grads.mul_(3.0)  # the next gather writes other values
+    second = grads.full_tensors()
+    assert torch.equal(_bytes_of(storage), held), "memory the caller still holds (through its storage) was overwritten"
+    assert all(t.untyped_storage().data_ptr() != pointer for t in second.values())
+    del second, storage
+    _wait_released()
+    third = grads.full_tensors()
+    assert any(t.untyped_storage().data_ptr() == pointer for t in third.values()), "a free buffer was not reused"
+
+
 def check_result_views_reused(case: EngineCase) -> None:
     """A dropped full_tensors() result's tensors come back (the same objects) from the next call, with the new
     values; a result (or a single tensor of one) still referenced is never overwritten."""
@@ -56,6 +106,7 @@ def check_result_views_reused(case: EngineCase) -> None:
     first = grads.full_tensors()
     ids = {n: id(t) for n, t in first.items()}
     del first
+    _wait_released()
     second = grads.full_tensors()
     assert all(id(t) == ids[n] for n, t in second.items()), "cut views were made again for a recycled buffer"
     kept_name = grads.names[0]

@@ -44,9 +44,9 @@ from ..state import GradState
 from ..views import ViewCache
 from .buffers import BUFFERS
 from .results import GatheredGrads, PendingFullTensors, run_steps
-from .strategy import check_strategy, explicit, pipelines, resolve
+from .strategy import CALIBRATES, check_strategy, explicit, pipelines, planned, resolve
 
-__all__ = ["check_request", "full_tensors", "gather_flat_groups", "unpack"]
+__all__ = ["check_request", "full_tensors", "gather_flat_groups", "planned_strategies", "unpack"]
 
 _NAME = operator.attrgetter("name")
 
@@ -62,6 +62,8 @@ class _Transfer:
     partitions: list[torch.Tensor] = field(default_factory=list)
     strategy: str = ""
     pipelined: bool = False  # gathered as two all_gathers, each part reordered once it has arrived
+    reorder: bool = False  # gathered rank after rank, its groups need reordering into parameter order (ZeRO-3)
+    pipelinable: bool = False  # an all_gather of it would be pipelined
     offsets: dict[int, int] = field(default_factory=dict)  # group index -> start in the transfer buffer
     numel: int = 0
 
@@ -72,6 +74,31 @@ class _Transfer:
     def nbytes(self) -> int:
         """Bytes of the assembled groups (stored dtype)."""
         return self.numel * self.partitions[0].element_size()
+
+
+def _planned_transfers(state: GradState, wanted: Sequence[int], dst: int | None, strategy: str) -> list[_Transfer]:
+    """The call's transfers, each with the strategy it will use (:data:`~.strategy.CALIBRATES` where ``auto``
+    calibrates first). No communication."""
+    transfers = _transfers(state, wanted)
+    for t in transfers:
+        if dst is not None:  # no calibration: it times the all-rank collectives, while dst= uses gather/reduce
+            chosen = explicit(strategy)
+            t.strategy = "all_reduce" if chosen == "all_reduce" else "all_gather"  # all_to_all: a gather too
+            continue
+        t.reorder = any(state.group(g).placement.reorder_area(state.group(g)) for g in t.groups)
+        # the pieces (and their row copies) are planned only for transfers large enough to pipeline
+        t.pipelinable = pipelines(t.nbytes, t.reorder) and any(len(_pieces(state, g)) > 1 for g in t.groups)
+        t.strategy = planned(strategy, t.pg, t.device, t.dtype, t.nbytes, t.reorder, t.pipelinable,
+                             one_group=len(t.groups) == 1)
+    return transfers
+
+
+def planned_strategies(state: GradState, params: list[ParamLayout], dst: int | None, strategy: str
+                       ) -> tuple[str, ...]:
+    """What each transfer of a ``full_tensors`` call will use, in transfer order (part of the call's rank
+    agreement: a pinned strategy, an environment variable or a calibration cache that differs between ranks shows
+    here). No communication."""
+    return tuple(t.strategy for t in _planned_transfers(state, sorted(state.plan.by_group(params)), dst, strategy))
 
 
 def _transfers(state: GradState, group_indices: Sequence[int]) -> list[_Transfer]:
@@ -265,19 +292,12 @@ def full_tensors(
     wanted = sorted(state.plan.by_group(params))  # cached for every parameter in model order
     is_dst = dst is None or global_rank() == dst
 
-    transfers = _transfers(state, wanted)
+    transfers = _planned_transfers(state, wanted, dst, strategy)
     for t in transfers:
-        if dst is not None:  # no calibration: it times the all-rank collectives, while dst= uses gather/reduce
-            chosen = explicit(strategy)
-            t.strategy = "all_reduce" if chosen == "all_reduce" else "all_gather"  # all_to_all: a gather too
-        else:
-            reorder = any(state.group(g).placement.reorder_area(state.group(g)) for g in t.groups)
-            # the pieces (and their row copies) are planned only for transfers large enough to pipeline
-            pipelinable = (pipelines(t.nbytes, reorder)
-                           and any(len(_pieces(state, g)) > 1 for g in t.groups))
-            t.strategy = resolve(strategy, t.pg, t.device, t.dtype, t.nbytes, reorder, pipelinable,
+        if t.strategy == CALIBRATES:  # every rank agreed on it (the agreement compared the plans)
+            t.strategy = resolve(strategy, t.pg, t.device, t.dtype, t.nbytes, t.reorder, t.pipelinable,
                                  one_group=len(t.groups) == 1)
-            t.pipelined = pipelinable and t.strategy == "all_gather"
+        t.pipelined = t.pipelinable and t.strategy == "all_gather"
 
     result: MutableMapping[str, torch.Tensor] = out if out is not None else GatheredGrads()
     buffers = _Buffers(out, result)

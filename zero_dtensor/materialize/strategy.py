@@ -42,7 +42,6 @@ latency-bound: one collective, reordered after it.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -61,6 +60,7 @@ from ..collectives import (
     world_size_of,
 )
 from ..plan import PIPELINE_FIRST_SHARE
+from ..settings import ENV_STRATEGY, STRATEGIES, check_strategy, gather_strategy, pinned, set_gather_strategy
 
 __all__ = [
     "CALIBRATION_ALL_TO_ALL_COLLECTIVES",
@@ -71,20 +71,21 @@ __all__ = [
     "ENV_STRATEGY",
     "PIPELINE_MIN_BYTES",
     "STRATEGIES",
+    "CALIBRATES",
     "calibrate",
     "check_strategy",
     "clear_calibration",
     "explicit",
     "gather_strategy",
+    "pinned",
     "pipelines",
+    "planned",
     "resolve",
     "set_gather_strategy",
     "strategy_decisions",
     "stream_strategy",
 ]
 
-STRATEGIES = ("auto", "all_gather", "all_to_all", "all_reduce")
-ENV_STRATEGY = "ZERO_DTENSOR_GATHER_STRATEGY"
 #: Collectives one calibration issues: 1 untimed + 3 timed all_gathers and as many all_reduces of the transfer's size
 #: (capped at ``CALIBRATION_MAX_BYTES``) + 1 ``all_reduce(MAX)`` of the timings so that every rank takes the same
 #: decision.
@@ -99,37 +100,7 @@ CALIBRATION_MAX_BYTES = 128 * 2**20
 #: Below this size ``auto`` does not calibrate and uses all_gather (fewer bytes): small transfers are latency-bound.
 CALIBRATION_MIN_BYTES = 2**20
 
-_PINNED: str | None = None
 _DECISIONS: dict[tuple[Any, ...], str] = {}
-
-
-def check_strategy(strategy: str | None, *, allow_none: bool = False) -> None:
-    if strategy is None and allow_none:
-        return
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-
-
-def set_gather_strategy(strategy: str | None) -> None:
-    """Pin what ``strategy="auto"`` means in this process (``None`` unpins; then the environment variable
-    ``ZERO_DTENSOR_GATHER_STRATEGY`` applies, then calibration). Set it identically on every rank. No communication."""
-    global _PINNED
-    check_strategy(strategy, allow_none=True)
-    _PINNED = None if strategy == "auto" else strategy
-
-
-def pinned() -> str | None:
-    """What :func:`set_gather_strategy` pinned (``None``: nothing)."""
-    return _PINNED
-
-
-def gather_strategy() -> str:
-    """The pinned strategy (setter first, then ``ZERO_DTENSOR_GATHER_STRATEGY``), or ``"auto"``. No communication."""
-    if _PINNED is not None:
-        return _PINNED
-    env = os.environ.get(ENV_STRATEGY, "").strip() or "auto"
-    check_strategy(env)
-    return env
 
 
 def strategy_decisions() -> dict[tuple[Any, ...], str]:
@@ -139,8 +110,9 @@ def strategy_decisions() -> dict[tuple[Any, ...], str]:
 
 
 def clear_calibration() -> None:
-    """Forget calibrated decisions (the next ``auto`` call on gloo measures again; call on every rank). No
-    communication."""
+    """Forget calibrated decisions (the next ``auto`` call on gloo measures again). Call it on every rank: a rank
+    that forgot plans to calibrate where the others do not, and the next ``full_tensors`` raises
+    ``RankDisagreementError`` on every rank. No communication."""
     _DECISIONS.clear()
 
 
@@ -251,21 +223,40 @@ def explicit(strategy: str) -> str:
     return gather_strategy() if strategy == "auto" else strategy
 
 
-def resolve(strategy: str, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, nbytes: int,
+def _decision_key(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, nbytes: int, unpack: bool,
+                  pipelined: bool, one_group: bool) -> tuple[Any, ...]:
+    return (group, device.type, dtype, _size_class(nbytes), one_group, pipelined, unpack)
+
+
+#: what :func:`planned` answers where ``auto`` will calibrate first
+CALIBRATES = "calibrate"
+
+
+def planned(strategy: str, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, nbytes: int,
             unpack: bool = False, pipelined: bool = False, one_group: bool = False) -> str:
-    """The strategy a bulk transfer of ``nbytes`` uses (may calibrate: see the module docstring). ``unpack``: an
-    all_gather result needs reordering; ``pipelined``: an all_gather of this transfer would be pipelined
-    (:func:`pipelines`, and a parameter boundary lies inside a partition to cut it at); ``one_group``: the transfer
-    is one flat group (then all_to_all is a candidate)."""
+    """What :func:`resolve` will do, without doing it: the strategy, or :data:`CALIBRATES` where ``auto`` has no
+    decision yet (the rank agreement compares this across ranks before any collective). No communication."""
     chosen = explicit(strategy)
     if chosen != "auto":
         return chosen
     if backend_of(group) != "gloo" or nbytes < CALIBRATION_MIN_BYTES:
         return "all_gather"
-    key = (group, device.type, dtype, _size_class(nbytes), one_group, pipelined, unpack)
-    decision = _DECISIONS.get(key)
-    if decision is None:
-        decision = _DECISIONS[key] = calibrate(group, device, dtype, nbytes, unpack, pipelined, one_group)
+    decision = _DECISIONS.get(_decision_key(group, device, dtype, nbytes, unpack, pipelined, one_group))
+    return CALIBRATES if decision is None else decision
+
+
+def resolve(strategy: str, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, nbytes: int,
+            unpack: bool = False, pipelined: bool = False, one_group: bool = False) -> str:
+    """The strategy a bulk transfer of ``nbytes`` uses (may calibrate: see the module docstring). ``unpack``: an
+    all_gather result needs reordering; ``pipelined``: an all_gather of this transfer would be pipelined
+    (:func:`pipelines`, and a parameter boundary lies inside a partition to cut it at); ``one_group``: the transfer
+    is one flat group (then all_to_all is a candidate). **Collective** where :func:`planned` answers
+    :data:`CALIBRATES` (every rank must: the rank agreement checks it first)."""
+    decision = planned(strategy, group, device, dtype, nbytes, unpack, pipelined, one_group)
+    if decision != CALIBRATES:
+        return decision
+    key = _decision_key(group, device, dtype, nbytes, unpack, pipelined, one_group)
+    decision = _DECISIONS[key] = calibrate(group, device, dtype, nbytes, unpack, pipelined, one_group)
     return decision
 
 

@@ -1,0 +1,295 @@
+"""Rank agreement, written once: validate → agree → run, for every collective call of the library.
+
+A collective must be entered by every rank of its process group, in the same order, with matching buffers. Ranks
+that disagree (other names, another dtype, a setting changed on one rank, a bad argument on one rank only) would
+hang, abort the backend or, worse, pair mismatched buffers and return wrong values. Every collective call of
+zero_dtensor therefore runs in three steps:
+
+1. **validate** this rank's arguments inside a :class:`Refusal` block, which keeps the first ``TypeError`` /
+   ``ValueError`` / ``KeyError`` instead of raising it;
+2. **agree** (:func:`agree`): one ``all_gather`` per distinct multi-rank process group the call communicates on of
+   ``[hash, error code, payload…]`` int64 (``N·8·(2+len(payload))`` bytes received per rank; DeepSpeed models have
+   one process group, so one small collective). The hash covers what the call will actually do: its arguments as
+   the call resolved them (the selection, dtype, ``out=`` shapes, the gather strategy each transfer will use, or
+   that it will calibrate) and :func:`zero_dtensor.settings.fingerprint` (the pinned strategy, the environment
+   variables, debug mode). Where every rank agrees and none refused, the call runs; otherwise one
+   ``all_gather_object`` of each rank's description follows and every rank raises before a byte of data moves: a
+   refusing rank its own error, the other ranks the same class naming it (:func:`raise_refusals`), and where the
+   arguments merely differ :class:`~zero_dtensor.errors.RankDisagreementError` listing every rank's call;
+3. **run** the data collectives.
+
+Calls that communicate nothing (replicated groups, one rank) agree on nothing and raise their refusal locally. A
+call whose outcome depends on a user function that runs between its collectives (``map_full_``, ``on_grads``)
+reports the function's failure with its next collective: ``map_full_`` carries one error code per peer inside its
+write exchange; ``on_grads`` agrees with :func:`agree_outcome` (one all_gather of ``[hash, code]``). Either way the
+failing rank re-raises its own exception and every other rank raises
+:class:`~zero_dtensor.errors.RankFailedError` (or a subclass) naming it; nothing is written.
+
+Every agreement waits at most the world process group's timeout (or :func:`~zero_dtensor.settings.set_debug`'s
+``timeout``): a rank that never arrives (it skipped the call) makes the waiting ranks raise
+``RankDisagreementError`` after that long; the process group is then unusable (a collective is left pending).
+
+**Debug mode** (:mod:`zero_dtensor.settings`) adds one agreement at the entry of ``engine.step()`` of every engine
+seen by ``sharded_grads`` (:func:`install_step_checkpoint`): a rank that skipped a collective call and went on to
+the step meets the others' agreement there, and every rank raises instead of hanging in DeepSpeed's step. The
+checkpoint is armed and disarmed only by an agreement that passed (debug mode is part of the fingerprint), so it
+runs on every rank or on none.
+
+A user function that runs on some ranks only (``map_full_``'s ``fn`` runs on each parameter's owner) must not
+communicate: a collective there has no partner on the other ranks. Inside such a function every agreement raises
+``RuntimeError`` at once (:func:`local_only`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import settings
+from .collectives import all_gather_objects, gather_int_rows_within, group_ranks, world_size_of, world_timeout
+from .errors import RankDisagreementError, RankFailedError
+
+__all__ = [
+    "REFUSALS",
+    "Refusal",
+    "agree",
+    "agree_outcome",
+    "distinct_groups",
+    "error_code",
+    "install_step_checkpoint",
+    "local_only",
+    "raise_outcome",
+    "step_checkpoint_armed",
+    "wait_timeout",
+]
+
+#: the exceptions a validation raises; :class:`Refusal` holds them for the agreement
+REFUSALS: tuple[type[Exception], ...] = (TypeError, ValueError, KeyError)
+
+_ARMED = False  # the step checkpoint: set by an agreement that passed, from the (agreed) debug flag
+_LOCAL_ONLY = 0  # depth of user functions that run on some ranks only
+
+
+class Refusal:
+    """A ``with`` block that validates a collective call's arguments on this rank: it keeps the first
+    :data:`REFUSALS` exception raised in it (``error``) instead of raising it, so that :func:`agree` can tell every
+    rank before any rank raises. Other exceptions pass through. No communication."""
+
+    __slots__ = ("error",)
+
+    def __init__(self) -> None:
+        self.error: Exception | None = None
+
+    def __enter__(self) -> Refusal:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, traceback: Any) -> bool:
+        if isinstance(value, REFUSALS):
+            self.error = value
+            return True
+        return False
+
+
+def error_code(error: BaseException | None) -> int:
+    """An error as one int that ranks can exchange: 0 none, ``1 + i`` for ``REFUSALS[i]``, ``len(REFUSALS) + 1``
+    for any other exception. No communication."""
+    if error is None:
+        return 0
+    for i, cls in enumerate(REFUSALS):
+        if isinstance(error, cls):
+            return i + 1
+    return len(REFUSALS) + 1
+
+
+def wait_timeout() -> datetime.timedelta:
+    """How long an agreement waits: :func:`~zero_dtensor.settings.set_debug`'s ``timeout``, else the world process
+    group's own timeout."""
+    return settings.debug_timeout() or world_timeout()
+
+
+def distinct_groups(groups: Iterable[dist.ProcessGroup]) -> list[dist.ProcessGroup]:
+    """The multi-rank process groups among ``groups``, each once, in first-seen order. No communication."""
+    seen: list[dist.ProcessGroup] = []
+    for group in groups:
+        if not any(group is s for s in seen) and world_size_of(group) > 1:
+            seen.append(group)
+    return seen
+
+
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+
+
+@contextlib.contextmanager
+def local_only(what: str) -> Iterator[None]:
+    """Mark a user function that runs on some ranks only: any agreement inside raises ``RuntimeError`` (a
+    collective there would have no partner). No communication."""
+    global _LOCAL_ONLY
+    _LOCAL_ONLY += 1
+    try:
+        yield
+    finally:
+        _LOCAL_ONLY -= 1
+    del what
+
+
+def _check_not_local(what: str) -> None:
+    if _LOCAL_ONLY:
+        raise RuntimeError(
+            f"zero_dtensor: {what} is a collective call, made inside a function that runs on some ranks only "
+            "(map_full_'s fn runs on each parameter's owner): it would wait for ranks that never call it. Compute "
+            "without communicating there, or gather first (full_tensors / owned) and write back after (set_full_ "
+            "/ set_owned_); on_grads' functions run on every rank and may communicate.")
+
+
+def agree(what: str, signature: Any, groups: Iterable[dist.ProcessGroup], device: torch.device, *,
+          refused: Exception | None = None,
+          payload: Callable[[dist.ProcessGroup], Sequence[int]] | None = None) -> dict[int, list[list[int]]]:
+    """Agree on a collective call before it moves data (see the module docstring); raise on every rank unless
+    every rank passes an equal ``signature`` and the same settings and none refused.
+
+    ``signature``: plain values (names, dtypes, ints, strategies) whose ``repr`` is identical across ranks; ignored
+    where ``refused`` (this rank's :class:`Refusal` error). ``groups``: the process groups the call communicates
+    on (single-rank ones and repeats are skipped; a refusing rank that cannot tell which groups the call uses
+    passes all of them: their first must be the others' first). ``payload(group)``: extra int64 values to gather
+    with the agreement (the same length on every rank), returned as ``{id(group): one row per group rank}``.
+
+    **Collective**: per distinct multi-rank group one ``all_gather`` of ``2 + len(payload)`` int64 per rank, waited
+    on for at most :func:`wait_timeout`; where a rank differs or refused, one ``all_gather_object`` more, then every
+    rank raises (where every rank refused, each raises its own error without it). No group: no communication
+    (``refused`` raises on this rank).
+    """
+    _check_not_local(what)
+    fingerprint = settings.fingerprint()
+    text = f"{what}{signature!r} with {fingerprint!r}" if refused is None else _refusal_text(what, refused)
+    mine = [_hash(text), error_code(refused)]
+    gathered: dict[int, list[list[int]]] = {}
+    for group in distinct_groups(groups):
+        rows = _gather(what, [*mine, *(payload(group) if payload is not None else ())], group, device)
+        if len({row[0] for row in rows}) == 1 and not any(row[1] for row in rows):
+            gathered[id(group)] = rows
+            continue
+        if refused is not None and all(row[1] for row in rows):  # every rank refused: each raises its own
+            refused.add_note(f"zero_dtensor: {what} raised on every rank (every rank refused the arguments); "
+                             "nothing was communicated or written")
+            raise refused
+        texts: list[Any] = all_gather_objects((text, mine[1]), group)
+        raise_refusals(what, texts, group, refused)
+        lines = "\n".join(f"  rank {r}: {t}" for r, (t, _) in zip(group_ranks(group), texts))
+        raise RankDisagreementError(
+            f"ranks called a zero_dtensor collective with different arguments or settings (it would hang or mix up "
+            f"buffers); call it on every rank of the data-parallel group, in the same order, with the same "
+            f"arguments, and keep zero_dtensor's settings (set_gather_strategy, set_debug, clear_calibration, the "
+            f"ZERO_DTENSOR_* environment variables) the same on every rank:\n{lines}")
+    if refused is not None:  # no group to tell: this rank alone
+        raise refused
+    _arm(settings.is_debug())
+    return gathered
+
+
+def _gather(what: str, values: list[int], group: dist.ProcessGroup, device: torch.device) -> list[list[int]]:
+    timeout = wait_timeout()
+    rows = gather_int_rows_within(values, group, device, timeout)
+    if rows is None:
+        raise RankDisagreementError(
+            f"zero_dtensor: {what}: not every rank of the data-parallel group reached this collective call within "
+            f"{timeout} (some rank skipped it, or is stuck elsewhere). Call it on every rank, in the same order; "
+            "the process group is unusable now: end the job.")
+    return rows
+
+
+def _refusal_text(what: str, error: Exception) -> str:
+    return f"{what}: refused its arguments: {type(error).__name__}: {error}"
+
+
+def raise_refusals(what: str, texts: Sequence[tuple[str, int]], group: dist.ProcessGroup,
+                   refused: Exception | None) -> None:
+    """Raise on this rank if any rank refused (``texts``: every rank's ``(description, error code)``): its own
+    error where it refused, else the first refusing rank's class naming every refusing rank and its message.
+    Returns when no rank refused."""
+    members = group_ranks(group)
+    refusing = [(members[r], text, code) for r, (text, code) in enumerate(texts) if code]
+    if not refusing:
+        return
+    ranks = [r for r, _, _ in refusing]
+    if refused is not None:
+        refused.add_note(f"zero_dtensor: {what} raised on every rank (rank(s) {ranks} refused the arguments); "
+                         "nothing was communicated or written")
+        raise refused
+    lines = "\n".join(f"  rank {r}: {text}" for r, text, _ in refusing)
+    raise REFUSALS[min(refusing[0][2], len(REFUSALS)) - 1](
+        f"zero_dtensor: {what}: rank(s) {ranks} refused the call's arguments, so no rank communicated or wrote "
+        f"anything (this rank's arguments were fine; mend those ranks' call):\n{lines}")
+
+
+def raise_outcome(what: str, error: BaseException | None, failed: Sequence[tuple[int, int]], *,
+                  failure: type[RankFailedError] = RankFailedError, validation_classes: bool = True,
+                  consequence: str = "Nothing was written on any rank.") -> None:
+    """After a user function ran: re-raise this rank's ``error`` (with a note naming the failed ranks), or, where
+    only other ranks failed (``failed``: ``(global rank, error code)``), raise ``failure`` naming them (with
+    ``validation_classes``, a failed validation's own class instead). Returns when nothing failed."""
+    if error is not None:
+        error.add_note(f"zero_dtensor.{what}: failed on rank(s) {[r for r, _ in failed] or 'this one'}; "
+                       f"{consequence[0].lower()}{consequence[1:]}")
+        raise error
+    if not failed:
+        return
+    ranks = [r for r, _ in failed]
+    message = f"zero_dtensor.{what}: rank(s) {ranks} failed (see their traceback); this rank's part was fine. " \
+              f"{consequence}"
+    code = failed[0][1]
+    if validation_classes and 0 < code <= len(REFUSALS):
+        raise REFUSALS[code - 1](message)
+    raise failure(message, ranks)
+
+
+def agree_outcome(what: str, error: BaseException | None, groups: Iterable[dist.ProcessGroup],
+                  device: torch.device, **kwargs: Any) -> None:
+    """Every rank learns whether a user function failed on any rank, and raises if one did (:func:`raise_outcome`,
+    ``kwargs`` passed on). **Collective**: per distinct multi-rank group one ``all_gather`` of 2 int64 per rank."""
+    code = error_code(error)
+    failed: dict[int, int] = {}
+    for group in distinct_groups(groups):
+        rows = _gather(what, [_hash(what), code], group, device)
+        if len({row[0] for row in rows}) != 1:
+            raise RankDisagreementError(f"zero_dtensor: {what}: ranks reached different collective calls here")
+        failed.update({r: row[1] for r, row in zip(group_ranks(group), rows) if row[1]})
+    raise_outcome(what, error, sorted(failed.items()), **kwargs)
+
+
+def _arm(debug: bool) -> None:
+    global _ARMED
+    _ARMED = debug
+
+
+def step_checkpoint_armed() -> bool:
+    """Whether ``engine.step()`` starts with an agreement (debug mode, as of the last agreement that passed)."""
+    return _ARMED
+
+
+_STEP_ATTR = "_zero_dtensor_step_checkpoint"
+
+
+def install_step_checkpoint(optimizer: Any, groups: Iterable[dist.ProcessGroup], device: torch.device) -> None:
+    """Make ``optimizer.step()`` start with an agreement while :func:`step_checkpoint_armed` (idempotent; an
+    instance attribute, so the class is untouched). No communication to install; one small all_gather per step
+    while armed."""
+    if getattr(optimizer, _STEP_ATTR, None) is not None:
+        return
+    original = optimizer.step
+    pgs = tuple(groups)
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        if _ARMED:
+            agree("engine.step", (), pgs, device)
+        return original(*args, **kwargs)
+
+    step.__wrapped__ = original  # type: ignore[attr-defined]
+    optimizer.step = step
+    setattr(optimizer, _STEP_ATTR, step)

@@ -45,8 +45,8 @@ def test_transforms_fp16_loss_scale(ranks, case: EngineCase) -> None:
 def test_collective_counts_do_not_grow_with_model(ranks, stage: int) -> None:
     counts = ranks(2).run(transforms.check_scaling, stage)[0]
     for op in ("norms2", "norms_inf", "global_norm", "dots", "dots_with_norms", "clip_grad_norm_", "clip_per_param_"):
-        assert counts[op] == 1, (op, counts)
-    assert 1 <= counts["stats"] <= 2
+        assert counts[op] == 2, (op, counts)  # the data all_reduce + the rank agreement
+    assert 2 <= counts["stats"] <= 3
     assert counts["elementwise"] == 0
 
 

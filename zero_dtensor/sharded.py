@@ -240,7 +240,9 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         """``{name: full gradient}`` (true, unscaled values). **Collective**: call on every rank with the same arguments.
 
         Args:
-            names: parameters to materialize (default: all). Only flat groups holding one of them communicate.
+            names: parameters to materialize: a list of names (results in that order), a predicate
+                ``name -> bool`` (model order) or ``None`` for all. Only flat groups holding one of them
+                communicate.
             dtype: output dtype (default: the stored dtype; fp32 under fp16 loss scaling). Communication always
                 uses the stored dtype; the cast happens after it, once per flat group.
             out: a dict to fill in place, e.g. the result of a previous call: zero allocation on later steps. A
@@ -260,8 +262,9 @@ class ShardedGrads(Mapping[str, ParamGrad]):
                 :mod:`zero_dtensor.materialize.strategy`).
 
         Communication (``N`` ranks, ``S`` the padded flat bytes of the groups involved, in the stored dtype): first
-        the rank-agreement check (one all_gather of one int64 per process group communicated on; see
-        :mod:`zero_dtensor.debug`; arguments that any rank refuses — names, ``dtype``, ``out=`` entries, ``dst``,
+        the rank agreement (one all_gather of two int64 per rank and process group communicated on, on the call as
+        resolved: the selection, ``dtype``, the strategy each transfer uses or that it calibrates, and the settings;
+        see :mod:`zero_dtensor.agreement`; arguments that any rank refuses — names, ``dtype``, ``out=`` entries, ``dst``,
         ``strategy`` — raise there on every rank, this rank's own error or the same class naming the refusing
         rank), then ``all_gather``: one all_gather per (process group, dtype, device),
         coalesced over the flat groups sharing them, ``(N-1)/N·S`` bytes per rank (ZeRO-3 transfers of 16 MiB or
@@ -313,7 +316,7 @@ class ShardedGrads(Mapping[str, ParamGrad]):
 
         Parameters come per flat group, in buffer order (not model order). Consecutive parameters form windows of
         at most ``bucket_bytes`` of buffers allocated here (stored dtype); a parameter larger than that gets a
-        window of its own. First the rank-agreement check (one small all_gather per process group, once per call;
+        window of its own. First the rank agreement (one small all_gather per process group, once per call;
         it carries any rank's refusal of the arguments, which then raises on every rank), then one collective per
         window, nothing for replicated groups (one local copy per window): ZeRO-1/2
         ``all_reduce`` (the default on gloo and NCCL): the window ``[a, b)`` of the global flat buffer,
@@ -487,13 +490,13 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         ``norm_type``: any ``p > 0`` or ``inf``. **Communication: one all_reduce of a (k,) float32 vector per process
         group** (sum of ``|g|^p`` partials; ``max`` for inf), none for replicated or single-rank groups.
         """
-        sel = self._agreed_selection("norms", params, norm_type)
+        sel = self._agreed_selection("norms", params, norm_type=norm_type)
         return reductions.norms(self._state, sel, float(norm_type))
 
     def global_norm(self, norm_type: float = 2.0, *, params: ParamSelection = None) -> torch.Tensor:
         """The norm of all selected true gradients taken together (as ``torch.nn.utils.get_total_norm``), a 0-d
         float32 tensor. **Communication: one all_reduce of a (k,) float32 vector per process group.**"""
-        sel = self._agreed_selection("global_norm", params, norm_type)
+        sel = self._agreed_selection("global_norm", params, norm_type=norm_type)
         return reductions.global_norm(self._state, sel, float(norm_type))
 
     def dots(self, other: Any, *, params: ParamSelection = None, with_norms: bool = False):
@@ -533,7 +536,7 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         formula). **Communication: one all_reduce of a (k,) float32 vector per process group**; the multiply is
         local.
         """
-        sel = self._agreed_selection("clip_grad_norm_", params, norm_type)
+        sel = self._agreed_selection("clip_grad_norm_", params, norm_type=norm_type)
         return reductions.clip_grad_norm_(self._state, sel, max_norm, float(norm_type), error_if_nonfinite)
 
     def clip_per_param_(
@@ -544,7 +547,7 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         :class:`~zero_dtensor.ParamValues` mapping).
         **Communication: one all_reduce of a (k,) float32 vector per process group.**
         """
-        sel = self._agreed_selection("clip_per_param_", params, norm_type)
+        sel = self._agreed_selection("clip_per_param_", params, norm_type=norm_type)
         return reductions.clip_per_param_(self._state, sel, max_norm, float(norm_type))
 
     # --- redistribution (zero_dtensor.redistribute): Shard(0) rows and whole parameters on owners --------------
@@ -554,7 +557,7 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         which ``Shard(0)`` cannot describe, is ``Replicate()``), on a 1-D ``DeviceMesh`` over its data-parallel
         process group. **Collective**: call on every rank with the same arguments.
 
-        Communication: the rank-agreement check (one all_gather of one int64 per process group), then one
+        Communication: the rank agreement (one all_gather of two int64 per rank and process group), then one
         ``all_to_all_single`` with uneven splits per (process group, stored dtype) for all selected parameters
         together, in the stored dtype: each rank sends the part of its fragments that other ranks' rows cover and
         receives the part of its rows that others store, about ``(N-1)/N · S/N`` bytes each way (``S`` the
@@ -578,9 +581,8 @@ class ShardedGrads(Mapping[str, ParamGrad]):
 
         Every entry (name, DTensor type, mesh over the group's ranks, placement, global shape, dtype, this rank's
         local shard shape, device) is checked on every rank before anything is sent or written; a bad entry on any
-        rank raises on every rank. Communication: the rank-agreement check (one all_gather of one int64), one
-        all_reduce of ``N`` int64 error codes per process group, then one ``all_to_all_single`` per (process
-        group, dtype), the reverse of the read, about ``(N-1)/N · S/N`` bytes each way per rank (replicated groups
+        rank raises on every rank. Communication: the rank agreement (one all_gather of two int64 per rank; it carries
+        any rank's refusal), then one ``all_to_all_single`` per (process group, dtype), the reverse of the read, about ``(N-1)/N · S/N`` bytes each way per rank (replicated groups
         too: every rank needs the whole new value, ``(N-1)/N · S`` received). Writes never record autograd history.
         """
         self._check_current()
@@ -611,7 +613,7 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         (:meth:`owners`; ``owners=`` overrides); other ranks' parameters are absent. **Collective**: call on every
         rank with the same arguments.
 
-        Communication: the rank-agreement check, then one ``all_to_all_single`` per (process group, stored dtype)
+        Communication: the rank agreement, then one ``all_to_all_single`` per (process group, stored dtype)
         of sharded groups: each rank sends its fragments of other owners' parameters and receives the rest of its
         own, about ``(N-1)/N · S/N`` bytes each way for a balanced assignment. Replicated groups: none. Results are
         **snapshots** the caller owns.
@@ -633,9 +635,9 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         every rank (with its own mapping, possibly empty).
 
         Every entry is checked before anything is sent or written; a bad entry on any rank raises on every rank.
-        Communication: the rank-agreement check, one all_reduce of ``N + 2k`` int64 per process group (error codes
-        and which rank passed which of its ``k`` parameters), then one ``all_to_all_single`` per (process group,
-        dtype), about ``(N-1)/N · S/N`` bytes each way per rank (replicated groups: the owner's values reach every
+        Communication: the rank agreement, which also tells every rank which rank passed which parameter (one
+        all_gather of ``2 + k`` int64 per rank and process group, ``k`` its parameters), then one
+        ``all_to_all_single`` per (process group, dtype), about ``(N-1)/N · S/N`` bytes each way per rank (replicated groups: the owner's values reach every
         rank). Writes never record autograd history.
         """
         self._check_current()
@@ -648,11 +650,13 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         units in the stored dtype (float32 under fp16) and returns a tensor of the parameter's shape (any floating
         dtype). **Collective**: call on every rank with the same arguments.
 
-        Communication: the rank-agreement check, one ``all_to_all_single`` per (process group, dtype) each way,
-        between them one all_reduce of ``N`` int64 error codes: about ``(N-1)/N · S/N`` bytes each way per rank per
+        Communication: the rank agreement, one ``all_to_all_single`` per (process group, dtype) each way (the
+        second also carries one error code per peer): about ``(N-1)/N · S/N`` bytes each way per rank per
         exchange. An exception in ``fn`` (or a result of the wrong shape or dtype) on any rank raises on every rank
         and nothing is written: the original exception where it happened,
-        :class:`~zero_dtensor.errors.RankFailedError` elsewhere.
+        :class:`~zero_dtensor.errors.RankFailedError` elsewhere. ``fn`` runs on each parameter's owner only, so it
+        must not communicate: a zero_dtensor collective inside it raises ``RuntimeError`` at once (compute with
+        :meth:`owned` and write back with :meth:`set_owned_` where the computation needs other ranks).
         """
         self._check_current()
         storage = self._storage
@@ -686,7 +690,7 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         names = "<all, model order>" if self._state.plan.is_everything(selected) else [p.name for p in selected]
         agree(what, (names, *signature), groups, storage.device)
 
-    def _agreed_selection(self, what: str, params: ParamSelection, norm_type: Any = None) -> Selection:
+    def _agreed_selection(self, what: str, params: ParamSelection, *signature: Any, norm_type: Any = None) -> Selection:
         """A reduction's ``params=`` selection, validated (with ``norm_type`` where given) and agreed on every rank
         of the process groups it reduces over (:func:`zero_dtensor.agreement.agree`; none where no group
         communicates): a selection, a norm type or a setting that differs between ranks raises on every rank."""
@@ -701,8 +705,8 @@ class ShardedGrads(Mapping[str, ParamGrad]):
         if refusal.error is None:
             assert sel is not None
             names = "<all>" if params is None else sel.names
-        agree(what, (names, None if norm_type is None else float(norm_type)), reductions.communicating_groups(state),
-              state.device, refused=refusal.error)
+        agree(what, (names, None if norm_type is None else float(norm_type), *signature),
+              reductions.communicating_groups(state), state.device, refused=refusal.error)
         assert sel is not None  # a refusal raised above
         return sel
 

@@ -50,9 +50,10 @@ def close(a, b, what: str, rtol: float = RTOL) -> None:
 
 
 def expected_comms(grads: zd.ShardedGrads) -> int:
-    """Sharded reductions: one collective per process group; none for replicated or single-rank groups."""
+    """Sharded reductions: one collective per process group and the rank agreement; none for replicated or
+    single-rank groups."""
     group = grads.layout.groups[0]
-    return 0 if group.replicated or group.world_size == 1 else 1
+    return 0 if group.replicated or group.world_size == 1 else 2
 
 
 def ref_norm(t: torch.Tensor, p: float) -> float:

@@ -55,6 +55,13 @@ def _build_layout(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]) -
     return model_layout(engine, groups, params)
 
 
+def layout_for(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]) -> GradLayout:
+    """The (replicated) gradient layout of ``partitions``, one full flat fp32 buffer per param group; built once
+    per optimizer and buffer sizes, and reused. No communication."""
+    key = (tuple(p.numel() for p in partitions), tuple(len(g) for g in opt.bf16_groups))
+    return cached_layout(opt, key, lambda: _build_layout(engine, opt, partitions))
+
+
 def grad_storage(engine: Any, opt: Any) -> GradStorage:
     if not engine.is_gradient_accumulation_boundary():
         raise GradientsNotReadyError(
@@ -68,8 +75,7 @@ def grad_storage(engine: Any, opt: Any) -> GradStorage:
     caches = tuple(kept_partition(opt, ("bf16", i), flat.view(-1))
                    for i, flat in enumerate(opt.fp32_groups_gradients_flat))
     partitions = tuple(c.buffer for c in caches)
-    key = (tuple(p.numel() for p in partitions), tuple(len(g) for g in opt.bf16_groups))
-    layout = cached_layout(opt, key, lambda: _build_layout(engine, opt, partitions))
+    layout = layout_for(engine, opt, partitions)
     start_micro_step = micro_steps(engine)
 
     def is_current() -> bool:

@@ -208,6 +208,15 @@ def _build_layout(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]) -
     return model_layout(engine, groups, params), by_name
 
 
+def layout_for(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]) -> tuple[GradLayout, dict[str, Any]]:
+    """The layout of flat groups holding ``partitions`` (one 1-D tensor per param group, ``opt.partition_size[i]``
+    elements: the gradient, or the fp32 masters and optimizer state, which share its geometry), and the parameters
+    by name; built once per optimizer, partition sizes and dtypes, and reused. No communication."""
+    key = (tuple(p.numel() for p in partitions), tuple(p.dtype for p in partitions),
+           tuple(len(g) for g in opt.round_robin_bit16_groups))
+    return cached_layout(opt, key, lambda: _build_layout(engine, opt, partitions))
+
+
 def grad_storage(engine: Any, opt: Any) -> GradStorage:
     wait_for_stream(getattr(opt, "reduction_stream", None))
     stage = 2 if opt.partition_gradients else 1
@@ -223,9 +232,7 @@ def grad_storage(engine: Any, opt: Any) -> GradStorage:
             f"ZeRO-{stage} offload: engine.step() already consumed these gradients (its fp32 buffer still holds the "
             f"clipped, unscaled values of the last step); {WINDOW}"
         )
-    key = (tuple(p.numel() for p in partitions), tuple(p.dtype for p in partitions),
-           tuple(len(g) for g in opt.round_robin_bit16_groups))
-    layout, by_name = cached_layout(opt, key, lambda: _build_layout(engine, opt, partitions))
+    layout, by_name = layout_for(engine, opt, partitions)
 
     start_micro_step = micro_steps(engine)
     live = [opt.averaged_gradients.get(i) for i in range(len(partitions))] if not opt.cpu_offload else []

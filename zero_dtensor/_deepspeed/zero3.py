@@ -114,6 +114,16 @@ def _build_layout(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]
     return model_layout(engine, groups, params), by_name, pg
 
 
+def layout_for(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]
+               ) -> tuple[GradLayout, dict[str, Any], dist.ProcessGroup]:
+    """The layout of sub-groups holding ``partitions`` (one 1-D tensor per sub-group, its chunks back to back: the
+    gradient, or the fp32 masters and optimizer state, which share its geometry), the parameters by name and the
+    partition group; built once per optimizer, partition sizes and dtypes, and reused. No communication."""
+    key = (tuple(p.numel() for p in partitions), tuple(p.dtype for p in partitions),
+           tuple(len(g) for g in opt.fp16_groups))
+    return cached_layout(opt, key, lambda: _build_layout(engine, opt, partitions))
+
+
 def grad_storage(engine: Any, opt: Any) -> GradStorage:
     wait_for_stream(getattr(opt, "reduce_and_partition_stream", None))
     if opt.offload_optimizer and not engine.is_gradient_accumulation_boundary():
@@ -122,9 +132,7 @@ def grad_storage(engine: Any, opt: Any) -> GradStorage:
         raise GradientsNotReadyError(f"ZeRO-3 has not reduced gradients since the last forward()/step(): {WINDOW}")
     caches = _partitions(opt)
     partitions = tuple(c.buffer for c in caches)
-    key = (tuple(p.numel() for p in partitions), tuple(p.dtype for p in partitions),
-           tuple(len(g) for g in opt.fp16_groups))
-    layout, by_name, pg = cached_layout(opt, key, lambda: _build_layout(engine, opt, partitions))
+    layout, by_name, pg = layout_for(engine, opt, partitions)
     start_micro_step = micro_steps(engine)
 
     def is_current() -> bool:

@@ -1,0 +1,71 @@
+"""Make the model's working weights equal the (cast) fp32 master weights, after a write into the masters.
+
+A write into the masters (:func:`zero_dtensor._deepspeed.families.master_storage`) changes what the next optimizer
+step starts from, but not the weights the next forward uses: DeepSpeed copies master → working weights only at the
+end of its own ``step()``. :func:`sync_model_params` runs that copy now, as DeepSpeed does (DeepSpeed 0.19.8):
+
+=====================  ======================================================  =====================================
+optimizer kind         what runs                                               communication
+=====================  ======================================================  =====================================
+ZeRO-1/2 (offload      ``opt.update_lp_params()`` (S12:3171-3182,              one ``all_gather_into_tensor`` per
+too), BF16_Optimizer   BF:592-603): each rank casts its master partition into  param group over its data-parallel
+                       its slice of the flat working buffer, then the slices   group (none at world size 1), in the
+                       are all-gathered into the flat buffer every parameter   working dtype: ``(N-1)/N·S`` bytes
+                       views (as the optimizer step's own gather)              received per rank (``S`` the group's
+                                                                               flat working buffer); in place
+ZeRO-3 (offload too)   per sub-group ``_reassign_or_swap_out_partitioned_      the copy and release: none; then
+                       parameters(sg)`` (cast copy master → the working        DeepSpeed's post-step gather of the
+                       partition every ``p.ds_tensor`` views), then            *persistent* parameters
+                       ``_partition_all_parameters()`` (frees every gathered   (``stage3_param_persistence_
+                       full parameter, which would stay stale), then the       threshold``): one
+                       persistent parameters' all-gather and                   ``all_gather_into_tensor`` per
+                       ``invalidate_secondary_tensor()`` (hpZ), as             persistent parameter of
+                       ``_post_step`` does (S3:2835-2864, S3:3322)             ``N·ceil(numel/N)`` elements; other
+                                                                               parameters are gathered by the next
+                                                                               forward as usual
+=====================  ======================================================  =====================================
+
+It is collective on every kind (ZeRO-3: whenever a parameter is persistent): every rank of the data-parallel group
+must call it, also ranks whose masters did not change. Call it between optimizer steps, outside forward and backward
+(ZeRO-3 releases every gathered parameter). Memory: none beyond DeepSpeed's own (ZeRO-3's persistent parameters are
+gathered again into full buffers, as after every step). Working weights equal the master cast to the working dtype
+(bf16/fp16; fp32 models: equal). ZeRO-3 with NVMe parameter or optimizer offload is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import UnsupportedDeepSpeedError
+from . import check_engine
+
+__all__ = ["sync_model_params"]
+
+
+def sync_model_params(engine: Any) -> None:
+    """Copy ``engine``'s fp32 master weights into the model's working weights (cast to their dtype), on every rank.
+    **Collective** (see the module docstring): ZeRO-1/2 and ``BF16_Optimizer`` one all_gather per param group;
+    ZeRO-3 one all_gather per persistent parameter."""
+    kind = check_engine(engine)
+    opt = engine.optimizer
+    if kind == "zero3":
+        _sync_zero3(opt)
+    else:
+        opt.update_lp_params()
+
+
+def _sync_zero3(opt: Any) -> None:
+    if getattr(opt, "swap_optimizer", False) or any(flat is None for flat in opt.fp16_partitioned_groups_flat):
+        raise UnsupportedDeepSpeedError(
+            "ZeRO-3 with NVMe offload (offload_optimizer or offload_param device 'nvme') swaps masters or working "
+            "partitions to files; zero_dtensor refreshes working weights only from memory"
+        )
+    for sub_group in range(len(opt.fp16_groups)):
+        opt._reassign_or_swap_out_partitioned_parameters(sub_group)
+    opt._partition_all_parameters()
+    persistent = opt.persistent_parameters
+    if persistent:
+        persistent[0].all_gather(persistent)
+    invalidate = getattr(opt, "invalidate_secondary_tensor", None)
+    if invalidate is not None:
+        invalidate()

@@ -24,7 +24,7 @@ The device defaults to ``cuda`` when torch sees a GPU, else ``cpu``. Three parts
    A case that raises is recorded as failed with its message; the others still run. On 2 ranks, a case the stack
    cannot run (gloo without some collective on CUDA tensors: probed first with bare collectives) is reported as
    ``not run: <reason>`` instead of failed.
-2. **Timings** at world 1, per ZeRO stage, of a transformer-like bf16 model (``zero_dtensor._bench_model``:
+2. **Timings** at world 1, per ZeRO stage, of a transformer-like bf16 model (``zero_dtensor.bench.model``:
    hidden 2304, 16 blocks: 1.03B parameters in 198 tensors; ``--tiny``: hidden 72, 1.02M parameters, the same 198
    tensors): DeepSpeed's ``safe_get_full_grad`` and ``safe_set_full_grad`` loops, ``full_tensors()``,
    ``set_full_()``, ``clip_grad_norm_()``, ``stats()``, and the first ``sharded_grads(engine)`` of a step (a fresh
@@ -736,7 +736,7 @@ def measure(row: str, stage: int, fn: Callable[[], Any], repeat: int, device: An
 def timing_model(hidden: int, layers: int, device: Any) -> Any:
     import torch
 
-    from zero_dtensor._bench_model import TransformerLike
+    from zero_dtensor.bench.model import TransformerLike
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -848,7 +848,7 @@ def environment(device_type: str, backend: str) -> dict[str, Any]:
 
 
 def fmt_bytes(n: float | None) -> str:
-    from zero_dtensor._bench_common import fmt_bytes
+    from zero_dtensor.bench.common import fmt_bytes
 
     return "n/a" if n is None else fmt_bytes(n)
 
@@ -1005,7 +1005,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_timing:
         import torch
 
-        from zero_dtensor._bench_model import count
+        from zero_dtensor.bench.model import count
 
         params, tensors = count(args.hidden, args.layers)
         results["timing_model"] = {"hidden": args.hidden, "layers": args.layers, "params": params,

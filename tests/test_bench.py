@@ -59,7 +59,7 @@ def test_cli_tiny_run_writes_complete_json(tmp_path) -> None:
         if "clip_grad_norm_" in rows:
             assert rows["clip_grad_norm_"]["collectives"] == 2  # the all_reduce + the rank agreement
         # issue 12: redistribution rows (one all_to_all per exchange + the rank agreement)
-        from zero_dtensor._bench_redistribute import DS_NS, FULL_NS, NS, ROWS as REDISTRIBUTION_ROWS
+        from zero_dtensor.bench.redistribute import DS_NS, FULL_NS, NS, ROWS as REDISTRIBUTION_ROWS
 
         assert set(REDISTRIBUTION_ROWS) <= names, set(REDISTRIBUTION_ROWS) - names
         a2a = {n: rows[n]["collective_ops"].get("alltoall_base", 0) for n in REDISTRIBUTION_ROWS}
@@ -81,7 +81,7 @@ def test_cli_tiny_run_writes_complete_json(tmp_path) -> None:
 
 def test_tensor_sweep_writes_every_row_per_k(tmp_path) -> None:
     """Issue 11: ``--tensors`` sweeps the tensor count; every row for every K and stage, with sane figures."""
-    from zero_dtensor._bench_sweep import FLOOR, ROWS as SWEEP_ROWS
+    from zero_dtensor.bench.sweep import FLOOR, ROWS as SWEEP_ROWS
 
     path = tmp_path / "sweep.json"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}

@@ -30,8 +30,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ._bench_common import engine_config, fmt_bytes, run_ranks, sync
-from ._bench_sweep import main as sweep_main
+from .common import engine_config, fmt_bytes, run_ranks, sync
+from .sweep import main as sweep_main
 
 SIZES = {"tiny": (32, 2), "small": (128, 4), "default": (352, 16)}
 
@@ -60,11 +60,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bucket-mb", type=float, default=16.0, help="iter_full bucket size in MiB. Default 16")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     p.add_argument("--rows", choices=("all", "core"), default="all", help="all (default): also the redistribution "
-                   "rows (zero_dtensor._bench_redistribute: to_dtensors, owned, their writes, map_full_(newton_schulz)"
+                   "rows (zero_dtensor.bench.redistribute: to_dtensors, owned, their writes, map_full_(newton_schulz)"
                    " vs full_tensors and vs DeepSpeed's loops); core: without them")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed. Default 1800")
-    p.add_argument("--tensors", metavar="K,K,...", help="instead: the tensor-count sweep (zero_dtensor._bench_sweep),"
+    p.add_argument("--tensors", metavar="K,K,...", help="instead: the tensor-count sweep (zero_dtensor.bench.sweep),"
                    " e.g. 200,2000,10000: per K a model of K tensors from Linear(32, 32) layers, a row per call, the"
                    " floor in the same run and µs per tensor above it (uses --nproc, --stages, --repeat, --dtype,"
                    " --json; --tiny: Linear(8, 8))")
@@ -79,7 +79,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     hidden, layers = SIZES["tiny" if args.tiny else args.size]
     args.layers = args.layers or layers
     if args.params:
-        from ._bench_model import count
+        from .model import count
 
         per_layer_params = args.params / max(args.layers, 1)
         hidden = max(8, int((per_layer_params / 12) ** 0.5))
@@ -116,7 +116,7 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
 
     import zero_dtensor as zd
     from zero_dtensor import materialize as mz
-    from zero_dtensor._bench_model import TransformerLike
+    from zero_dtensor.bench.model import TransformerLike
     from zero_dtensor.collectives import all_gather_by_all_to_all, all_gather_into
     from zero_dtensor.state import state_of
 
@@ -259,7 +259,7 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
                 note="baseline: DS get loop + set loop")
 
     if getattr(args, "rows", "all") == "all":  # issue 12: redistribution rows, with their ratios
-        from ._bench_redistribute import add_rows
+        from .redistribute import add_rows
 
         add_rows(grads, engine, measure, rows, args=args, stage=stage, full_row=f"full_tensors [auto={auto}]",
                  ring_bytes=_ring_bytes, device=device)
@@ -378,7 +378,7 @@ def render(results: dict[str, Any], args: argparse.Namespace | None = None, cons
                 fmt_bytes(r["memory_bytes"]),
             )
         console.print(table)
-    from ._bench_redistribute import render as render_redistribution
+    from .redistribute import render as render_redistribution
 
     render_redistribution(results, console)
     console.print(

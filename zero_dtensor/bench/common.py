@@ -1,6 +1,6 @@
 """What the benchmark's entry points share: the engine config, starting the ranks, syncing a device, byte units.
 
-:mod:`zero_dtensor.bench` (the per-call benchmark) and :mod:`zero_dtensor._bench_sweep` (the tensor-count sweep)
+:mod:`zero_dtensor.bench.cli` (the per-call benchmark) and :mod:`zero_dtensor.bench.sweep` (the tensor-count sweep)
 both import from here; neither imports the other's helpers. Nothing here is timed.
 """
 
@@ -61,6 +61,6 @@ def run_ranks(rank_main: Callable[[argparse.Namespace], dict[str, Any]], args: a
         deepspeed.init_distributed(dist_backend=backend, verbose=False)
         results = rank_main(args)
         return results if dist.get_rank() == 0 else None
-    from .launch import launch
+    from ..launch import launch
 
     return launch(rank_main, args, nprocs=args.nproc, timeout=args.timeout)

@@ -1,7 +1,7 @@
 """Benchmark rows of issue 12 for ``python -m zero_dtensor.bench`` (redistribution: ``to_dtensors``, ``owned``,
 their writes, and ``map_full_(newton_schulz)`` against the full-everywhere and DeepSpeed-loop versions).
 
-:func:`add_rows` runs on every rank inside :func:`zero_dtensor.bench._bench_stage`, after the core rows (it needs
+:func:`add_rows` runs on every rank inside :func:`zero_dtensor.bench.cli._bench_stage`, after the core rows (it needs
 their ``full_tensors`` row for the ratios), with that function's ``measure``. Bytes per rank are exact, from the
 plans (:func:`zero_dtensor.redistribute.traffic`), the most any rank receives; the full-everywhere rows use the ring
 model. :func:`render` prints the ratios the issue asks for as a second table.
@@ -49,7 +49,7 @@ def add_rows(grads: Any, engine: Any, measure: Callable[..., None], rows: list[d
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
 
-    from .redistribute import newton_schulz, traffic
+    from ..redistribute import newton_schulz, traffic
 
     world = dist.get_world_size()
     moved_rows = traffic(grads, target="rows")

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ._bench_common import engine_config, fmt_bytes, run_ranks, sync
+from .common import engine_config, fmt_bytes, run_ranks, sync
 
 __all__ = ["ROWS", "main", "sweep_model"]
 
@@ -301,7 +301,7 @@ def render(results: dict[str, Any], console: Any = None) -> None:
 
 
 def main(args: argparse.Namespace, argv: list[str] | None = None) -> int:
-    """Run the sweep (``args`` from ``zero_dtensor.bench._parse``): on ``--nproc`` fresh gloo ranks, or in place
+    """Run the sweep (``args`` from ``zero_dtensor.bench.cli._parse``): on ``--nproc`` fresh gloo ranks, or in place
     when ``RANK`` and ``WORLD_SIZE`` are set (torchrun), like ``zero_dtensor.bench``."""
     if not hasattr(args, "sweep_width"):
         args.sweep_width = 8 if args.tiny else 32

@@ -22,6 +22,11 @@ def test_result_views_reused_only_when_free(ranks, case: EngineCase) -> None:
     ranks(case.world).run(view_reuse.check_result_views_reused, case)
 
 
+@pytest.mark.parametrize("case", CASES[:3], ids=lambda c: c.id)
+def test_late_freed_result_does_not_displace_the_dropped_one(ranks, case: EngineCase) -> None:
+    ranks(case.world).run(view_reuse.check_late_freed_result_not_preferred, case)
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_storage_held_by_the_caller_is_never_reused(ranks, case: EngineCase) -> None:
     ranks(case.world).run(view_reuse.check_held_storage_not_reused, case)

@@ -33,7 +33,7 @@ unscaling, ``dtype=``). Per-parameter results are views into the output buffer.
 **Validation.** Writes check every entry on every rank before anything is sent or written; a bad entry on one rank
 raises on every rank (one ``all_reduce`` of ``N`` int64 error codes per process group): the failing rank raises
 its own error, the others the same exception class (``ValueError``, ``TypeError``, ``KeyError``; a failure of a
-user function: :class:`RankFailedError`) naming the failing ranks.
+user function: :class:`~zero_dtensor.errors.RankFailedError`) naming the failing ranks.
 
 Nothing here prints; every collective goes through :mod:`zero_dtensor.collectives`.
 """
@@ -52,7 +52,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import collectives
 from .agreement import Refusal, agree, error_code, local_only, raise_outcome
-from .errors import RankFailedError
 from .layout import GradLayout, ParamLayout
 from .state import state_of
 from .storage import GradStorage
@@ -60,7 +59,6 @@ from .storage import GradStorage
 __all__ = [
     "BucketPlan",
     "Plan",
-    "RankFailedError",
     "TargetSlot",
     "Transfer",
     "agreement_groups",
@@ -791,7 +789,7 @@ def map_full_(storage: GradStorage, selected: Sequence[ParamLayout], assignment:
     group, dtype) carrying one error code per peer besides the data: about ``2 · (N-1)/N · S/N`` bytes each way per
     rank in all. ``fn`` runs on the owner only and must not communicate. An exception in ``fn`` (or a bad result)
     on any rank raises on every rank before anything is written: there the original one, elsewhere
-    :class:`RankFailedError` (or the same validation error class)."""
+    :class:`~zero_dtensor.errors.RankFailedError` (or the same validation error class)."""
     plan = plan_for(storage, selected, OWNERS, assignment)
     mine = _owned_views(storage, plan, None)
     results: dict[str, torch.Tensor] = {}

@@ -69,8 +69,7 @@ GATHER_STRATEGIES = ("all_gather", "all_to_all", "all_reduce")
 STRATEGY_OPTIONS = ["auto pinned", "strategy=", "subset", "dtype fp32", "out= reuse", "recycling", "user out=", "dst",
                     "async", "async dst fp32"]
 OPTION_ROWS = ["default matches DeepSpeed",
-               *(f"{strategy} {option}" for strategy in GATHER_STRATEGIES for option in STRATEGY_OPTIONS),
-               "module helpers"]
+               *(f"{strategy} {option}" for strategy in GATHER_STRATEGIES for option in STRATEGY_OPTIONS)]
 
 
 class _Options:
@@ -102,7 +101,6 @@ def check_options(case: EngineCase) -> dict:
     for strategy in GATHER_STRATEGIES:
         for option in STRATEGY_OPTIONS:
             rows.run(f"{strategy} {option}", _OPTION_CHECKS[option], st, strategy)
-    rows.run("module helpers", _option_module_helpers, st)
     return rows.report(**st.report)
 
 
@@ -258,14 +256,6 @@ def _option_async_dst(st: _Options, strategy: str) -> None:
         _equal(dict(got), {n: t.float() for n, t in st.default.items()}, f"{strategy} async dst fp32")
     else:
         assert dict(got) == {}
-
-
-def _option_module_helpers(st: _Options) -> None:
-    """The module-level helpers (one gather of every flat group, then unpack) agree with the default path."""
-    grads = st.grads
-    flats = mz.gather_flat_groups(grads, list(range(len(grads.groups))))
-    for p in grads.layout.params:
-        assert torch.equal(grads._finish(mz.unpack(grads, flats[p.group], p), None), st.default[p.name]), p.name
 
 
 _OPTION_CHECKS = {

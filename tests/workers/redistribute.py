@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import zero_dtensor as zd
-from zero_dtensor.redistribute import RankFailedError
+from zero_dtensor.errors import RankFailedError
 
 from .bad_input import _same_bytes, deepspeed_storage
 from .common import (EngineCase, build_engine, count_comms, ds_config, fill_value, forward_backward, make_engine,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 
@@ -10,7 +11,7 @@ from deepspeed.utils import safe_get_full_grad
 
 import zero_dtensor as zd
 from zero_dtensor import writes
-from zero_dtensor.materialize import BUFFERS
+from zero_dtensor.materialize import BUFFERS, release_workspace
 from zero_dtensor.views import storage_refs
 
 from .common import EngineCase, build_engine, fill_value, forward_backward
@@ -52,6 +53,19 @@ def check_partition_reuse(case: EngineCase) -> dict[str, bool]:
     return {"reused": pointers[3] in pointers[:3]}
 
 
+def _fresh_pool() -> None:
+    """Forget the buffers earlier tests in this worker left in the pool: one of them, freed late (a result caught in
+    a reference cycle until the collector ran), would be found idle first and handed out instead of this test's."""
+    gc.collect()
+    release_workspace()
+
+
+def _free_pointers() -> set[int]:
+    """Storage addresses of the recycled buffers nothing outside the pool reaches."""
+    return {c.buffer.untyped_storage().data_ptr() for kept in BUFFERS._recycled.values() for c in kept
+            if c.is_idle(check_objects=True)}
+
+
 def _tensors_released() -> bool:
     """Whether no tensor outside the pool refers to any recycled buffer (storage objects held by the caller
     aside)."""
@@ -80,6 +94,7 @@ def check_held_storage_not_reused(case: EngineCase) -> None:
     engine = build_engine(case)
     forward_backward(engine)
     grads = zd.sharded_grads(engine)
+    _fresh_pool()
     first = grads.full_tensors()
     name = grads.names[0]
     storage = first[name].untyped_storage()
@@ -91,10 +106,35 @@ def check_held_storage_not_reused(case: EngineCase) -> None:
     second = grads.full_tensors()
     assert torch.equal(_bytes_of(storage), held), "memory the caller still holds (through its storage) was overwritten"
     assert all(t.untyped_storage().data_ptr() != pointer for t in second.values())
-    del second, storage
-    _wait_released()
+    del storage  # ``second`` stays alive: its buffer is busy, the first one is free now
+    _wait_released(idle=lambda: _free_pointers() >= {pointer})
     third = grads.full_tensors()
     assert any(t.untyped_storage().data_ptr() == pointer for t in third.values()), "a free buffer was not reused"
+    del second, third
+
+
+def check_late_freed_result_not_preferred(case: EngineCase) -> None:
+    """An older result freed late (caught in a reference cycle until the collector runs) does not displace the
+    result the caller just dropped: the next call hands out the dropped result's buffer and view objects."""
+    engine = build_engine(case)
+    forward_backward(engine)
+    grads = zd.sharded_grads(engine)
+    _fresh_pool()
+    gc.disable()
+    try:
+        older = grads.full_tensors()
+        cycle: list = [older]
+        cycle.append(cycle)
+        del older, cycle
+        first = grads.full_tensors()  # the second kept buffer
+        ids = {n: id(t) for n, t in first.items()}
+        del first
+        gc.collect()  # the older result's buffer is free now too, and kept first
+        _wait_released()
+        second = grads.full_tensors()
+    finally:
+        gc.enable()
+    assert all(id(t) == ids[n] for n, t in second.items()), "a late-freed older buffer was handed out instead"
 
 
 def check_result_views_reused(case: EngineCase) -> None:
@@ -103,6 +143,7 @@ def check_result_views_reused(case: EngineCase) -> None:
     engine = build_engine(case)
     forward_backward(engine)
     grads = zd.sharded_grads(engine)
+    _fresh_pool()
     first = grads.full_tensors()
     ids = {n: id(t) for n, t in first.items()}
     del first

@@ -56,25 +56,12 @@ __all__ = [
     "STRATEGIES",
     "calibrate",
     "clear_calibration",
-    "gather_flat_groups",
     "gather_strategy",
     "plan_windows",
     "release_workspace",
     "set_gather_strategy",
     "strategy_decisions",
-    "unpack",
 ]
-
-
-def gather_flat_groups(grads: GradsLike, wanted: list[int]) -> dict[int, Any]:
-    """``{group index: padded global flat buffer in native order}`` (see :func:`.bulk.gather_flat_groups`).
-    **Collective.**"""
-    return bulk.gather_flat_groups(state_of(grads), wanted)
-
-
-def unpack(grads: GradsLike, flat: Any, p: Any) -> Any:
-    """A parameter's values from its group's native-order flat buffer (see :func:`.bulk.unpack`)."""
-    return bulk.unpack(state_of(grads), flat, p)
 
 
 def plan_windows(grads: GradsLike, names: list[str] | None = None, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,

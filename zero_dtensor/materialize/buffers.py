@@ -5,9 +5,10 @@ that the tests and the benchmark account for memory the same way: ``with BUFFERS
 sees every allocation (and can make one wait, e.g. for a backend thread to release the previous bucket).
 
 Recycling: a ``full_tensors()`` call without ``out=`` takes a kept flat buffer of an earlier call with the same
-structure once nothing but the pool refers to its memory any more (every tensor of that result is gone); up to two
-are kept per structure (:attr:`BufferPool.slots`), so a loop that keeps the previous step's result until the next
-call allocates only twice; a live result is never overwritten. A recycled buffer keeps the
+structure once nothing but the pool refers to its memory any more (every tensor of that result, every view of it and
+every storage object of it the caller took, ``t.untyped_storage()``, is gone), the most recently handed out first;
+up to two are kept per structure (:attr:`BufferPool.slots`), so a loop that keeps the previous step's result until
+the next call allocates only twice; a live result is never overwritten. A recycled buffer keeps the
 per-parameter views cut from it (:class:`~zero_dtensor.views.ViewCache`), so a later result hands out the same
 view objects (made once, not every call): the buffer counts as free only when no result, no view of it and none
 of those view objects is referred to from outside the pool. ``BUFFERS.recycle = False``
@@ -76,15 +77,20 @@ class BufferPool:
 
     def recycled_or_new(self, key: tuple[Any, ...], numel: int, dtype: torch.dtype,
                         device: torch.device) -> torch.Tensor:
-        """A kept buffer for ``key`` that no result refers to any more, else a new one (kept while fewer than
-        :attr:`slots` are). Returned as a view, so that a result pins the memory while it lives."""
+        """A kept buffer for ``key`` that no result refers to any more (the most recently handed out of those:
+        the one a loop just dropped, also when an older result was freed late), else a new one (kept while fewer
+        than :attr:`slots` are). Returned as a view, so that a result pins the memory while it lives."""
         kept = self._recycled.setdefault(key, [])
-        for cache in kept:
+        for cache in reversed(kept):  # the most recently handed out first: the result the caller just dropped
             if cache.is_idle(check_objects=True):
+                kept.remove(cache)
+                kept.append(cache)
                 return cache.buffer.view(-1)
         if self.recycle and len(kept) < self.slots:
             settled = self._settled(kept)
             if settled is not None:
+                kept.remove(settled)
+                kept.append(settled)
                 return settled.buffer.view(-1)
         buf = self.alloc(numel, dtype, device)
         if self.recycle and len(kept) < self.slots:

@@ -46,7 +46,7 @@ from .buffers import BUFFERS
 from .results import GatheredGrads, PendingFullTensors, run_steps
 from .strategy import CALIBRATES, check_strategy, explicit, pipelines, planned, resolve
 
-__all__ = ["check_request", "full_tensors", "gather_flat_groups", "planned_strategies", "unpack"]
+__all__ = ["check_request", "full_tensors", "planned_strategies"]
 
 _NAME = operator.attrgetter("name")
 
@@ -492,27 +492,3 @@ def _emit(state: GradState, params: list[ParamLayout], regions: dict[int, tuple[
     if isinstance(result, GatheredGrads):
         result.record_issued(names, dtype)
     return result  # type: ignore[return-value]
-
-
-# --- helpers for tests and tools -------------------------------------------------------------------------------------
-def gather_flat_groups(state: GradState, wanted: Sequence[int]) -> dict[int, torch.Tensor]:
-    """``{group index: padded global flat buffer in native order}``. **Collective**: one all_gather per (process
-    group, dtype, device), coalesced over its flat groups; replicated groups return their storage (no comm)."""
-    flats: dict[int, torch.Tensor] = {i: state.storage.partitions[i] for i in wanted
-                                      if not state.group(i).placement.is_sharded}
-    for t in _transfers(state, wanted):
-        buf = BUFFERS.alloc(t.numel, t.dtype, t.device)
-        outs = [buf.narrow(0, t.offsets[g], state.group(g).flat_numel) for g in t.groups]
-        all_gather_into(outs, t.partitions, t.pg)
-        flats.update(zip(t.groups, outs))
-    return flats
-
-
-def unpack(state: GradState, flat: torch.Tensor, p: ParamLayout) -> torch.Tensor:
-    """Parameter ``p``'s values (stored dtype, still scaled) from its group's native-order flat buffer: a view for
-    parameter-order placements, a copy for ZeRO-3. No communication."""
-    group = state.group(p.group)
-    if group.placement.param_order_gather:
-        return flat.narrow(0, p.offset, p.numel).view(p.shape)
-    rows = flat.view(group.world_size, group.partition_numel).narrow(1, p.offset, p.chunk_numel)
-    return rows.reshape(-1).narrow(0, 0, p.numel).clone().view(p.shape)

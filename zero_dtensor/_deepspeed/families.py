@@ -62,7 +62,7 @@ from typing import Any, Union
 import torch
 import torch.distributed as dist
 
-from ..errors import UnsupportedDeepSpeedError
+from ..errors import OptimizerStateNotReadyError, UnsupportedDeepSpeedError
 from ..layout import GradLayout, GroupLayout, Packing
 from ..storage import GradStorage
 from . import check_engine
@@ -85,11 +85,6 @@ MASTER = "master"
 
 #: one flat group's optimizer step: a live 0-d tensor (torch optimizers) or a number (DeepSpeed's CPU/fused Adam)
 StepValue = Union[torch.Tensor, int, float]
-
-
-class OptimizerStateNotReadyError(RuntimeError):
-    """The optimizer state was requested before it exists: torch's optimizers create it in their first ``step()``
-    (so after the first ``engine.step()`` that was not skipped for fp16 overflow)."""
 
 
 @dataclass(frozen=True)

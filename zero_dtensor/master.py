@@ -154,7 +154,7 @@ def sync_model_params(engine: Any) -> None:
     backward. Communication (see :mod:`zero_dtensor.master`): the rank agreement, then ZeRO-1/2 and
     ``BF16_Optimizer`` one all_gather per param group, ZeRO-3 one all_gather per persistent parameter after a local
     copy. Memory: none beyond DeepSpeed's own."""
-    storage = families.master_storage(engine)
+    storage = master_front(engine).__zero_dtensor_state__().storage
     agree("sync_model_params", (), storage.process_groups, storage.device)
     _sync.sync_model_params(engine)
     mark = _MARKS.get(engine)

@@ -87,7 +87,7 @@ class TensorMath:
         return self
 
     def lerp_(self, end: Any, weight: Scalar, *, params: ParamSelection = None):
-        """``g = g + weight * (end - g)`` (``torch.lerp``) in true units, e.g. an EMA ``ema.lerp_(grads, 1 - beta)``.
+        """``g = g + weight * (end - g)`` (``torch.lerp``) in true units, e.g. an EMA ``ema.lerp_(master, 1 - beta)``.
 
         ``end``: another ``ShardedTensors``/clone with the same layout, or a number/0-d tensor. **No communication.**
         Returns ``self``.
@@ -197,7 +197,7 @@ class TensorMath:
         return reductions.dots(self._state, other._state, sel, with_norms)
 
     def stats(self, *, params: ParamSelection = None) -> Mapping[str, GradStats]:
-        """``{name: GradStats}``: 2-norm, max ``|g|``, mean, nan and inf counts of each true values, as Python
+        """``{name: GradStats}``: 2-norm, max ``|g|``, mean, nan and inf counts of parameter's true values, as Python
         numbers (one host sync); a read-only mapping whose ``GradStats`` are made when read. **Communication: at
         most two all_reduces per process group** (a (k, 4) float64 sum vector and a (k,) float32 max vector), none
         for replicated or single-rank groups.

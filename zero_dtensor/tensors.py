@@ -75,7 +75,8 @@ class ParamView:
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype DeepSpeed stores this tensor in (its tensor-accumulation dtype)."""
+        """The dtype DeepSpeed stores this family in (gradients: the gradient-accumulation dtype; masters and optimizer
+        state: float32)."""
         return self._owner.layout.groups[self._param.group].dtype
 
     @property
@@ -227,7 +228,8 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         return tuple(part.view(-1) for part in self._state.storage.partitions)  # new views: they pin the memory
 
     def is_current(self) -> bool:
-        """False once ``engine.step()`` (or a new micro-step) has consumed these values. No communication."""
+        """False once DeepSpeed no longer holds these values (gradients: consumed by ``engine.step()`` or a new
+        micro-step; optimizer state: replaced by ``engine.load_checkpoint``). No communication."""
         return self._state.is_current()
 
     @cached_property
@@ -275,7 +277,7 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
                 form): each rank sends ``S/N``, the destination receives ``(N-1)/N·S`` and only it allocates ``S``. ``all_reduce``: one
                 sum ``reduce`` per transfer of a zero-padded ``S`` buffer that every rank allocates.
             async_op: return a :class:`~zero_dtensor.materialize.PendingFullTensors` whose ``wait()`` gives the
-                dict; do not change the values (``engine.step()``) before ``wait()``.
+                dict; do not change the values (e.g. ``engine.step()``) before ``wait()``.
             strategy: ``"all_gather"``, ``"all_to_all"``, ``"all_reduce"`` or ``"auto"`` (see
                 :mod:`zero_dtensor.materialize.strategy`).
 

@@ -114,6 +114,15 @@ def check_front(case: EngineCase) -> dict[str, Any]:
         assert_same(got, {n: v for n, v in ds_full_masters(ours).items() if n in subset}, "subset")
         state = zd.sharded_optimizer_state(ours, "exp_avg")
         assert isinstance(state, zd.ShardedOptimizerState) and zd.sharded_optimizer_state(ours, "exp_avg") is state
+        if case.stage == 3:  # DeepSpeed's local variants (ZeRO-3 only): this rank's chunk (padding not compared)
+            from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
+
+            for n, p in names.items():
+                start, stop = master[n].local_range
+                mine = safe_get_local_fp32_param(p).flatten()
+                assert torch.equal(master[n].to_local(), mine[:stop - start]), n
+                theirs_state = safe_get_local_optimizer_state(p, "exp_avg").flatten()
+                assert torch.equal(state[n].to_local(), theirs_state[:stop - start]), n
         with pytest.raises(KeyError, match="exp_avg"):
             zd.sharded_optimizer_state(ours, "step")
 

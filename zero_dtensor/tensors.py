@@ -94,7 +94,7 @@ class ParamView:
         """This rank's fragment, 1-D, ``local_range`` long: a **live view** of the stored memory.
 
         Writes to it change what ``engine.step()`` uses; it changes when the tensor does. Under
-        ``keep_full_owner`` the view is of the kept full buffer, whose slice DeepSpeed owns is copied into
+        ``keep_full_grads`` (gradients) the view is of the kept full buffer, whose slice DeepSpeed owns is copied into
         DeepSpeed's partition at the start of ``engine.step()`` (and after every write through the API).
         No communication. Under fp16 loss scaling the stored values are ``true values × loss_scale``.
         """
@@ -114,13 +114,14 @@ class ParamView:
         """
         state = self._owner._state
         state.check_current()
+        what = f"{type(self).__name__}.full_tensor"
         with Refusal() as refusal:
-            check_dtype(dtype, "ParamView.full_tensor")
+            check_dtype(dtype, what)
         storage = state.storage
         param = self._param
         pg = storage.process_groups[param.group]
         communicates = state.group(param.group).placement.is_sharded
-        agree("ParamView.full_tensor", (self.name, str(dtype)), [pg] if communicates else [], storage.device,
+        agree(what, (self.name, str(dtype)), [pg] if communicates else [], storage.device,
               refused=refusal.error)
         group = state.group(param.group)
         full = group.placement.gather_param(group, param, storage.partitions[param.group], pg, storage.device)

@@ -41,7 +41,8 @@ def test_front(ranks, case: EngineCase, row: str) -> None:
 
 def test_ema_example() -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": root}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     done = subprocess.run([sys.executable, os.path.join(root, "examples", "ema.py")], env=env, cwd=root,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

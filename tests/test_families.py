@@ -47,3 +47,8 @@ def test_ema_example() -> None:
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "restored exactly" in done.stdout, done.stdout[-2000:]
+
+
+def test_fronts_across_load_checkpoint(ranks, tmp_path) -> None:
+    needs_step(1)
+    ranks(2).run(families.check_load_checkpoint, str(tmp_path))

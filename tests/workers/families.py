@@ -362,3 +362,29 @@ def check_front(case: EngineCase) -> dict[str, Any]:
 
     rows.run("ema", ema)
     return rows.report(describe=master._storage.describe)
+
+
+def check_load_checkpoint(directory: str) -> None:
+    """Fronts between steps and across ``engine.load_checkpoint``: the masters' front stays current (DeepSpeed copies
+    masters in place), the optimizer-state front turns stale (new tensors) with an error saying what to do, and a new
+    front holds the loaded values."""
+    engine = build_engine(EngineCase(1))
+    step(engine, 0)
+    master = zd.sharded_master_params(engine)
+    state = zd.sharded_optimizer_state(engine, "exp_avg")
+    saved_master, saved_state = zd.get_full_fp32_params(engine), state.full_tensors()
+    engine.save_checkpoint(directory, tag="t")
+    step(engine, 1)
+    assert master.is_current() and state.is_current()  # valid between steps
+    engine.load_checkpoint(directory, tag="t")
+    assert master.is_current() and zd.sharded_master_params(engine) is master
+    assert_same(master.full_tensors(), saved_master, "loaded masters")
+    assert not state.is_current()
+    with pytest.raises(zd.StaleTensorsError, match=r"sharded_optimizer_state\(engine, key\) again"):
+        state.full_tensors()
+    with pytest.raises(zd.StaleTensorsError):
+        state["fc1.weight"]
+    fresh = zd.sharded_optimizer_state(engine, "exp_avg")
+    assert fresh is not state and fresh.is_current()
+    assert_same(fresh.full_tensors(), saved_state, "loaded state")
+    assert_same(zd.get_full_optimizer_state(engine, "exp_avg"), ds_full_state(engine, "exp_avg"), "vs DeepSpeed")

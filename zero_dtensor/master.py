@@ -28,7 +28,7 @@ per persistent parameter; the others are gathered by the next forward as usual).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -127,25 +127,41 @@ def _mark_written(engine_ref: weakref.ref[Any], names: Sequence[str]) -> None:
     mark.at_step = _sync.applied_steps(engine)
 
 
-def _install_guard(engine: Any) -> None:
-    """The forward pre-hook on ``engine.module`` that refuses a forward while masters wait for a sync (once per
-    engine; prepended, so it runs before DeepSpeed's own ZeRO-3 gather hooks)."""
-    mark = _MARKS.setdefault(engine, _SyncMark())
-    if mark.hook is not None:
-        return
-    engine_ref = weakref.ref(engine)
+class _ForwardGuard:
+    """The forward pre-hook that refuses a forward while ``engine``'s masters wait for a sync. It holds the engine
+    weakly; a pickled copy (``torch.save`` of the whole module) guards nothing."""
 
-    def guard(module: torch.nn.Module, args: Any) -> None:
+    def __init__(self, engine: Any) -> None:
+        self._engine: Callable[[], Any] = weakref.ref(engine)
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
         del module, args
-        current = engine_ref()
-        if current is not None and needs_sync(current):
+        engine = self._engine()
+        if engine is not None and needs_sync(engine):
             raise ModelParamsNotSyncedError(
-                "the fp32 master weights were written (zero_dtensor set_full_, a transform, set_dtensors_, "
+                "the fp32 master weights were written (zero_dtensor set_full_, a transform, copy_, set_dtensors_, "
                 "set_owned_ or map_full_) but the model's working weights were not refreshed: call "
                 "zero_dtensor.sync_model_params(engine) on every rank before the next forward"
             )
 
-    mark.hook = engine.module.register_forward_pre_hook(guard, prepend=True)
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        del state
+        self._engine = _nothing
+
+
+def _nothing() -> None:
+    return None
+
+
+def _install_guard(engine: Any) -> None:
+    """Install :class:`_ForwardGuard` on ``engine.module`` once per engine (prepended, so it runs before DeepSpeed's
+    own ZeRO-3 gather hooks and a refused forward gathers nothing)."""
+    mark = _MARKS.setdefault(engine, _SyncMark())
+    if mark.hook is None:
+        mark.hook = engine.module.register_forward_pre_hook(_ForwardGuard(engine), prepend=True)
 
 
 def sync_model_params(engine: Any) -> None:

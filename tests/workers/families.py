@@ -47,6 +47,7 @@ ROWS = [
     "forward without sync raises",
     "bad input raises before writing",
     "reductions",
+    "transforms",
     "redistribution",
     "cross-family",
     "ema",
@@ -299,6 +300,24 @@ def check_front(case: EngineCase) -> dict[str, Any]:
             assert abs(stats[n].max_abs - fs[n].abs().max().item()) <= 1e-7, n
 
     rows.run("reductions", reductions)
+
+    def transforms() -> None:
+        copy = master.clone()  # the masters' geometry, its own memory (no sync involved)
+        assert isinstance(copy, zd.ShardedMasterParams) and copy.layout is master.layout
+        full = copy.full_tensors(strategy="all_reduce")
+        first = copy.names[0]
+        copy.clamp_(-0.05, 0.05).mul_(2.0).add_(0.25, params=[first]).zero_(params=lambda n: n.endswith("bias"))
+        copy.apply_(lambda x: x.mul_(3.0).sub_(1.0))
+        expected = {n: v.clamp(-0.05, 0.05) * 2.0 for n, v in full.items()}
+        expected[first] = expected[first] + 0.25
+        expected = {n: (torch.zeros_like(v) if n.endswith("bias") else v) * 3.0 - 1.0 for n, v in expected.items()}
+        torch.testing.assert_close(copy.full_tensors(strategy="all_reduce"), expected, rtol=1e-6, atol=1e-7)
+        noisy = master.clone().zero_().add_noise_(1.0, seed=7)
+        for n, v in noisy.full_tensors(strategy="all_reduce").items():
+            assert torch.equal(v.flatten(), zd.counter_normal(7, n, v.numel())), n
+        assert not zd.master.needs_sync(ours)
+
+    rows.run("transforms", transforms)
 
     def redistribution() -> None:
         state = zd.sharded_optimizer_state(ours, "exp_avg_sq")

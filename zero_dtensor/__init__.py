@@ -1,12 +1,28 @@
-"""zero_dtensor: whole-model access to DeepSpeed ZeRO gradients as DTensors, between backward() and step()."""
+"""zero_dtensor: whole-model, sharded access to DeepSpeed ZeRO gradients, fp32 master weights and optimizer state as
+DTensors."""
 
-from .api import get_full_model_grads, set_full_model_grads, sharded_grads
+from .api import (
+    get_full_fp32_params,
+    get_full_model_grads,
+    get_full_optimizer_state,
+    optimizer_state_keys,
+    set_full_fp32_params,
+    set_full_model_grads,
+    set_full_optimizer_state,
+    sharded_grads,
+    sharded_master_params,
+    sharded_optimizer_state,
+    sync_model_params,
+)
 from .errors import (
     GradHookError,
     GradientsNotReadyError,
+    ModelParamsNotSyncedError,
+    OptimizerStateNotReadyError,
     RankDisagreementError,
     RankFailedError,
     StaleGradientsError,
+    StaleTensorsError,
     UnsupportedDeepSpeedError,
 )
 from .hooks import GradHookHandle, attach_to_trainer, on_grads, on_grads_in_trainer
@@ -18,14 +34,15 @@ from .param_values import ParamValues
 from .reductions import GradStats
 from .replicate import FullGradsHandle, KeepFullGradsHandle, keep_full_grads
 from .settings import set_debug, set_gather_strategy
+from .master import ShardedMasterParams, ShardedOptimizerState
 from .sharded import ParamGrad, ShardedGrads
 from .stats_logger import GradStatsLogger
+from .tensors import ParamView, ShardedTensors
 
 __version__ = "0.1.0"
 
 __all__ = [
     "FullGradsHandle",
-    "KeepFullGradsHandle",
     "GradHookError",
     "GradHookHandle",
     "GradLayout",
@@ -33,26 +50,42 @@ __all__ = [
     "GradStatsLogger",
     "GradientsNotReadyError",
     "GroupLayout",
+    "KeepFullGradsHandle",
+    "ModelParamsNotSyncedError",
+    "OptimizerStateNotReadyError",
     "Packing",
     "ParamGrad",
     "ParamLayout",
     "ParamValues",
+    "ParamView",
     "RankDisagreementError",
     "RankFailedError",
     "RankPool",
     "ShardedGrads",
+    "ShardedMasterParams",
+    "ShardedOptimizerState",
+    "ShardedTensors",
     "StaleGradientsError",
+    "StaleTensorsError",
     "UnsupportedDeepSpeedError",
     "attach_to_trainer",
     "counter_normal",
     "found_inf",
+    "get_full_fp32_params",
     "get_full_model_grads",
+    "get_full_optimizer_state",
     "keep_full_grads",
     "launch",
     "on_grads",
     "on_grads_in_trainer",
+    "optimizer_state_keys",
     "set_debug",
+    "set_full_fp32_params",
     "set_full_model_grads",
+    "set_full_optimizer_state",
     "set_gather_strategy",
     "sharded_grads",
+    "sharded_master_params",
+    "sharded_optimizer_state",
+    "sync_model_params",
 ]

@@ -1,4 +1,7 @@
-"""Entry points: ``sharded_grads``, ``get_full_model_grads``, ``set_full_model_grads``."""
+"""Entry points: ``sharded_grads``, ``get_full_model_grads``, ``set_full_model_grads``; the fp32 master weights and
+optimizer state (``sharded_master_params``, ``sharded_optimizer_state``, ``optimizer_state_keys``,
+``sync_model_params``) and their drop-ins for DeepSpeed's ``safe_get/set_full_fp32_param`` and
+``safe_get/set_full_optimizer_state`` loops."""
 
 from __future__ import annotations
 
@@ -8,12 +11,26 @@ from typing import Any
 
 import torch
 
-from ._deepspeed import check_engine, grad_storage
+from . import master as _master
+from ._deepspeed import check_engine, families, grad_storage
 from .agreement import agree, install_step_checkpoint
+from .master import ShardedMasterParams, ShardedOptimizerState
 from .settings import is_debug
 from .sharded import ShardedGrads
 
-__all__ = ["get_full_model_grads", "set_full_model_grads", "sharded_grads"]
+__all__ = [
+    "get_full_fp32_params",
+    "get_full_model_grads",
+    "get_full_optimizer_state",
+    "optimizer_state_keys",
+    "set_full_fp32_params",
+    "set_full_model_grads",
+    "set_full_optimizer_state",
+    "sharded_grads",
+    "sharded_master_params",
+    "sharded_optimizer_state",
+    "sync_model_params",
+]
 
 _CURRENT: weakref.WeakKeyDictionary[Any, ShardedGrads] = weakref.WeakKeyDictionary()
 
@@ -63,3 +80,76 @@ def set_full_model_grads(engine: Any, mapping: Mapping[str, torch.Tensor]) -> No
     Validates every entry before writing any; see :meth:`ShardedGrads.set_full_`.
     """
     sharded_grads(engine).set_full_(mapping)
+
+
+# --- fp32 master weights and optimizer state ------------------------------------------------------------------------
+def sharded_master_params(engine: Any) -> ShardedMasterParams:
+    """The fp32 master weights of a DeepSpeed ZeRO ``engine`` (what its optimizer updates), sharded as stored, with
+    everything ``ShardedGrads`` offers. **No communication**; no memory beyond the views.
+
+    Valid from ``deepspeed.initialize`` on, between steps too (the same object while DeepSpeed holds the same
+    tensors). Writes change what the next ``engine.step()`` starts from and mark the engine: call
+    :func:`sync_model_params` on every rank before the next forward, or that forward raises
+    :class:`~zero_dtensor.errors.ModelParamsNotSyncedError` (a forward pre-hook on ``engine.module``, installed
+    here once per engine). ``BF16_Optimizer`` keeps its masters sharded (its gradient is replicated). ZeRO-3 with
+    NVMe offload is refused (:class:`~zero_dtensor.errors.UnsupportedDeepSpeedError`).
+    """
+    check_engine(engine)
+    return _master.master_front(engine)
+
+
+def sharded_optimizer_state(engine: Any, key: str) -> ShardedOptimizerState:
+    """The optimizer state ``key`` (one of :func:`optimizer_state_keys`, e.g. Adam's ``'exp_avg'``), sharded as the
+    masters, with everything ``ShardedGrads`` offers; writes need no sync. **No communication**; no memory beyond
+    the views. Raises :class:`~zero_dtensor.errors.OptimizerStateNotReadyError` before the optimizer's first step,
+    ``KeyError`` for a key that is not a tensor shaped like the masters (``'step'`` never is: one value per flat
+    group). Stale (:class:`~zero_dtensor.errors.StaleTensorsError`) once ``engine.load_checkpoint`` replaces the
+    state: call again."""
+    check_engine(engine)
+    return _master.optimizer_state_front(engine, key)
+
+
+def optimizer_state_keys(engine: Any) -> tuple[str, ...]:
+    """The optimizer-state keys :func:`sharded_optimizer_state` takes (Adam: ``('exp_avg', 'exp_avg_sq')``; SGD with
+    momentum: ``('momentum_buffer',)``). Raises :class:`~zero_dtensor.errors.OptimizerStateNotReadyError` before the
+    first step. No communication."""
+    return families.optimizer_state_keys(engine)
+
+
+def sync_model_params(engine: Any) -> None:
+    """Make the model's working weights the (cast) fp32 masters after a write into them, and clear the write mark.
+    **Collective**: every rank of the data-parallel group, between steps. Communication: the rank agreement (one
+    all_gather of two int64 per rank), then ZeRO-1/2 and ``BF16_Optimizer`` one ``all_gather_into_tensor`` per
+    param group (``(N-1)/N·S`` bytes received per rank in the working dtype); ZeRO-3 a local cast copy per
+    sub-group, then DeepSpeed's gather of the persistent parameters (one all_gather each). Memory: none beyond
+    DeepSpeed's own."""
+    check_engine(engine)
+    _master.sync_model_params(engine)
+
+
+def get_full_fp32_params(engine: Any, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """``{name: full fp32 master weight}``, a drop-in for ``{n: safe_get_full_fp32_param(p) for n, p in ...}`` over
+    trainable parameters. **Collective**: one ``all_gather`` per process group (coalesced; + the rank agreement)
+    instead of one ``all_reduce`` per parameter; none for a single rank. Memory: the results (fp32, ``S``)."""
+    return sharded_master_params(engine).full_tensors(names, dtype=torch.float32)
+
+
+def set_full_fp32_params(engine: Any, mapping: Mapping[str, torch.Tensor]) -> None:
+    """Write full fp32 master weights and refresh the model's working weights from them, a drop-in for a
+    ``safe_set_full_fp32_param`` loop followed by the refresh DeepSpeed's step would do. **Collective** (the sync,
+    :func:`sync_model_params`; the write itself communicates nothing). Every entry is validated on every rank
+    before anything is written."""
+    sharded_master_params(engine).set_full_(mapping)
+    sync_model_params(engine)
+
+
+def get_full_optimizer_state(engine: Any, key: str, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """``{name: full optimizer state key}`` (fp32), a drop-in for a ``safe_get_full_optimizer_state(p, key)``
+    loop. **Collective**: as :func:`get_full_fp32_params`."""
+    return sharded_optimizer_state(engine, key).full_tensors(names, dtype=torch.float32)
+
+
+def set_full_optimizer_state(engine: Any, key: str, mapping: Mapping[str, torch.Tensor]) -> None:
+    """Write full optimizer state ``key``, a drop-in for a ``safe_set_full_optimizer_state(p, value, key)`` loop.
+    **No communication**; every entry is validated before anything is written."""
+    sharded_optimizer_state(engine, key).set_full_(mapping)

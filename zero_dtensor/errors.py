@@ -7,9 +7,12 @@ from collections.abc import Sequence
 __all__ = [
     "GradHookError",
     "GradientsNotReadyError",
+    "ModelParamsNotSyncedError",
+    "OptimizerStateNotReadyError",
     "RankDisagreementError",
     "RankFailedError",
     "StaleGradientsError",
+    "StaleTensorsError",
     "UnsupportedDeepSpeedError",
 ]
 
@@ -22,8 +25,24 @@ class GradientsNotReadyError(RuntimeError):
     """Gradients were requested outside the window ``engine.backward()`` (at a boundary) … ``engine.step()``."""
 
 
-class StaleGradientsError(GradientsNotReadyError):
+class StaleTensorsError(RuntimeError):
+    """A sharded view (``ShardedGrads``, ``ShardedMasterParams``, ``ShardedOptimizerState``, or a view of one) was
+    used after DeepSpeed stopped holding its values (gradients: consumed by ``engine.step()``; optimizer state:
+    replaced by ``engine.load_checkpoint``). Make the view again."""
+
+
+class StaleGradientsError(GradientsNotReadyError, StaleTensorsError):
     """A ``ShardedGrads`` (or a view of it) was used after ``engine.step()`` consumed its gradients."""
+
+
+class OptimizerStateNotReadyError(RuntimeError):
+    """The optimizer state was requested before it exists: torch's optimizers create it in their first ``step()``
+    (so after the first ``engine.step()`` that was not skipped for fp16 overflow)."""
+
+
+class ModelParamsNotSyncedError(RuntimeError):
+    """A forward started after a write into the fp32 master weights that has not reached the model's working
+    weights yet: call ``zero_dtensor.sync_model_params(engine)`` on every rank after writing masters."""
 
 
 class RankDisagreementError(RuntimeError):

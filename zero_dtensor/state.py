@@ -1,4 +1,5 @@
-"""The one internal state under a :class:`~zero_dtensor.sharded.ShardedGrads`: storage, plan, selection, staleness.
+"""The one internal state under a :class:`~zero_dtensor.tensors.ShardedTensors` (gradients, masters, optimizer
+state): storage, plan, selection, staleness.
 
 Every internal module (materialization, transforms, reductions) takes a :class:`GradState` as an argument instead
 of reaching into the public object above it. Nothing here communicates.
@@ -21,7 +22,8 @@ from .plan import AllParams, GradPlan, GroupPlan, plan_for
 from .storage import GradStorage
 from .views import ViewCache
 
-__all__ = ["GradState", "GradsLike", "ParamSelection", "Selection", "STALE", "short_names", "state_of"]
+__all__ = ["GradState", "GradsLike", "ParamSelection", "Selection", "STALE", "check_dtype", "short_names",
+           "state_of"]
 
 ParamSelection = Union[None, Collection[str], Callable[[str], bool]]
 
@@ -75,9 +77,11 @@ class Selection:
 class GradState:
     """Gradient memory of one engine for one step, with its cached plan and this step's partition pieces."""
 
-    def __init__(self, storage: GradStorage) -> None:
+    def __init__(self, storage: GradStorage, stale: Callable[[], Exception] | None = None) -> None:
         self.storage = storage
         self.plan: GradPlan = plan_for(storage.layout)
+        #: makes the error a use after the storage went stale raises (default: the gradients' one)
+        self.stale = stale
 
     # --- description ---------------------------------------------------------------------------------------------
     @property
@@ -100,7 +104,7 @@ class GradState:
 
     def check_current(self) -> None:
         if not self.storage.is_current():
-            raise StaleGradientsError(STALE)
+            raise StaleGradientsError(STALE) if self.stale is None else self.stale()
 
     # --- memory ----------------------------------------------------------------------------------------------------
     @cached_property
@@ -223,3 +227,15 @@ def state_of(grads: GradsLike) -> GradState:
     if getter is None:
         raise TypeError(f"expected a zero_dtensor ShardedGrads, got {type(grads).__name__}")
     return getter()
+
+
+def check_dtype(dtype: Any, what: str) -> None:
+    """``dtype=`` of a read: ``None`` or a floating ``torch.dtype`` (an integer or bool cast would truncate)."""
+    if dtype is None:
+        return
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{what}: dtype must be a torch.dtype or None, got {type(dtype).__name__} ({dtype!r})")
+    if not dtype.is_floating_point:
+        raise TypeError(f"{what}: dtype must be a floating dtype (e.g. torch.float32), got {dtype}: a cast of a "
+                        "tensor to it would silently truncate")
+

@@ -35,7 +35,9 @@ in-place writes change what the next ``engine.step()`` starts from. A master wri
 ``loss_scale`` is always 1.0 (masters and state hold true values). ``is_current()`` stays True across steps (the
 masters and state are updated in place) until DeepSpeed replaces the tensors: every ``engine.load_checkpoint`` path
 gives the optimizer state new tensors (the masters are copied in place); a storage is then stale and must be made
-again. ``after_write`` does nothing (DeepSpeed keeps no bookkeeping derived from masters or state).
+again. ``after_write`` does nothing here (DeepSpeed keeps no bookkeeping derived from masters or state); the
+public front (:mod:`zero_dtensor.master`) gives the masters' storage one that marks the engine as needing
+:func:`~zero_dtensor.sync_model_params`.
 
 Why :class:`~zero_dtensor.storage.GradStorage` and not a new type: every field already means what a family needs
 (a layout; partitions that are the optimizer's memory; process groups; a loss scale, here 1.0; the device; a
@@ -62,7 +64,7 @@ from typing import Any, Union
 import torch
 import torch.distributed as dist
 
-from ..errors import UnsupportedDeepSpeedError
+from ..errors import OptimizerStateNotReadyError, UnsupportedDeepSpeedError
 from ..layout import GradLayout, GroupLayout, Packing
 from ..storage import GradStorage
 from . import check_engine
@@ -85,11 +87,6 @@ MASTER = "master"
 
 #: one flat group's optimizer step: a live 0-d tensor (torch optimizers) or a number (DeepSpeed's CPU/fused Adam)
 StepValue = Union[torch.Tensor, int, float]
-
-
-class OptimizerStateNotReadyError(RuntimeError):
-    """The optimizer state was requested before it exists: torch's optimizers create it in their first ``step()``
-    (so after the first ``engine.step()`` that was not skipped for fp16 overflow)."""
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from typing import Any
 from ..errors import UnsupportedDeepSpeedError
 from . import check_engine
 
-__all__ = ["sync_model_params"]
+__all__ = ["applied_steps", "sync_model_params"]
 
 
 def sync_model_params(engine: Any) -> None:
@@ -69,3 +69,10 @@ def _sync_zero3(opt: Any) -> None:
     invalidate = getattr(opt, "invalidate_secondary_tensor", None)
     if invalidate is not None:
         invalidate()
+
+
+def applied_steps(engine: Any) -> int:
+    """How many optimizer steps ``engine`` has applied (``global_steps`` less those skipped for fp16 overflow): each
+    applied step ends with DeepSpeed's own master → working-weight copy, a skipped one does not. No
+    communication."""
+    return int(engine.global_steps) - int(engine.skipped_steps)

@@ -1,0 +1,212 @@
+"""The fp32 master weights and the optimizer state as sharded fronts (issue 27): ``ShardedMasterParams``,
+``ShardedOptimizerState``, and the guard that keeps the model's working weights in step with written masters.
+
+Both are :class:`~zero_dtensor.tensors.ShardedTensors` over the families of
+:mod:`zero_dtensor._deepspeed.families`: the same views, gathers, writes, transforms, reductions and redistribution
+as :class:`~zero_dtensor.sharded.ShardedGrads`, with the same communication and rank agreement, on the masters'
+geometry (the gradient's; ``BF16_Optimizer``: sharded where its gradient is replicated). Unlike gradients they are
+valid between optimizer steps too (DeepSpeed updates them in place); they go stale only when DeepSpeed replaces
+the tensors (``engine.load_checkpoint`` replaces the optimizer state).
+
+**Writes reach the model only after a sync.** DeepSpeed copies masters into the model's working (bf16/fp16/fp32)
+weights at the end of its own ``step()``. Every write through the API into the masters (``set_full_``, the
+transforms, ``copy_``, ``set_dtensors_``, ``set_owned_``, ``map_full_``) marks the engine as needing
+:func:`sync_model_params`; a forward of ``engine.module`` that starts while the mark is set raises
+:class:`~zero_dtensor.errors.ModelParamsNotSyncedError` (a forward pre-hook, installed once per engine by
+:func:`~zero_dtensor.api.sharded_master_params`). An applied ``engine.step()`` clears the mark (it copies every
+master itself); one skipped for fp16 overflow does not. Writes straight into live views (``to_local()``,
+``local_partitions``, ``groups``) are not seen: call :meth:`ShardedMasterParams.mark_written` or
+:func:`sync_model_params` after them. Optimizer-state writes need no sync.
+
+:func:`sync_model_params` communicates: the rank agreement (one all_gather of two int64 per rank), then
+ZeRO-1/2 and ``BF16_Optimizer``: one ``all_gather_into_tensor`` per param group of the working dtype
+(``(N-1)/N·S`` bytes received per rank, ``S`` the group's flat working buffer), in place; ZeRO-3: a local cast copy
+master → working partition per sub-group, then DeepSpeed's own gather of the persistent parameters (one all_gather
+per persistent parameter; the others are gathered by the next forward as usual). Memory: none beyond DeepSpeed's.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from ._deepspeed import families
+from ._deepspeed import sync as _sync
+from .agreement import agree
+from .errors import ModelParamsNotSyncedError, StaleTensorsError
+from .storage import GradStorage
+from .tensors import ShardedTensors
+
+__all__ = [
+    "ShardedMasterParams",
+    "ShardedOptimizerState",
+    "master_front",
+    "needs_sync",
+    "optimizer_state_front",
+    "sync_model_params",
+]
+
+
+class ShardedMasterParams(ShardedTensors):
+    """Every trainable parameter's fp32 master weight, sharded as DeepSpeed's optimizer stores it: a mapping
+    ``name -> ParamView`` with everything :class:`~zero_dtensor.tensors.ShardedTensors` offers.
+
+    Valid from ``deepspeed.initialize`` on, between steps and inside the ``backward()`` → ``step()`` window alike;
+    in-place changes are what the next ``engine.step()`` starts from. After a write, call
+    :func:`zero_dtensor.sync_model_params` on every rank before the next forward (see :mod:`zero_dtensor.master`);
+    a clone (``clone()``, e.g. an EMA) is not the masters: writing it needs no sync. Values are true fp32 values (no
+    loss scaling). Memory: none beyond the views.
+    """
+
+    def _stale_error(self) -> Exception:
+        return StaleTensorsError(
+            f"{self._state.storage.describe}: DeepSpeed no longer holds these master tensors; call "
+            "zero_dtensor.sharded_master_params(engine) again"
+        )
+
+    def mark_written(self) -> None:
+        """Tell zero_dtensor that the masters were changed through live views (``to_local()``,
+        ``local_partitions``, ``groups``): the next forward then needs :func:`zero_dtensor.sync_model_params`, as
+        after a write through the API. No communication."""
+        self._state.storage.after_write(self.names)
+
+
+class ShardedOptimizerState(ShardedTensors):
+    """One optimizer-state key (Adam's ``exp_avg`` …) of every trainable parameter, sharded as the masters: a
+    mapping ``name -> ParamView`` with everything :class:`~zero_dtensor.tensors.ShardedTensors` offers.
+
+    Exists from the first applied optimizer step on (before it :func:`zero_dtensor.sharded_optimizer_state` raises
+    :class:`~zero_dtensor.errors.OptimizerStateNotReadyError`); valid between steps until DeepSpeed replaces the
+    state tensors (``engine.load_checkpoint``): then every use raises
+    :class:`~zero_dtensor.errors.StaleTensorsError`. Writes change what the next ``engine.step()`` uses and need no
+    sync. Memory: none beyond the views.
+    """
+
+    def _stale_error(self) -> Exception:
+        return StaleTensorsError(
+            f"{self._state.storage.describe}: DeepSpeed replaced the optimizer state (engine.load_checkpoint does); "
+            "call zero_dtensor.sharded_optimizer_state(engine, key) again"
+        )
+
+
+# --- the sync mark -----------------------------------------------------------------------------------------------
+@dataclass
+class _SyncMark:
+    """Per engine: whether masters were written since the working weights were last made from them."""
+
+    pending: bool = False
+    #: ``applied_steps(engine)`` when the mark was set: a later applied step copied the masters itself
+    at_step: int = 0
+    hook: Any = None
+
+
+_MARKS: weakref.WeakKeyDictionary[Any, _SyncMark] = weakref.WeakKeyDictionary()
+
+
+def needs_sync(engine: Any) -> bool:
+    """Whether a write into ``engine``'s masters has not reached its working weights yet. No communication."""
+    mark = _MARKS.get(engine)
+    if mark is None or not mark.pending:
+        return False
+    if _sync.applied_steps(engine) != mark.at_step:  # an applied step copied every master into the model
+        mark.pending = False
+    return mark.pending
+
+
+def _mark_written(engine_ref: weakref.ref[Any], names: Sequence[str]) -> None:
+    del names  # any write: the working weights of the whole model are refreshed together
+    engine = engine_ref()
+    if engine is None:
+        return
+    mark = _MARKS.setdefault(engine, _SyncMark())
+    mark.pending = True
+    mark.at_step = _sync.applied_steps(engine)
+
+
+class _ForwardGuard:
+    """The forward pre-hook that refuses a forward while ``engine``'s masters wait for a sync. It holds the engine
+    weakly; a pickled copy (``torch.save`` of the whole module) guards nothing."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine: Callable[[], Any] = weakref.ref(engine)
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        del module, args
+        engine = self._engine()
+        if engine is not None and needs_sync(engine):
+            raise ModelParamsNotSyncedError(
+                "the fp32 master weights were written (zero_dtensor set_full_, a transform, copy_, set_dtensors_, "
+                "set_owned_ or map_full_) but the model's working weights were not refreshed: call "
+                "zero_dtensor.sync_model_params(engine) on every rank before the next forward"
+            )
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        del state
+        self._engine = _nothing
+
+
+def _nothing() -> None:
+    return None
+
+
+def _install_guard(engine: Any) -> None:
+    """Install :class:`_ForwardGuard` on ``engine.module`` once per engine (prepended, so it runs before DeepSpeed's
+    own ZeRO-3 gather hooks and a refused forward gathers nothing)."""
+    mark = _MARKS.setdefault(engine, _SyncMark())
+    if mark.hook is None:
+        mark.hook = engine.module.register_forward_pre_hook(_ForwardGuard(engine), prepend=True)
+
+
+def sync_model_params(engine: Any) -> None:
+    """Copy ``engine``'s fp32 master weights into the model's working weights (cast to their dtype) and clear the
+    write mark. **Collective**: call on every rank of the data-parallel group, between steps, outside forward and
+    backward. Communication (see :mod:`zero_dtensor.master`): the rank agreement, then ZeRO-1/2 and
+    ``BF16_Optimizer`` one all_gather per param group, ZeRO-3 one all_gather per persistent parameter after a local
+    copy. Memory: none beyond DeepSpeed's own."""
+    storage = master_front(engine).__zero_dtensor_state__().storage
+    agree("sync_model_params", (), storage.process_groups, storage.device)
+    _sync.sync_model_params(engine)
+    mark = _MARKS.get(engine)
+    if mark is not None:
+        mark.pending = False
+
+
+# --- fronts, one per engine (and key) while DeepSpeed holds their tensors ------------------------------------------
+_MASTERS: weakref.WeakKeyDictionary[Any, ShardedMasterParams] = weakref.WeakKeyDictionary()
+_STATES: weakref.WeakKeyDictionary[Any, dict[str, ShardedOptimizerState]] = weakref.WeakKeyDictionary()
+
+
+def master_front(engine: Any) -> ShardedMasterParams:
+    """The masters' front of ``engine`` (the same object while DeepSpeed holds the same tensors), its storage's
+    ``after_write`` setting the sync mark, and the forward guard installed. No communication."""
+    cached = _MASTERS.get(engine.optimizer)
+    if cached is not None and cached.is_current():
+        return cached
+    storage = families.master_storage(engine)
+    engine_ref = weakref.ref(engine)
+    front = ShardedMasterParams(replace(storage, after_write=lambda names: _mark_written(engine_ref, names)))
+    _install_guard(engine)
+    _MASTERS[engine.optimizer] = front
+    return front
+
+
+def optimizer_state_front(engine: Any, key: str) -> ShardedOptimizerState:
+    """The front of optimizer state ``key`` (the same object while DeepSpeed holds the same tensors). Raises
+    :class:`~zero_dtensor.errors.OptimizerStateNotReadyError` before the first step and ``KeyError`` for a key that
+    is not a sharded family. No communication."""
+    if not isinstance(key, str):
+        raise TypeError(f"an optimizer-state key is a str (e.g. 'exp_avg'), got {type(key).__name__}")
+    fronts = _STATES.setdefault(engine.optimizer, {})
+    cached = fronts.get(key)
+    if cached is not None and cached.is_current():
+        return cached
+    storage: GradStorage = families.optimizer_state_storage(engine, key)
+    front = fronts[key] = ShardedOptimizerState(storage)
+    return front

@@ -1,0 +1,159 @@
+"""Redistribution of every :class:`~zero_dtensor.tensors.ShardedTensors` family, as a mixin: per-parameter
+``Shard(0)`` DTensors (``to_dtensors``/``set_dtensors_``) and whole tensors on owner ranks (``owners``, ``owned``,
+``set_owned_``, ``map_full_``). The work is done by :mod:`zero_dtensor.redistribute`; costs are in each docstring
+(about ``S/N`` bytes per rank instead of ``full_tensors``' ``(N-1)/N·S``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from . import redistribute as _redistribute
+from .agreement import Refusal, agree
+from .layout import ParamLayout
+from .state import check_dtype
+from .storage import GradStorage
+
+__all__ = ["TensorOwners"]
+
+
+class TensorOwners:
+    """Redistribution of a sharded family (see the module docstring)."""
+
+    if TYPE_CHECKING:
+        _storage: GradStorage
+
+        def _check_current(self) -> None: ...
+
+        def _select(self, names: Any) -> list[ParamLayout]: ...
+
+        def _agree(self, what: str, selected: list[ParamLayout] | None, refused: Exception | None,
+                   *signature: Any) -> None: ...
+
+    def to_dtensors(self, names: list[str] | None = None, *, dtype: torch.dtype | None = None) -> dict[str, DTensor]:
+        """``{name: DTensor}``: each selected tensor (true units) with the parameter's shape, placement
+        ``Shard(0)`` (rows split as ``torch.chunk`` splits them, as FSDP2 lays parameters out; a 0-d parameter,
+        which ``Shard(0)`` cannot describe, is ``Replicate()``), on a 1-D ``DeviceMesh`` over its data-parallel
+        process group. **Collective**: call on every rank with the same arguments.
+
+        Communication: the rank agreement (one all_gather of two int64 per rank and process group), then one
+        ``all_to_all_single`` with uneven splits per (process group, stored dtype) for all selected parameters
+        together, in the stored dtype: each rank sends the part of its fragments that other ranks' rows cover and
+        receives the part of its rows that others store, about ``(N-1)/N · S/N`` bytes each way (``S`` the
+        selected bytes; ``full_tensors`` receives ``(N-1)/N · S``). None for replicated groups (each rank slices its
+        own rows) or where the stored pieces already are whole rows (ZeRO-3 when every row count divides by ``N``):
+        the plan decides this from the layout alone, identically on every rank. Results are **snapshots** the caller
+        owns (views into one buffer per process group), valid after ``engine.step()``; ``dtype`` casts after the
+        exchange.
+        """
+        self._check_current()
+        selected: list[ParamLayout] | None = None
+        with Refusal() as refusal:
+            selected = self._select(names)
+            check_dtype(dtype, "to_dtensors")
+        self._agree("to_dtensors", selected, refusal.error, str(dtype))
+        return _redistribute.to_dtensors(self._storage, selected, dtype=dtype)
+
+    def set_dtensors_(self, mapping: Mapping[str, DTensor]) -> None:
+        """Write ``Shard(0)`` DTensors shaped as :meth:`to_dtensors` returns them (true units, any floating dtype)
+        back into DeepSpeed's storage. **Collective**: call on every rank with the same names.
+
+        Every entry (name, DTensor type, mesh over the group's ranks, placement, global shape, dtype, this rank's
+        local shard shape, device) is checked on every rank before anything is sent or written; a bad entry on any
+        rank raises on every rank. Communication: the rank agreement (one all_gather of two int64 per rank; it carries
+        any rank's refusal), then one ``all_to_all_single`` per (process group, dtype), the reverse of the read, about ``(N-1)/N · S/N`` bytes each way per rank (replicated groups
+        too: every rank needs the whole new value, ``(N-1)/N · S`` received). Writes never record autograd history.
+        """
+        self._check_current()
+        selected: list[ParamLayout] | None = None
+        storage = self._storage
+        values: dict[str, torch.Tensor] = {}
+        with Refusal() as refusal:
+            selected = self._select(_redistribute.mapping_names(mapping, "set_dtensors_"))
+            values = _redistribute.checked_dtensors(storage, selected, mapping)
+        signature = () if refusal.error else ([p.name for p in selected], _redistribute.dtensor_signature(mapping))
+        agree("set_dtensors_", signature, _redistribute.agreement_groups(storage, selected), storage.device,
+              refused=refusal.error)
+        assert selected is not None  # a refusal raised above
+        _redistribute.set_dtensors_(storage, selected, values)
+
+    def owners(self, names: list[str] | None = None, *, owners: Mapping[str, int] | None = None) -> dict[str, int]:
+        """``{name: global rank}`` that :meth:`owned` and :meth:`map_full_` give each selected parameter to. **No
+        communication**: deterministic from the layout and the selection, identical on every rank; balanced by size
+        (largest first onto the least-loaded rank of its process group; ties: selection order, then lower rank).
+        ``owners=`` (a complete mapping for the selection) is validated and returned instead.
+        """
+        self._check_current()
+        return _redistribute.owners(self._storage, self._select(names), owners)
+
+    def owned(self, names: list[str] | None = None, *, owners: Mapping[str, int] | None = None,
+              dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """``{name: whole tensor}`` (true units, the parameter's shape) of the selected parameters this rank owns
+        (:meth:`owners`; ``owners=`` overrides); other ranks' parameters are absent. **Collective**: call on every
+        rank with the same arguments.
+
+        Communication: the rank agreement, then one ``all_to_all_single`` per (process group, stored dtype)
+        of sharded groups: each rank sends its fragments of other owners' parameters and receives the rest of its
+        own, about ``(N-1)/N · S/N`` bytes each way for a balanced assignment. Replicated groups: none. Results are
+        **snapshots** the caller owns.
+        """
+        self._check_current()
+        selected: list[ParamLayout] | None = None
+        assignment: dict[str, int] = {}
+        with Refusal() as refusal:
+            selected = self._select(names)
+            check_dtype(dtype, "owned")
+            assignment = _redistribute.owners(self._storage, selected, owners)
+        self._agree("owned", selected, refusal.error, str(dtype), tuple(assignment.values()))
+        return _redistribute.owned(self._storage, selected, assignment, dtype=dtype)
+
+    def set_owned_(self, mapping: Mapping[str, torch.Tensor], *, owners: Mapping[str, int] | None = None) -> None:
+        """Write whole tensors (true units, the parameter's shape, any floating dtype) from the ranks that hold
+        them, usually the (modified) result of :meth:`owned`: each rank passes its own, each parameter comes from
+        at most one rank; with ``owners=`` every key must be owned by the passing rank. **Collective**: call on
+        every rank (with its own mapping, possibly empty).
+
+        Every entry is checked before anything is sent or written; a bad entry on any rank raises on every rank.
+        Communication: the rank agreement, which also tells every rank which rank passed which parameter (one
+        all_gather of ``2 + k`` int64 per rank and process group, ``k`` its parameters), then one
+        ``all_to_all_single`` per (process group, dtype), about ``(N-1)/N · S/N`` bytes each way per rank (replicated groups: the owner's values reach every
+        rank). Writes never record autograd history.
+        """
+        self._check_current()
+        _redistribute.set_owned_(self._storage, mapping, assignment=owners)
+
+    def map_full_(self, fn: Callable[[str, torch.Tensor], torch.Tensor], names: list[str] | None = None, *,
+                  owners: Mapping[str, int] | None = None) -> None:
+        """Replace each selected tensor by ``fn(name, whole tensor)``, computed once in the job, on the
+        parameter's owner (:meth:`owners`): :meth:`owned`, ``fn``, then the reverse exchange. ``fn`` gets true
+        units in the stored dtype (float32 under fp16) and returns a tensor of the parameter's shape (any floating
+        dtype). **Collective**: call on every rank with the same arguments.
+
+        Communication: the rank agreement, one ``all_to_all_single`` per (process group, dtype) each way (the
+        second also carries one error code per peer): about ``(N-1)/N · S/N`` bytes each way per rank per
+        exchange. An exception in ``fn`` (or a result of the wrong shape or dtype) on any rank raises on every rank
+        and nothing is written: the original exception where it happened,
+        :class:`~zero_dtensor.errors.RankFailedError` elsewhere. ``fn`` runs on each parameter's owner only, so it
+        must not communicate: a zero_dtensor collective inside it raises ``RuntimeError`` at once (compute with
+        :meth:`owned` and write back with :meth:`set_owned_` where the computation needs other ranks).
+        """
+        self._check_current()
+        storage = self._storage
+        selected: list[ParamLayout] | None = None
+        assignment: dict[str, int] = {}
+        with Refusal() as refusal:
+            selected = self._select(names)
+            if not callable(fn):
+                raise TypeError(f"map_full_ takes a function fn(name, full_tensor) -> tensor, got "
+                                f"{type(fn).__name__}")
+            assignment = _redistribute.owners(storage, selected, owners)
+        signature = () if refusal.error else ([p.name for p in selected], tuple(assignment.values()))
+        agree("map_full_", signature, _redistribute.agreement_groups(storage, selected), storage.device,
+              refused=refusal.error)
+        assert selected is not None  # a refusal raised above
+        _redistribute.map_full_(storage, selected, assignment, fn)
+

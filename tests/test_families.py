@@ -1,7 +1,7 @@
 """Issue 27, the public front: ``zd.sharded_master_params``, ``zd.sharded_optimizer_state``, ``zd.sync_model_params``
 and the drop-ins for DeepSpeed's ``safe_get/set_full_fp32_param`` / ``safe_get/set_full_optimizer_state``, against
 DeepSpeed's own per-parameter API on an identical engine, on ZeRO-1/2/3, fp32/bf16/fp16, CPU offload,
-``BF16_Optimizer``, two param groups with frozen parameters, and one world-3 case. One worker call per case runs every
+``BF16_Optimizer``, two param groups with frozen parameters, a tied parameter, and world sizes 1 to 4. One worker call per case runs every
 row (``tests/workers/rows.py``); the example ``examples/ema.py`` runs as its own test."""
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ CASES = [
     EngineCase(3),
     EngineCase(3, "fp16", offload=True, groups=2),
     EngineCase(3, "bf16", world=3),
+    EngineCase(2, world=1),  # one rank: nothing communicates
+    EngineCase(2, world=4),
+    EngineCase(3, "bf16", model="tied"),  # a tied parameter, listed once
 ]
 ROW_TESTS = [pytest.param(case, row, id=f"{case.id}-{slug(row)}") for case in CASES for row in families.ROWS]
 _RESULTS = RowResults()

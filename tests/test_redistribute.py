@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zero_dtensor import redistribute as rd
+from zero_dtensor.redistribute import assignment, exchange, plan as rd_plan
 from zero_dtensor.layout import GradLayout, GroupLayout, Packing, ParamLayout
 
 from workers import redistribute as worker
@@ -103,7 +104,7 @@ def _route(sends: list[torch.Tensor], transfers: list[rd.Transfer]) -> list[torc
 
 
 def _owners_of(layout: GradLayout, names: tuple[str, ...], world: int) -> tuple[int, ...]:
-    return rd._balanced(layout, names, (0,) * len(layout.groups))
+    return assignment._balanced(layout, names, (0,) * len(layout.groups))
 
 
 @settings(max_examples=150, deadline=None)
@@ -114,7 +115,7 @@ def test_plans_move_every_element_exactly(model, kind, rnd) -> None:
     names = tuple(rnd.sample(names, rnd.randint(1, len(names))))  # a selection, in any order
     owners = _owners_of(layouts[0], names, world) if kind == rd.OWNERS else ()
     keys = (0,) * len(layouts[0].groups)
-    plans = [rd._plan(layout, names, keys, kind, owners) for layout in layouts]
+    plans = [rd_plan._plan(layout, names, keys, kind, owners) for layout in layouts]
     truth = _truth(layouts[0])
     parts = [_partitions(layout, truth) for layout in layouts]
     owner_of = dict(zip(names, owners))
@@ -123,12 +124,12 @@ def test_plans_move_every_element_exactly(model, kind, rnd) -> None:
     assert len({len(p.buckets) for p in plans}) == 1
     for b in range(len(plans[0].buckets)):
         buckets = [plan.buckets[b] for plan in plans]
-        sends = [rd._pack([parts[r][g] for g in bk.groups], bk.read.send_pieces, bk.dtype, torch.device("cpu"))
+        sends = [exchange._pack([parts[r][g] for g in bk.groups], bk.read.send_pieces, bk.dtype, torch.device("cpu"))
                  for r, bk in enumerate(buckets)]
         recvs = _route(sends, [bk.read for bk in buckets])
         for r, (bk, recv) in enumerate(zip(buckets, recvs)):
             out = torch.full((bk.out_numel,), float("nan"), dtype=bk.dtype)
-            rd._unpack(recv, bk.read.recv_pieces, [out])
+            exchange._unpack(recv, bk.read.recv_pieces, [out])
             if bk.read.recv_in_order:  # _read then uses the receive buffer itself as the output
                 assert torch.equal(recv, out), r
             for slot in bk.params:
@@ -164,10 +165,10 @@ def test_plans_move_every_element_exactly(model, kind, rnd) -> None:
                 else:
                     chunks = torch.chunk(full, world)
                     values.append((chunks[r] if r < len(chunks) else full[:0]).reshape(-1))
-            sends.append(rd._pack(values, bk.write.send_pieces, bk.dtype, torch.device("cpu")))
+            sends.append(exchange._pack(values, bk.write.send_pieces, bk.dtype, torch.device("cpu")))
         recvs = _route(sends, [bk.write for bk in buckets])
         for r, (bk, recv) in enumerate(zip(buckets, recvs)):
-            rd._unpack(recv, bk.write.recv_pieces, [written[r][g] for g in bk.groups])
+            exchange._unpack(recv, bk.write.recv_pieces, [written[r][g] for g in bk.groups])
     selected = set(names)
     for r, layout in enumerate(layouts):
         expected = _partitions(layout, {n: (new if n in selected else truth)[n] for n in truth})
@@ -193,8 +194,8 @@ def test_balanced_owners_are_deterministic_and_balanced(sizes, world) -> None:
     params = tuple(ParamLayout(f"p{i}", torch.Size([n]), 0, 0) for i, n in enumerate(sizes))
     layout = GradLayout((GroupLayout(0, world, 0, 1, torch.float32, Packing.CONTIGUOUS),), params)
     names = tuple(p.name for p in params)
-    owners = rd._balanced(layout, names, (0,))
-    assert owners == rd._balanced(GradLayout(layout.groups, params), names, (0,))  # value, not identity
+    owners = assignment._balanced(layout, names, (0,))
+    assert owners == assignment._balanced(GradLayout(layout.groups, params), names, (0,))  # value, not identity
     loads = [0] * world
     for n, r in zip(sizes, owners):
         loads[r] += n

@@ -1,0 +1,176 @@
+"""The redistribution calls: ``to_dtensors`` / ``set_dtensors_``, ``owned`` / ``set_owned_``, ``map_full_``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .. import collectives
+from ..agreement import Refusal, agree, error_code, local_only, raise_outcome
+from ..layout import ParamLayout
+from ..storage import GradStorage
+from .checks import check_dtensor, check_full, build_dtensor, agreement_groups, mapping_names
+from .exchange import my_rank, read_targets, write_targets
+from .assignment import check_owner_entry
+from .plan import OWNERS, Plan, ROWS, plan_for
+
+
+def to_dtensors(storage: GradStorage, selected: Sequence[ParamLayout], *, dtype: torch.dtype | None = None
+                ) -> dict[str, DTensor]:
+    """Every selected parameter's gradient as a ``Shard(0)`` DTensor of its shape (0-d: ``Replicate``) on a 1-D mesh
+    over its data-parallel process group; a snapshot (true units, ``dtype``). **Collective**: one
+    ``all_to_all_single`` per (process group, dtype) of sharded groups (none for replicated groups or where the
+    stored pieces already are the rows), about ``(N-1)/N · S/N`` bytes sent and received per rank."""
+    plan = plan_for(storage, selected, ROWS)
+    result: dict[str, DTensor] = {}
+    for bucket, buffer in read_targets(storage, plan, dtype):
+        mesh = collectives.mesh_for(storage.process_groups[bucket.groups[0]], buffer.device.type)
+        for slot in bucket.params:
+            local = buffer.narrow(0, slot.start, slot.numel).view(slot.shape)
+            result[slot.name] = build_dtensor(local, mesh, Replicate() if slot.replicate else Shard(0), slot)
+    return {p.name: result[p.name] for p in selected}
+
+
+def checked_dtensors(storage: GradStorage, selected: Sequence[ParamLayout], mapping: Mapping[str, Any]
+                     ) -> dict[str, torch.Tensor]:
+    """This rank's local shards of ``set_dtensors_``'s entries, each checked (DTensor type, mesh over the group's
+    ranks, placement, global shape, dtype, this rank's local shard shape, device); raises at the first bad one.
+    No communication."""
+    plan = plan_for(storage, selected, ROWS)
+    values: dict[str, torch.Tensor] = {}
+    for bucket in plan.buckets:
+        pg = storage.process_groups[bucket.groups[0]]
+        for slot in bucket.params:
+            values[slot.name] = check_dtensor(storage, slot, mapping[slot.name], pg)
+    return values
+
+
+def set_dtensors_(storage: GradStorage, selected: Sequence[ParamLayout], values: Mapping[str, torch.Tensor]) -> None:
+    """Write the local shards of ``Shard(0)`` DTensors (:func:`checked_dtensors`, agreed on every rank) back.
+    **Collective**: one ``all_to_all_single`` per (process group, dtype), replicated groups included, about
+    ``(N-1)/N · S/N`` bytes each way per rank (replicated: ``(N-1)/N · S`` received)."""
+    write_targets(storage, plan_for(storage, selected, ROWS), values)
+    storage.after_write([p.name for p in selected])
+
+
+def owned(storage: GradStorage, selected: Sequence[ParamLayout], assignment: Mapping[str, int], *,
+          dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The whole gradients of the selected parameters ``assignment`` gives this rank (true units, ``dtype``); a
+    snapshot. **Collective**: one ``all_to_all_single`` per (process group, dtype) of sharded groups, about
+    ``(N-1)/N · S/N`` bytes each way per rank when the assignment is balanced."""
+    plan = plan_for(storage, selected, OWNERS, assignment)
+    return _owned_views(storage, plan, dtype)
+
+
+def _owned_views(storage: GradStorage, plan: Plan, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    result = {}
+    for bucket, buffer in read_targets(storage, plan, dtype):
+        for slot in bucket.params:
+            if slot.present:
+                result[slot.name] = buffer.narrow(0, slot.start, slot.numel).view(slot.shape)
+    return {n: result[n] for n in plan.names if n in result}
+
+
+def _provided(storage: GradStorage, mapping: Any, restrict: Mapping[str, int] | None) -> dict[str, torch.Tensor]:
+    """This rank's ``set_owned_`` entries, each checked; raises at the first bad one. No communication."""
+    values: dict[str, torch.Tensor] = {}
+    names = mapping_names(mapping, "set_owned_")
+    me = my_rank(storage)
+    for name in names:
+        param = storage.layout.by_name.get(name) if isinstance(name, str) else None
+        if param is None:
+            raise KeyError(f"set_owned_: {name!r} is not a trainable parameter of this engine")
+        if restrict is not None and restrict.get(name) != me:
+            owner = f"rank {restrict[name]}" if name in restrict else "not given"
+            raise ValueError(f"set_owned_: rank {me} passed {name!r}, whose owner under owners= is {owner}: "
+                             "pass each parameter on its owner only")
+        values[name] = check_full(storage, "set_owned_", param, mapping[name])
+    return values
+
+
+def _restriction(storage: GradStorage, assignment: Any) -> dict[str, int] | None:
+    """``set_owned_``'s ``owners=``, checked (``None`` when not given). No communication."""
+    if assignment is None:
+        return None
+    if not isinstance(assignment, Mapping):
+        raise TypeError(f"owners= must be a mapping name -> global rank, got {type(assignment).__name__}")
+    return {name: check_owner_entry(storage, name, rank) for name, rank in assignment.items()}
+
+
+def set_owned_(storage: GradStorage, mapping: Mapping[str, torch.Tensor], *,
+               assignment: Mapping[str, int] | None = None) -> None:
+    """Write whole gradients from the ranks holding them (each parameter from at most one rank; ``assignment``
+    given: from its owner there). **Collective**: the rank agreement, which also tells every rank which rank passed
+    which parameter (per multi-rank process group one ``all_gather`` of ``2 + k`` int64 per rank, ``k`` the
+    group's parameters), then one ``all_to_all_single`` per (process group, dtype), about ``(N-1)/N · S/N`` bytes
+    each way per rank (replicated groups: the owner's values to every rank)."""
+    values: dict[str, torch.Tensor] = {}
+    restrict: dict[str, int] | None = None
+    with Refusal() as refusal:
+        restrict = _restriction(storage, assignment)
+        values = _provided(storage, mapping, restrict)
+    signature = () if refusal.error else (None if restrict is None else sorted(restrict.items()),)
+    layout = storage.layout
+    groups = agreement_groups(storage, None)
+    by_pg = {id(storage.process_groups[g.index]): [p for p in layout.params
+                                                   if storage.process_groups[p.group] is storage.process_groups[g.index]]
+             for g in layout.groups}
+    rows = agree("set_owned_", signature, groups, storage.device, refused=refusal.error,
+                 payload=lambda pg: [int(p.name in values) for p in by_pg[id(pg)]])
+    provider = _providers(storage, values, rows, by_pg)
+    selection = [p.name for p in layout.params if p.name in provider]
+    plan = plan_for(storage, [layout.by_name[n] for n in selection], OWNERS, provider)
+    write_targets(storage, plan, values)
+    storage.after_write(selection)
+
+
+def _providers(storage: GradStorage, values: Mapping[str, torch.Tensor], rows: Mapping[int, list[list[int]]],
+               by_pg: Mapping[int, list[ParamLayout]]) -> dict[str, int]:
+    """``{name: global rank that passed it}`` from the agreement's rows (the same on every rank); a parameter passed
+    by more than one rank raises ``ValueError`` on every rank. No communication."""
+    provider: dict[str, int] = {}
+    twice: list[str] = []
+    for pg in {id(storage.process_groups[p.group]): storage.process_groups[p.group]
+               for p in storage.layout.params}.values():
+        params = by_pg[id(pg)]
+        if id(pg) not in rows:  # a single-rank group: this rank alone
+            provider.update({p.name: my_rank(storage) for p in params if p.name in values})
+            continue
+        members = collectives.group_ranks(pg)
+        for k, p in enumerate(params):
+            passed = [members[r] for r, row in enumerate(rows[id(pg)]) if row[2 + k]]
+            if len(passed) > 1:
+                twice.append(p.name)
+            elif passed:
+                provider[p.name] = passed[0]
+    if twice:
+        raise ValueError(f"set_owned_: {twice[:8]} were passed by more than one rank; pass each parameter on one "
+                         "rank only (its owner: see grads.owners()). Nothing was written on any rank.")
+    return provider
+
+
+def map_full_(storage: GradStorage, selected: Sequence[ParamLayout], assignment: Mapping[str, int],
+              fn: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
+    """``fn(name, whole gradient)`` on each parameter's owner, written back: each gradient computed once in the job.
+    **Collective**: :func:`owned`'s ``all_to_all_single``, then the reverse ``all_to_all_single`` per (process
+    group, dtype) carrying one error code per peer besides the data: about ``2 · (N-1)/N · S/N`` bytes each way per
+    rank in all. ``fn`` runs on the owner only and must not communicate. An exception in ``fn`` (or a bad result)
+    on any rank raises on every rank before anything is written: there the original one, elsewhere
+    :class:`~zero_dtensor.errors.RankFailedError` (or the same validation error class)."""
+    plan = plan_for(storage, selected, OWNERS, assignment)
+    mine = _owned_views(storage, plan, None)
+    results: dict[str, torch.Tensor] = {}
+    error: BaseException | None = None
+    try:
+        with local_only("map_full_"):
+            for name, full in mine.items():
+                param = storage.layout.by_name[name]
+                results[name] = check_full(storage, "map_full_", param, fn(name, full))
+    except Exception as exc:  # noqa: BLE001 - any failure of the user's function must reach every rank
+        error = exc
+    failed = write_targets(storage, plan, results, code=error_code(error))
+    raise_outcome("map_full_", error, failed)
+    storage.after_write([p.name for p in selected])

@@ -122,3 +122,27 @@ def test_tensor_sweep_writes_every_row_per_k(tmp_path) -> None:
             for name in ("clip_grad_norm_", "norms", "global_norm"):
                 assert rows[name]["collectives"] == 2, name  # the all_reduce + the rank agreement
             assert 2 <= rows["stats()"]["collectives"] <= 3
+
+
+def test_families_rows_run_and_count(tmp_path) -> None:
+    """Issue 27: ``--rows families`` measures the masters' and the optimizer state's rows, each with its reference:
+    bulk reads one collective plus the agreement where DeepSpeed's loops take one per parameter, the EMA none."""
+    from zero_dtensor.bench.families import ROWS as FAMILY_ROWS
+
+    path = tmp_path / "families.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "zero_dtensor.bench", "--tiny", "--nproc", "2", "--stages", "3", "--rows", "families",
+         "--repeat", "2", "--no-progress", "--json", str(path)],
+        capture_output=True, text=True, timeout=240, env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["row"]: r for r in json.loads(path.read_text())["rows"]}
+    assert set(FAMILY_ROWS) <= set(rows), set(FAMILY_ROWS) - set(rows)
+    tensors = rows["ds get loop"]["collectives"]
+    assert rows["ds fp32 get loop"]["collectives"] == rows["ds exp_avg get loop"]["collectives"] == tensors
+    assert rows["masters full_tensors"]["collectives"] == rows["exp_avg full_tensors"]["collectives"] == 2
+    assert rows["ema.lerp_(masters)"]["collectives"] == 0
+    for name in ("masters full_tensors", "exp_avg full_tensors", "ema.lerp_(masters)", "masters to_dtensors",
+                 "masters owned"):
+        assert rows[name]["relative_to_reference"]["ratio"] > 0, name

@@ -59,7 +59,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    "most 3")
     p.add_argument("--bucket-mb", type=float, default=16.0, help="iter_full bucket size in MiB. Default 16")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    p.add_argument("--rows", choices=("all", "core"), default="all", help="all (default): also the redistribution "
+    p.add_argument("--rows", choices=("all", "core", "families"), default="all", help="families: the core rows, "
+                   "then the fp32 master weights' and optimizer state's (zero_dtensor.bench.families). "
+                   "all (default): also the redistribution "
                    "rows (zero_dtensor.bench.redistribute: to_dtensors, owned, their writes, map_full_(newton_schulz)"
                    " vs full_tensors and vs DeepSpeed's loops); core: without them")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -286,6 +288,11 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
                 bytes_per_rank=_ring_bytes("all_to_all", stored_bytes, world), baseline=None,
                 note="the all_to_all strategy's collective", memory=lambda _: 0)
 
+    if getattr(args, "rows", "all") == "families":  # issue 27: masters and optimizer state (takes a step)
+        from .families import add_rows as add_family_rows
+
+        add_family_rows(engine, measure, rows, args=args, ring_bytes=_ring_bytes)
+
     by = {r["row"]: r for r in rows}
     floor = by.get("floor: bare all_gather")
     for r in rows:
@@ -381,6 +388,9 @@ def render(results: dict[str, Any], args: argparse.Namespace | None = None, cons
     from .redistribute import render as render_redistribution
 
     render_redistribution(results, console)
+    from .families import render as render_families
+
+    render_families(results, console)
     console.print(
         "[dim]Times: slowest rank per repetition, median/min/max over --repeat runs after one warm-up. collectives: "
         "counted with CommDebugMode in a separate untimed run. bytes/rank: ring-model estimate (all_gather (N-1)/N·S,"

@@ -189,7 +189,8 @@ def agree(what: str, signature: Any, groups: Iterable[dist.ProcessGroup], device
             f"ZERO_DTENSOR_* environment variables) the same on every rank:\n{lines}")
     if refused is not None:  # no group to tell: this rank alone
         raise refused
-    _arm(settings.is_debug())
+    if gathered:  # only an agreement that reached other ranks may arm or disarm the step checkpoint
+        _arm(settings.is_debug())
     return gathered
 
 

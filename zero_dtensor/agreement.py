@@ -127,7 +127,7 @@ def _hash(text: str) -> int:
 
 
 @contextlib.contextmanager
-def local_only(what: str) -> Iterator[None]:
+def local_only() -> Iterator[None]:
     """Mark a user function that runs on some ranks only: any agreement inside raises ``RuntimeError`` (a
     collective there would have no partner). No communication."""
     global _LOCAL_ONLY
@@ -136,7 +136,6 @@ def local_only(what: str) -> Iterator[None]:
         yield
     finally:
         _LOCAL_ONLY -= 1
-    del what
 
 
 def _check_not_local(what: str) -> None:

@@ -165,7 +165,7 @@ def map_full_(storage: GradStorage, selected: Sequence[ParamLayout], assignment:
     results: dict[str, torch.Tensor] = {}
     error: BaseException | None = None
     try:
-        with local_only("map_full_"):
+        with local_only():
             for name, full in mine.items():
                 param = storage.layout.by_name[name]
                 results[name] = check_full(storage, "map_full_", param, fn(name, full))

@@ -1,0 +1,207 @@
+"""Worker side of ``tests/test_checkpoint.py``: elastic DCP checkpoints of DeepSpeed engines
+(``zero_dtensor.checkpoint``).
+
+Saved values are assembled here into full tensors with the test's own geometry (``workers.families_ds.assemble``,
+one all_gather per flat group) and written next to the checkpoint as ``<name>.expected.pt``; loads at another world
+size / stage are compared with them bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from workers.common import DTYPES, EngineCase, build_engine, forward_backward
+from workers.families_ds import assemble
+from zero_dtensor._deepspeed import checkpointing as dsck
+from zero_dtensor._deepspeed import families
+from zero_dtensor.checkpoint import (
+    CheckpointMismatchError,
+    CheckpointReadError,
+    IncompleteCheckpointError,
+    get_state_dict,
+    load,
+    save,
+)
+
+WARMUP = {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
+                                                       "warmup_num_steps": 10}}}
+
+
+def train(engine: Any, steps: range) -> None:
+    for step in steps:
+        forward_backward(engine, step)
+        engine.step()
+
+
+def working(engine: Any) -> dict[str, torch.Tensor]:
+    """Every parameter's full working weights (ZeRO-3: gathered)."""
+    params = dict(engine.module.named_parameters())
+    if engine.zero_optimization_stage() == 3:
+        with deepspeed.zero.GatheredParameters(list(params.values())):
+            return {n: p.data.clone() for n, p in params.items()}
+    return {n: p.data.clone() for n, p in params.items()}
+
+
+def snapshot(engine: Any) -> dict[str, Any]:
+    """Full masters, optimizer state, steps, hyperparameters, working weights and counters (collective)."""
+    out: dict[str, Any] = {"master": assemble(families.master_storage(engine)), "working": working(engine),
+                           "counters": dsck.engine_counters(engine), "hps": dsck.group_hyperparameters(engine),
+                           "scaler": dsck.loss_scaler_state(engine), "scheduler": dsck.lr_scheduler_state(engine)}
+    if families.optimizer_state_ready(engine):
+        out["state"] = {k: assemble(families.optimizer_state_storage(engine, k))
+                        for k in families.optimizer_state_keys(engine)}
+        out["steps"] = [float(s) for s in families.optimizer_steps(engine)]
+    else:
+        out["state"], out["steps"] = None, None
+    return out
+
+
+def same(a: Any, b: Any) -> bool:
+    """Bitwise equality of nested snapshots."""
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def diff(a: dict, b: dict) -> list[str]:
+    return [k for k in a if not same(a[k], b.get(k))]
+
+
+# ---- save side -----------------------------------------------------------------------------------------------------
+
+def save_cases(root: str, cases: list[tuple[str, EngineCase, int]]) -> None:
+    """Per ``(name, case, steps)``: build, train ``steps`` steps, save into ``root/name`` (async for names ending in
+    ``-async``) with a client state, check the save changed nothing, write the expected values."""
+    for name, case, steps in cases:
+        engine = build_engine(case, seed=1)
+        train(engine, range(steps))
+        before = snapshot(engine)
+        future = save(engine, os.path.join(root, name), async_=name.endswith("-async"),
+                      client_state={"name": name, "epoch": 3})
+        if future is not None:
+            future.result()
+        after = snapshot(engine)
+        assert same(before, after), f"{name}: save changed {diff(before, after)}"
+        if dist.get_rank() == 0:
+            torch.save(before, os.path.join(root, f"{name}.expected.pt"))
+        dist.barrier()
+
+
+# ---- load side -----------------------------------------------------------------------------------------------------
+
+def check_loaded(engine: Any, expected: dict[str, Any], name: str) -> None:
+    got = snapshot(engine)
+    for n, value in expected["master"].items():
+        assert same(got["master"][n], value), f"{name}: master {n}"
+    dtype = next(iter(engine.module.parameters())).dtype
+    for n, value in expected["working"].items():
+        want = expected["master"][n].to(dtype) if n in expected["master"] else value.to(dtype)
+        assert same(got["working"][n], want), f"{name}: working weights of {n} are not the cast master"
+    if expected["state"] is None:  # saved before the first step: zero state, step 0
+        assert all(bool((t == 0).all()) for k in got["state"].values() for t in k.values()), name
+        assert got["steps"] == [0.0] * len(got["steps"]), name
+    else:
+        for key, values in expected["state"].items():
+            for n, value in values.items():
+                assert same(got["state"][key][n], value), f"{name}: {key} of {n}"
+        assert set(got["steps"]) == set(expected["steps"]), f"{name}: steps {got['steps']} {expected['steps']}"
+    assert got["counters"] == expected["counters"], f"{name}: {got['counters']} {expected['counters']}"
+    for g, h in zip(got["hps"], expected["hps"]):
+        assert g == h, f"{name}: hyperparameters {g} {h}"
+
+
+def load_cases(root: str, cases: list[tuple[str, EngineCase]]) -> None:
+    """Per ``(saved name, case)``: build a fresh engine, load, compare with the expected values, take one step."""
+    for name, case in cases:
+        engine = build_engine(case, seed=2)
+        client = load(engine, os.path.join(root, name))
+        assert client == {"name": name, "epoch": 3}, client
+        expected = torch.load(os.path.join(root, f"{name}.expected.pt"), weights_only=False)
+        check_loaded(engine, expected, f"{name} -> {case.id}")
+        train(engine, range(5, 6))  # trains on
+        dist.barrier()
+
+
+def continue_equals_uninterrupted(root: str, case: EngineCase) -> None:
+    """Save after 2 steps and train 2 more; a fresh engine that loads trains the same 2 steps: equal bit for bit
+    (masters, state, steps, working weights, counters, lr scheduler, loss scaler)."""
+    path = os.path.join(root, f"continue-{case.id}")
+    a = build_engine(case, seed=1)
+    train(a, range(2))
+    save(a, path)
+    train(a, range(2, 4))
+    b = build_engine(case, seed=2)
+    train(b, range(7, 8))  # a stepped engine with other values: the load replaces everything
+    load(b, path)
+    train(b, range(2, 4))
+    sa, sb = snapshot(a), snapshot(b)
+    assert same(sa, sb), f"{case.id}: {diff(sa, sb)}"
+
+
+# ---- refusals --------------------------------------------------------------------------------------------------------
+
+def _refused(engine: Any, path: str, error: type[BaseException]) -> str:
+    before = snapshot(engine)
+    try:
+        load(engine, path)
+    except error as exc:
+        message = str(exc)
+    else:
+        raise AssertionError(f"loading {path} did not raise {error.__name__}")
+    after = snapshot(engine)
+    assert same(before, after), f"a refused load changed {diff(before, after)}"
+    return message
+
+
+def refusals(root: str) -> dict[str, str]:
+    """Loads that must raise on every rank and change nothing."""
+    odd = EngineCase(stage=2, world=dist.get_world_size())
+    for name, case in (("other-model", EngineCase(stage=2, model="wide", world=odd.world)),
+                       ("other-optimizer", EngineCase(stage=2, optimizer="sgd", world=odd.world)),
+                       ("good", odd)):
+        engine = build_engine(case)
+        train(engine, range(1))
+        save(engine, os.path.join(root, name))
+    if dist.get_rank() == 0:
+        shutil.copytree(os.path.join(root, "good"), os.path.join(root, "killed"))
+        os.remove(os.path.join(root, "killed", ".metadata"))
+        shutil.copytree(os.path.join(root, "good"), os.path.join(root, "damaged"))
+        with open(os.path.join(root, "damaged", "__1_0.distcp"), "r+b") as f:
+            f.truncate(100)
+    dist.barrier()
+    target = build_engine(odd, seed=3)
+    train(target, range(1))
+    messages = {
+        "other-model": _refused(target, os.path.join(root, "other-model"), CheckpointMismatchError),
+        "other-optimizer": _refused(target, os.path.join(root, "other-optimizer"), CheckpointMismatchError),
+        "killed": _refused(target, os.path.join(root, "killed"), IncompleteCheckpointError),
+        "missing": _refused(target, os.path.join(root, "nowhere"), IncompleteCheckpointError),
+        "damaged": _refused(target, os.path.join(root, "damaged"), CheckpointReadError),
+    }
+    fresh = build_engine(odd, seed=4)  # never stepped: a refusal creates no optimizer state either
+    _refused(fresh, os.path.join(root, "other-model"), CheckpointMismatchError)
+    assert not families.optimizer_state_ready(fresh)
+    load(target, os.path.join(root, "good"))  # the engine still loads a good checkpoint afterwards
+    return messages
+
+
+def state_dict_format(case: EngineCase) -> dict[str, Any]:
+    """The keys and value kinds of ``get_state_dict`` (rank 0 reports)."""
+    engine = build_engine(case)
+    train(engine, range(1))
+    model, optim = get_state_dict(engine)
+    return {"model": sorted(model), "optim": sorted(optim),
+            "kinds": sorted({type(v).__name__ for v in [*model.values(), *optim.values()]})}
+
+
+__all__ = ["DTYPES", "continue_equals_uninterrupted", "load_cases", "refusals", "save_cases", "state_dict_format"]

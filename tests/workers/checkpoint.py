@@ -205,3 +205,83 @@ def state_dict_format(case: EngineCase) -> dict[str, Any]:
 
 
 __all__ = ["DTYPES", "continue_equals_uninterrupted", "load_cases", "refusals", "save_cases", "state_dict_format"]
+
+
+# ---- FSDP2 interop ---------------------------------------------------------------------------------------------------
+
+def _fsdp(seed: int) -> tuple[Any, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from workers.common import OddModel
+
+    torch.manual_seed(seed)
+    model = OddModel()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in (model.fc1, model.fc2, model.tiny, model.fc3):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+
+
+def _fsdp_state(model: Any, optim: Any) -> tuple[dict, dict, Any]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    msd, osd = get_state_dict(model, optim, options=options)
+    return msd, osd, options
+
+
+def fsdp_loads(root: str, name: str) -> None:
+    """A checkpoint from ``save`` loads into FSDP2 + torch AdamW with torch's own functions: equal bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    model, optim = _fsdp(seed=9)
+    msd, osd, options = _fsdp_state(model, optim)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, name))
+    set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd, options=options)
+    expected = torch.load(os.path.join(root, f"{name}.expected.pt"), weights_only=False)
+    for n, p in model.named_parameters():
+        assert same(p.full_tensor(), expected["master"][n]), n
+        state = optim.state[p]
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert same(state[key].full_tensor(), expected["state"][key][n]), (n, key)
+        assert float(state["step"]) == expected["steps"][0], n
+    assert optim.param_groups[0]["lr"] == expected["hps"][0]["lr"]
+    loss = model(torch.randn(4, 33)).pow(2).mean()  # trains on
+    loss.backward()
+    optim.step()
+
+
+def fsdp_saves(root: str, name: str) -> None:
+    """FSDP2 + torch AdamW trains 2 steps and saves through DCP (torch's flattened format); expected values are
+    written in the snapshot format."""
+    import torch.distributed.checkpoint as dcp
+
+    model, optim = _fsdp(seed=11)
+    for step in range(2):
+        g = torch.Generator().manual_seed(100 * step + dist.get_rank())
+        model(torch.randn(4, 33, generator=g)).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+    msd, osd, _ = _fsdp_state(model, optim)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, name))
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    state = {k: {n: optim.state[p][k].full_tensor() for n, p in model.named_parameters()}
+             for k in ("exp_avg", "exp_avg_sq")}
+    expected = {"master": full, "working": full, "state": state, "steps": [2.0],
+                "counters": {"global_steps": 0, "global_samples": 0, "skipped_steps": 0},
+                "hps": [{k: v for k, v in optim.param_groups[0].items() if k != "params"}]}
+    if dist.get_rank() == 0:
+        torch.save(expected, os.path.join(root, f"{name}.expected.pt"))
+    dist.barrier()
+
+
+def load_fsdp_checkpoint(root: str, name: str, case: EngineCase) -> None:
+    """A DCP checkpoint written by FSDP2 + torch AdamW loads into a DeepSpeed engine with ``load``."""
+    engine = build_engine(case, seed=2)
+    assert load(engine, os.path.join(root, name)) is None
+    expected = torch.load(os.path.join(root, f"{name}.expected.pt"), weights_only=False)
+    check_loaded(engine, expected, f"{name} -> {case.id}")
+    train(engine, range(5, 6))

@@ -46,6 +46,8 @@ from .target import Target, describe, hyperparameters_by_name, model_dict, optim
 __all__ = ["load", "save"]
 
 METADATA = ".metadata"
+#: differences listed in a refusal's message (the rest counted)
+MAX_LINES = 12
 EXTRAS = ("engine", "lr_scheduler", "loss_scaler", "client_state")
 
 
@@ -188,8 +190,10 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
         metadata = read_metadata(path)
         problems = check_metadata(target, metadata)
         if problems:
+            shown = problems[:MAX_LINES] + ([f"... and {len(problems) - MAX_LINES} more"]
+                                            if len(problems) > MAX_LINES else [])
             raise CheckpointMismatchError(f"checkpoint {os.fspath(path)!r} does not fit this engine:\n  "
-                                          + "\n  ".join(problems) + "\nNothing was loaded.")
+                                          + "\n  ".join(shown) + "\nNothing was loaded.")
     except (IncompleteCheckpointError, CheckpointMismatchError, OSError) as exc:
         error = exc
     agree_outcome("checkpoint.load", error, [target.process_group], target.masters.device,

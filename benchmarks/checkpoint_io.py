@@ -71,7 +71,7 @@ def main() -> None:
     results = launch(run, args.hidden, args.layers, args.stage, args.dir, args.repeat, nprocs=args.nproc)
     params, tensors = count(args.hidden, args.layers)
     print(json.dumps({"params": params, "tensors": tensors, "nproc": args.nproc, "stage": args.stage,
-                      "rank0": results[0]}, indent=1))
+                      "rank0": results}, indent=1))
     shutil.rmtree(args.dir, ignore_errors=True)
 
 

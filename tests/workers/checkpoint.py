@@ -99,7 +99,24 @@ def save_cases(root: str, cases: list[tuple[str, EngineCase, int]]) -> None:
 
 # ---- load side -----------------------------------------------------------------------------------------------------
 
+def check_resident(engine: Any, expected: dict[str, Any], name: str) -> int:
+    """ZeRO-3: parameters that stay gathered (persistent, frozen ones too) already hold the loaded values, without a
+    new gather (what the next forward uses). Returns how many were checked."""
+    if engine.zero_optimization_stage() != 3:
+        return 0
+    dtype = next(iter(engine.module.parameters())).dtype
+    checked = 0
+    for n, p in engine.module.named_parameters():
+        if p.data.numel() == p.ds_numel and p.ds_numel > 0:
+            want = expected["master"].get(n, expected["working"][n]).to(dtype)
+            assert same(p.data.view(want.shape), want), f"{name}: resident weights of {n} are stale"
+            checked += 1
+    return checked
+
+
 def check_loaded(engine: Any, expected: dict[str, Any], name: str) -> None:
+    resident = check_resident(engine, expected, name)
+    assert engine.zero_optimization_stage() != 3 or resident > 0, f"{name}: no persistent parameter checked"
     got = snapshot(engine)
     for n, value in expected["master"].items():
         assert same(got["master"][n], value), f"{name}: master {n}"

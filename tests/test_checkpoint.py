@@ -58,6 +58,11 @@ def test_load_at_two_ranks(ranks, saved) -> None:
     ranks(2).run(ck.load_fsdp_checkpoint, saved, "fsdp2", EngineCase(stage=2, dtype="bf16"))
 
 
+@pytest.mark.parametrize("steps", [0, 1], ids=["fresh", "stepped"])
+def test_torch_style_get_load_set(ranks, saved, steps) -> None:
+    ranks(2).run(ck.load_in_place, saved, "w3-z3-bf16", EngineCase(stage=3, dtype="bf16"), steps)
+
+
 @pytest.mark.parametrize("case", [
     EngineCase(stage=2, extra={"scheduler": ck.WARMUP["scheduler"]}),
     EngineCase(stage=3, dtype="fp16"),

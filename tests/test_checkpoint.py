@@ -36,6 +36,7 @@ LOADS_2 = [
     ("z2-fp32", EngineCase(stage=2)),  # same world size and stage
     ("w3-z3-bf16", EngineCase(stage=2, dtype="bf16")),
     ("w3-z3-2g", EngineCase(stage=3, groups=2)),
+    ("z1-bf16", EngineCase(stage=3, dtype="bf16", zero={"sub_group_size": 600})),  # 5 sub-groups, 5 steps
 ]
 
 

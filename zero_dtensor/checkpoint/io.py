@@ -100,6 +100,20 @@ def save(engine: Any, path: str | os.PathLike, *, async_: bool = False, client_s
     return None
 
 
+class _CheckedReader(FileSystemReader):
+    """The file-system reader, handing DCP the metadata :func:`load` already read and checked (read once, and the
+    load reads exactly what was checked)."""
+
+    def __init__(self, path: str, metadata: Metadata) -> None:
+        super().__init__(path)
+        self._checked = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if getattr(self._checked, "storage_meta", None) is not None:
+            self._checked.storage_meta.load_id = self.load_id
+        return self._checked
+
+
 def read_metadata(path: str | os.PathLike) -> Metadata:
     """The checkpoint's DCP metadata; :class:`IncompleteCheckpointError` where there is none (a save that did not
     finish). No communication."""
@@ -201,8 +215,8 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
     assert metadata is not None
     staged = _staging(engine, target, metadata)
     try:
-        dcp.load(staged, checkpoint_id=os.fspath(path), process_group=target.process_group,
-                 planner=DefaultLoadPlanner(allow_partial_load=False))
+        dcp.load(staged, storage_reader=_CheckedReader(os.fspath(path), metadata),
+                 process_group=target.process_group, planner=DefaultLoadPlanner(allow_partial_load=False))
     except CheckpointException as exc:
         raise CheckpointReadError(f"reading checkpoint {os.fspath(path)!r} failed ({exc}); the engine is "
                                   "unchanged") from exc

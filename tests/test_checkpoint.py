@@ -78,7 +78,7 @@ def test_refusals_change_nothing(ranks, tmp_path) -> None:
         assert "fc3.weight" in per_rank["other-model"] and "shape (96, 33)" in per_rank["other-model"]
         assert re.search(r"\.\.\. and \d+ more", per_rank["other-model"])  # long listings are cut
         assert "optimizer state of fc1.weight: [] in the checkpoint" in per_rank["other-optimizer"]  # SGD: none
-        assert ".metadata" in per_rank["killed"]
+        assert ".metadata" in per_rank["killed"] and ".metadata" in per_rank["overwrite killed"]
 
 
 def test_state_dict_format(ranks) -> None:

@@ -197,6 +197,24 @@ def _refused(engine: Any, path: str, error: type[BaseException]) -> str:
     return message
 
 
+def _overwrite_killed(engine: Any, root: str) -> str:
+    """A save over an existing checkpoint that dies after it started leaves no ``.metadata``: refused, not loaded
+    half old, half new."""
+    from unittest import mock
+
+    from zero_dtensor.checkpoint import io as ckio
+
+    path = os.path.join(root, "overwritten")
+    save(engine, path)
+    with mock.patch.object(ckio.dcp, "save", side_effect=RuntimeError("killed while writing")):
+        try:
+            save(engine, path)
+        except RuntimeError as exc:
+            assert "killed" in str(exc)
+    dist.barrier()
+    return _refused(engine, path, IncompleteCheckpointError)
+
+
 def refusals(root: str) -> dict[str, str]:
     """Loads that must raise on every rank and change nothing."""
     odd = EngineCase(stage=2, world=dist.get_world_size())
@@ -222,6 +240,7 @@ def refusals(root: str) -> dict[str, str]:
         "missing": _refused(target, os.path.join(root, "nowhere"), IncompleteCheckpointError),
         "damaged": _refused(target, os.path.join(root, "damaged"), CheckpointReadError),
     }
+    messages["overwrite killed"] = _overwrite_killed(target, root)
     fresh = build_engine(odd, seed=4)  # never stepped: a refusal creates no optimizer state either
     _refused(fresh, os.path.join(root, "other-model"), CheckpointMismatchError)
     assert not families.optimizer_state_ready(fresh)

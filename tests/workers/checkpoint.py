@@ -320,6 +320,10 @@ def fsdp_saves(root: str, name: str) -> None:
         optim.zero_grad()
     msd, osd, _ = _fsdp_state(model, optim)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, name))
+    from torch.distributed.checkpoint.state_dict import get_state_dict as torch_get_state_dict
+
+    nested = torch_get_state_dict(model, optim)  # torch's default: param_groups by position
+    dcp.save({"model": nested[0], "optim": nested[1]}, checkpoint_id=os.path.join(root, f"{name}-nested"))
     full = {n: p.full_tensor() for n, p in model.named_parameters()}
     state = {k: {n: optim.state[p][k].full_tensor() for n, p in model.named_parameters()}
              for k in ("exp_avg", "exp_avg_sq")}
@@ -332,9 +336,14 @@ def fsdp_saves(root: str, name: str) -> None:
 
 
 def load_fsdp_checkpoint(root: str, name: str, case: EngineCase) -> None:
-    """A DCP checkpoint written by FSDP2 + torch AdamW loads into a DeepSpeed engine with ``load``."""
+    """A DCP checkpoint written by FSDP2 + torch AdamW loads into a DeepSpeed engine with ``load``; one in torch's
+    nested optimizer form loads too, its hyperparameters (``param_groups.0.lr``) left alone."""
+    engine = build_engine(case, seed=2)
+    own = dsck.group_hyperparameters(engine)
+    assert load(engine, os.path.join(root, f"{name}-nested")) is None
+    expected = torch.load(os.path.join(root, f"{name}.expected.pt"), weights_only=False)
+    check_loaded(engine, {**expected, "hps": list(own)}, f"{name}-nested -> {case.id}")
     engine = build_engine(case, seed=2)
     assert load(engine, os.path.join(root, name)) is None
-    expected = torch.load(os.path.join(root, f"{name}.expected.pt"), weights_only=False)
     check_loaded(engine, expected, f"{name} -> {case.id}")
     train(engine, range(5, 6))

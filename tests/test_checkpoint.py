@@ -87,3 +87,8 @@ def test_state_dict_format(ranks) -> None:
     assert {"state.fc1.weight.exp_avg", "state.fc1.weight.exp_avg_sq", "state.fc1.weight.step",
             "param_groups.fc1.weight.lr", "param_groups.fc1.weight.betas"} <= set(found["optim"])
     assert {"DTensor", "Tensor", "float", "tuple"} <= set(found["kinds"])  # frozen fc1.bias and step: plain tensors
+
+
+def test_load_at_one_rank(ranks, saved) -> None:
+    ranks(1).run(ck.load_cases, saved, [("w3-z3-2g", EngineCase(stage=2, groups=2, world=1)),
+                                        ("z1-bf16", EngineCase(stage=3, dtype="bf16", world=1))])

@@ -112,12 +112,14 @@ def _zero_lr_groups(group: Mapping[str, Any], params: list[torch.Tensor]) -> lis
 
 def probe_state_keys(engine: Any) -> tuple[tuple[str, ...], bool]:
     """``(tensor keys shaped like the parameter, has_step)`` that the inner optimizer creates at its first step,
-    learned by one inner ``step()`` with learning rate 0 over a 2-element scratch parameter swapped in as its only
-    group; the groups are swapped back and the scratch state dropped, so the engine keeps no trace."""
+    learned by one inner ``step()`` with learning rate 0 over a 2-element scratch parameter (the masters' dtype and
+    device) swapped in as its only group; the groups are swapped back and the scratch state dropped, so the engine
+    keeps no trace."""
     inner = _inner(engine)
     saved_groups = inner.param_groups
-    scratch = torch.zeros(2, requires_grad=True)
-    scratch.grad = torch.zeros(2)
+    like = _masters(engine).tensors[0]
+    scratch = torch.zeros(2, dtype=like.dtype, device=like.device, requires_grad=True)
+    scratch.grad = torch.zeros_like(scratch)
     try:
         inner.param_groups = _zero_lr_groups(saved_groups[0], [scratch])
         inner.step()

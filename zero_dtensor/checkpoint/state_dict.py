@@ -18,7 +18,8 @@ FSDP2 layout. They are **DCP containers**, not DTensors to compute with. A rank 
 its entries; ZeRO-1/2 frozen parameters (replicated) are plain tensors. Every value aliases the engine's memory
 (masters, state, working weights): nothing is copied, nothing communicates. An engine that has never stepped has no
 optimizer state yet: its ``state.*`` entries are then zero-filled tensors of the state the optimizer would create at
-its first step (keys learned from a scratch optimizer of the same class), ``step`` 0, and the engine is not changed.
+its first step (keys learned by a zero-lr step of the optimizer over a scratch parameter, swapped in and out), ``step``
+0, and the engine is not changed.
 
 ``set_state_dict(engine, model_state_dict, optimizer_state_dict)`` writes such dicts back: values as
 ``get_state_dict`` makes them (e.g. after ``dcp.load`` into them; pieces already in the engine's memory are not

@@ -57,6 +57,7 @@ def test_load_at_three_ranks_other_stage_and_fsdp2(ranks, saved) -> None:
 def test_load_at_two_ranks(ranks, saved) -> None:
     ranks(2).run(ck.load_cases, saved, LOADS_2)
     ranks(2).run(ck.load_fsdp_checkpoint, saved, "fsdp2", EngineCase(stage=2, dtype="bf16"))
+    ranks(2).run(ck.fsdp_loads, saved, "w3-z3-bf16")  # ZeRO-3 at 3 ranks -> FSDP2 at 2
 
 
 @pytest.mark.parametrize("steps", [0, 1], ids=["fresh", "stepped"])

@@ -43,6 +43,8 @@ __all__ = [
     "all_to_all_into",
     "group_ranks",
     "sum_ints",
+    # zero_dtensor.checkpoint
+    "cpu_group_for",
 ]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -335,3 +337,17 @@ def sum_ints(values: Sequence[int], group: dist.ProcessGroup, device: torch.devi
     t = torch.tensor(list(values), dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t.tolist()
+
+
+_CPU_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def cpu_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A dedicated gloo group over ``group``'s ranks, made once (``dist.new_group`` is collective: every rank of
+    the world must reach the first call; later calls are cached). For torch's ``async_save``, whose background
+    collectives need a CPU backend and must not interleave with the training's own collectives on ``group``."""
+    ranks = group_ranks(group)
+    found = _CPU_GROUPS.get(ranks)
+    if found is None:
+        found = _CPU_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo")
+    return found

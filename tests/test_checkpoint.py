@@ -1,0 +1,95 @@
+"""Elastic DCP checkpoints of DeepSpeed engines (``zero_dtensor.checkpoint``): save at (N ranks, ZeRO stage s), load
+at (M, t); FSDP2 interop both ways; training continued after save + load equals an uninterrupted run; refusals
+change nothing. Engine builds dominate the cost: each worker call builds several engines and runs several checks.
+
+The saves run once per module (``saved``); the loads compare with the values the saves recorded, bit for bit.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from workers import checkpoint as ck
+from workers.common import EngineCase
+
+SAVES_2 = [
+    ("z2-fp32", EngineCase(stage=2), 2),
+    ("z1-bf16", EngineCase(stage=1, dtype="bf16"), 2),
+    ("z2-offload-async", EngineCase(stage=2, offload=True), 2),
+    ("z3-bf16-2g", EngineCase(stage=3, dtype="bf16", groups=2), 2),
+    ("z2-fresh", EngineCase(stage=2), 0),
+]
+SAVES_3 = [
+    ("w3-z3-bf16", EngineCase(stage=3, dtype="bf16", world=3), 2),
+    ("w3-z3-2g", EngineCase(stage=3, groups=2, world=3), 2),
+]
+LOADS_3 = [
+    ("z2-fp32", EngineCase(stage=3, world=3)),
+    ("z1-bf16", EngineCase(stage=1, dtype="bf16", bf16_optimizer=True, world=3)),
+    ("z2-offload-async", EngineCase(stage=3, offload=True, world=3)),
+    ("z3-bf16-2g", EngineCase(stage=1, dtype="bf16", groups=2, world=3)),
+    ("z2-fresh", EngineCase(stage=2, world=3)),
+]
+LOADS_2 = [
+    ("z2-fp32", EngineCase(stage=2)),  # same world size and stage
+    ("w3-z3-bf16", EngineCase(stage=2, dtype="bf16")),
+    ("w3-z3-2g", EngineCase(stage=3, groups=2)),
+    ("z1-bf16", EngineCase(stage=3, dtype="bf16", zero={"sub_group_size": 600})),  # 5 sub-groups, 5 steps
+]
+
+
+@pytest.fixture(scope="module")
+def saved(ranks, tmp_path_factory) -> str:
+    root = str(tmp_path_factory.mktemp("ckpt"))
+    ranks(2).run(ck.save_cases, root, SAVES_2)
+    ranks(3).run(ck.save_cases, root, SAVES_3)
+    ranks(3).run(ck.fsdp_saves, root, "fsdp2")
+    return root
+
+
+def test_load_at_three_ranks_other_stage_and_fsdp2(ranks, saved) -> None:
+    ranks(3).run(ck.load_cases, saved, LOADS_3)
+    ranks(3).run(ck.fsdp_loads, saved, "z2-fp32")
+
+
+def test_load_at_two_ranks(ranks, saved) -> None:
+    ranks(2).run(ck.load_cases, saved, LOADS_2)
+    ranks(2).run(ck.load_fsdp_checkpoint, saved, "fsdp2", EngineCase(stage=2, dtype="bf16"))
+    ranks(2).run(ck.fsdp_loads, saved, "w3-z3-bf16")  # ZeRO-3 at 3 ranks -> FSDP2 at 2
+
+
+@pytest.mark.parametrize("steps", [0, 1], ids=["fresh", "stepped"])
+def test_torch_style_get_load_set(ranks, saved, steps) -> None:
+    ranks(2).run(ck.load_in_place, saved, "w3-z3-bf16", EngineCase(stage=3, dtype="bf16"), steps)
+
+
+@pytest.mark.parametrize("case", [
+    EngineCase(stage=2, extra={"scheduler": ck.WARMUP["scheduler"]}),
+    EngineCase(stage=3, dtype="fp16"),
+], ids=lambda c: c.id)
+def test_training_continues_bit_for_bit(ranks, tmp_path, case) -> None:
+    ranks(2).run(ck.continue_equals_uninterrupted, str(tmp_path), case)
+
+
+def test_refusals_change_nothing(ranks, tmp_path) -> None:
+    messages = ranks(2).run(ck.refusals, str(tmp_path))
+    for per_rank in messages:  # every rank raised, naming what differs
+        assert "fc3.weight" in per_rank["other-model"] and "shape (96, 33)" in per_rank["other-model"]
+        assert re.search(r"\.\.\. and \d+ more", per_rank["other-model"])  # long listings are cut
+        assert "optimizer state of fc1.weight: [] in the checkpoint" in per_rank["other-optimizer"]  # SGD: none
+        assert ".metadata" in per_rank["killed"] and ".metadata" in per_rank["overwrite killed"]
+
+
+def test_state_dict_format(ranks) -> None:
+    found = ranks(2).run(ck.state_dict_format, EngineCase(stage=2, groups=2))[0]
+    assert "fc1.bias" in found["model"] and "state.fc1.bias.exp_avg" not in found["optim"]  # frozen: weights only
+    assert {"state.fc1.weight.exp_avg", "state.fc1.weight.exp_avg_sq", "state.fc1.weight.step",
+            "param_groups.fc1.weight.lr", "param_groups.fc1.weight.betas"} <= set(found["optim"])
+    assert {"DTensor", "Tensor", "float", "tuple"} <= set(found["kinds"])  # frozen fc1.bias and step: plain tensors
+
+
+def test_load_at_one_rank(ranks, saved) -> None:
+    ranks(1).run(ck.load_cases, saved, [("w3-z3-2g", EngineCase(stage=2, groups=2, world=1)),
+                                        ("z1-bf16", EngineCase(stage=3, dtype="bf16", world=1))])

@@ -1,0 +1,349 @@
+"""Worker side of ``tests/test_checkpoint.py``: elastic DCP checkpoints of DeepSpeed engines
+(``zero_dtensor.checkpoint``).
+
+Saved values are assembled here into full tensors with the test's own geometry (``workers.families_ds.assemble``,
+one all_gather per flat group) and written next to the checkpoint as ``<name>.expected.pt``; loads at another world
+size / stage are compared with them bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from workers.common import DTYPES, EngineCase, build_engine, forward_backward
+from workers.families_ds import assemble
+from zero_dtensor._deepspeed import checkpointing as dsck
+from zero_dtensor._deepspeed import families
+from zero_dtensor.checkpoint import (
+    CheckpointMismatchError,
+    CheckpointReadError,
+    IncompleteCheckpointError,
+    get_state_dict,
+    load,
+    save,
+    set_state_dict,
+)
+
+WARMUP = {"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
+                                                       "warmup_num_steps": 10}}}
+
+
+def train(engine: Any, steps: range) -> None:
+    for step in steps:
+        forward_backward(engine, step)
+        engine.step()
+
+
+def working(engine: Any) -> dict[str, torch.Tensor]:
+    """Every parameter's full working weights (ZeRO-3: gathered)."""
+    params = dict(engine.module.named_parameters())
+    if engine.zero_optimization_stage() == 3:
+        with deepspeed.zero.GatheredParameters(list(params.values())):
+            return {n: p.data.clone() for n, p in params.items()}
+    return {n: p.data.clone() for n, p in params.items()}
+
+
+def snapshot(engine: Any) -> dict[str, Any]:
+    """Full masters, optimizer state, steps, hyperparameters, working weights and counters (collective)."""
+    out: dict[str, Any] = {"master": assemble(families.master_storage(engine)), "working": working(engine),
+                           "counters": dsck.engine_counters(engine), "hps": dsck.group_hyperparameters(engine),
+                           "scaler": dsck.loss_scaler_state(engine), "scheduler": dsck.lr_scheduler_state(engine)}
+    if families.optimizer_state_ready(engine):
+        out["state"] = {k: assemble(families.optimizer_state_storage(engine, k))
+                        for k in families.optimizer_state_keys(engine)}
+        out["steps"] = [float(s) for s in families.optimizer_steps(engine)]
+    else:
+        out["state"], out["steps"] = None, None
+    return out
+
+
+def same(a: Any, b: Any) -> bool:
+    """Bitwise equality of nested snapshots."""
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def diff(a: dict, b: dict) -> list[str]:
+    return [k for k in a if not same(a[k], b.get(k))]
+
+
+# ---- save side -----------------------------------------------------------------------------------------------------
+
+def save_cases(root: str, cases: list[tuple[str, EngineCase, int]]) -> None:
+    """Per ``(name, case, steps)``: build, train ``steps`` steps, save into ``root/name`` (async for names ending in
+    ``-async``) with a client state, check the save changed nothing, write the expected values."""
+    for name, case, steps in cases:
+        engine = build_engine(case, seed=1)
+        train(engine, range(steps))
+        before = snapshot(engine)
+        future = save(engine, os.path.join(root, name), async_=name.endswith("-async"),
+                      client_state={"name": name, "epoch": 3})
+        if future is not None:
+            future.result()
+        after = snapshot(engine)
+        assert same(before, after), f"{name}: save changed {diff(before, after)}"
+        if dist.get_rank() == 0:
+            torch.save(before, os.path.join(root, f"{name}.expected.pt"))
+        dist.barrier()
+
+
+# ---- load side -----------------------------------------------------------------------------------------------------
+
+def check_resident(engine: Any, expected: dict[str, Any], name: str) -> int:
+    """ZeRO-3: parameters that stay gathered (persistent, frozen ones too) already hold the loaded values, without a
+    new gather (what the next forward uses). Returns how many were checked."""
+    if engine.zero_optimization_stage() != 3:
+        return 0
+    dtype = next(iter(engine.module.parameters())).dtype
+    checked = 0
+    for n, p in engine.module.named_parameters():
+        if p.data.numel() == p.ds_numel and p.ds_numel > 0:
+            want = expected["master"].get(n, expected["working"][n]).to(dtype)
+            assert same(p.data.view(want.shape), want), f"{name}: resident weights of {n} are stale"
+            checked += 1
+    return checked
+
+
+def check_loaded(engine: Any, expected: dict[str, Any], name: str, *, counters: bool = True) -> None:
+    resident = check_resident(engine, expected, name)
+    assert engine.zero_optimization_stage() != 3 or resident > 0, f"{name}: no persistent parameter checked"
+    got = snapshot(engine)
+    for n, value in expected["master"].items():
+        assert same(got["master"][n], value), f"{name}: master {n}"
+    dtype = next(iter(engine.module.parameters())).dtype
+    for n, value in expected["working"].items():
+        want = expected["master"][n].to(dtype) if n in expected["master"] else value.to(dtype)
+        assert same(got["working"][n], want), f"{name}: working weights of {n} are not the cast master"
+    if expected["state"] is None:  # saved before the first step: zero state, step 0
+        assert all(bool((t == 0).all()) for k in got["state"].values() for t in k.values()), name
+        assert got["steps"] == [0.0] * len(got["steps"]), name
+    else:
+        for key, values in expected["state"].items():
+            for n, value in values.items():
+                assert same(got["state"][key][n], value), f"{name}: {key} of {n}"
+        assert set(got["steps"]) == set(expected["steps"]), f"{name}: steps {got['steps']} {expected['steps']}"
+    assert not counters or got["counters"] == expected["counters"], f"{name}: {got['counters']} {expected['counters']}"
+    for g, h in zip(got["hps"], expected["hps"]):
+        assert g == h, f"{name}: hyperparameters {g} {h}"
+
+
+def load_cases(root: str, cases: list[tuple[str, EngineCase]]) -> None:
+    """Per ``(saved name, case)``: build a fresh engine, load, compare with the expected values, take one step."""
+    for name, case in cases:
+        engine = build_engine(case, seed=2)
+        client = load(engine, os.path.join(root, name))
+        assert client == {"name": name, "epoch": 3}, client
+        expected = torch.load(os.path.join(root, f"{name}.expected.pt"), weights_only=False)
+        check_loaded(engine, expected, f"{name} -> {case.id}")
+        train(engine, range(5, 6))  # trains on
+        dist.barrier()
+
+
+def load_in_place(root: str, name: str, case: EngineCase, steps: int) -> None:
+    """torch's flow: ``get_state_dict`` → ``dcp.load`` into it → ``set_state_dict`` (``steps`` steps first: 0, the
+    state dict holds zero-filled state that ``set_state_dict`` copies into the state it creates; else views of the
+    engine's memory, loaded in place)."""
+    import torch.distributed.checkpoint as dcp
+
+    engine = build_engine(case, seed=2)
+    train(engine, range(7, 7 + steps))
+    model, optim = get_state_dict(engine)
+    dcp.load({"model": model, "optim": optim}, checkpoint_id=os.path.join(root, name))
+    set_state_dict(engine, model, optim)
+    expected = torch.load(os.path.join(root, f"{name}.expected.pt"), weights_only=False)
+    check_loaded(engine, expected, f"{name} -> {case.id} in place", counters=False)
+    train(engine, range(5, 6))
+
+
+def continue_equals_uninterrupted(root: str, case: EngineCase) -> None:
+    """Save after 2 steps and train 2 more; a fresh engine that loads trains the same 2 steps: equal bit for bit
+    (masters, state, steps, working weights, counters, lr scheduler, loss scaler)."""
+    path = os.path.join(root, f"continue-{case.id}")
+    a = build_engine(case, seed=1)
+    train(a, range(2))
+    save(a, path)
+    train(a, range(2, 4))
+    b = build_engine(case, seed=2)
+    train(b, range(7, 8))  # a stepped engine with other values: the load replaces everything
+    load(b, path)
+    train(b, range(2, 4))
+    sa, sb = snapshot(a), snapshot(b)
+    assert same(sa, sb), f"{case.id}: {diff(sa, sb)}"
+
+
+# ---- refusals --------------------------------------------------------------------------------------------------------
+
+def _refused(engine: Any, path: str, error: type[BaseException]) -> str:
+    before = snapshot(engine)
+    try:
+        load(engine, path)
+    except error as exc:
+        message = str(exc)
+    else:
+        raise AssertionError(f"loading {path} did not raise {error.__name__}")
+    after = snapshot(engine)
+    assert same(before, after), f"a refused load changed {diff(before, after)}"
+    return message
+
+
+def _overwrite_killed(engine: Any, root: str) -> str:
+    """A save over an existing checkpoint that dies after it started leaves no ``.metadata``: refused, not loaded
+    half old, half new."""
+    from unittest import mock
+
+    from zero_dtensor.checkpoint import io as ckio
+
+    path = os.path.join(root, "overwritten")
+    save(engine, path)
+    with mock.patch.object(ckio.dcp, "save", side_effect=RuntimeError("killed while writing")):
+        try:
+            save(engine, path)
+        except RuntimeError as exc:
+            assert "killed" in str(exc)
+    dist.barrier()
+    return _refused(engine, path, IncompleteCheckpointError)
+
+
+def refusals(root: str) -> dict[str, str]:
+    """Loads that must raise on every rank and change nothing."""
+    odd = EngineCase(stage=2, world=dist.get_world_size())
+    for name, case in (("other-model", EngineCase(stage=2, model="wide", world=odd.world)),
+                       ("other-optimizer", EngineCase(stage=2, optimizer="sgd", world=odd.world)),
+                       ("good", odd)):
+        engine = build_engine(case)
+        train(engine, range(1))
+        save(engine, os.path.join(root, name))
+    if dist.get_rank() == 0:
+        shutil.copytree(os.path.join(root, "good"), os.path.join(root, "killed"))
+        os.remove(os.path.join(root, "killed", ".metadata"))
+        shutil.copytree(os.path.join(root, "good"), os.path.join(root, "damaged"))
+        with open(os.path.join(root, "damaged", "__1_0.distcp"), "r+b") as f:
+            f.truncate(100)
+    dist.barrier()
+    target = build_engine(odd, seed=3)
+    train(target, range(1))
+    messages = {
+        "other-model": _refused(target, os.path.join(root, "other-model"), CheckpointMismatchError),
+        "other-optimizer": _refused(target, os.path.join(root, "other-optimizer"), CheckpointMismatchError),
+        "killed": _refused(target, os.path.join(root, "killed"), IncompleteCheckpointError),
+        "missing": _refused(target, os.path.join(root, "nowhere"), IncompleteCheckpointError),
+        "damaged": _refused(target, os.path.join(root, "damaged"), CheckpointReadError),
+    }
+    messages["overwrite killed"] = _overwrite_killed(target, root)
+    fresh = build_engine(odd, seed=4)  # never stepped: a refusal creates no optimizer state either
+    _refused(fresh, os.path.join(root, "other-model"), CheckpointMismatchError)
+    assert not families.optimizer_state_ready(fresh)
+    load(target, os.path.join(root, "good"))  # the engine still loads a good checkpoint afterwards
+    return messages
+
+
+def state_dict_format(case: EngineCase) -> dict[str, Any]:
+    """The keys and value kinds of ``get_state_dict`` (rank 0 reports)."""
+    engine = build_engine(case)
+    train(engine, range(1))
+    model, optim = get_state_dict(engine)
+    return {"model": sorted(model), "optim": sorted(optim),
+            "kinds": sorted({type(v).__name__ for v in [*model.values(), *optim.values()]})}
+
+
+__all__ = ["DTYPES", "continue_equals_uninterrupted", "load_cases", "refusals", "save_cases", "state_dict_format"]
+
+
+# ---- FSDP2 interop ---------------------------------------------------------------------------------------------------
+
+def _fsdp(seed: int) -> tuple[Any, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from workers.common import OddModel
+
+    torch.manual_seed(seed)
+    model = OddModel()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in (model.fc1, model.fc2, model.tiny, model.fc3):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+
+
+def _fsdp_state(model: Any, optim: Any) -> tuple[dict, dict, Any]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    msd, osd = get_state_dict(model, optim, options=options)
+    return msd, osd, options
+
+
+def fsdp_loads(root: str, name: str) -> None:
+    """A checkpoint from ``save`` loads into FSDP2 + torch AdamW with torch's own functions: equal bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    model, optim = _fsdp(seed=9)
+    msd, osd, options = _fsdp_state(model, optim)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, name))
+    set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd, options=options)
+    expected = torch.load(os.path.join(root, f"{name}.expected.pt"), weights_only=False)
+    for n, p in model.named_parameters():
+        assert same(p.full_tensor(), expected["master"][n]), n
+        state = optim.state[p]
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert same(state[key].full_tensor(), expected["state"][key][n]), (n, key)
+        assert float(state["step"]) == expected["steps"][0], n
+    assert optim.param_groups[0]["lr"] == expected["hps"][0]["lr"]
+    loss = model(torch.randn(4, 33)).pow(2).mean()  # trains on
+    loss.backward()
+    optim.step()
+
+
+def fsdp_saves(root: str, name: str) -> None:
+    """FSDP2 + torch AdamW trains 2 steps and saves through DCP (torch's flattened format); expected values are
+    written in the snapshot format."""
+    import torch.distributed.checkpoint as dcp
+
+    model, optim = _fsdp(seed=11)
+    for step in range(2):
+        g = torch.Generator().manual_seed(100 * step + dist.get_rank())
+        model(torch.randn(4, 33, generator=g)).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+    msd, osd, _ = _fsdp_state(model, optim)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, name))
+    from torch.distributed.checkpoint.state_dict import get_state_dict as torch_get_state_dict
+
+    nested = torch_get_state_dict(model, optim)  # torch's default: param_groups by position
+    dcp.save({"model": nested[0], "optim": nested[1]}, checkpoint_id=os.path.join(root, f"{name}-nested"))
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    state = {k: {n: optim.state[p][k].full_tensor() for n, p in model.named_parameters()}
+             for k in ("exp_avg", "exp_avg_sq")}
+    expected = {"master": full, "working": full, "state": state, "steps": [2.0],
+                "counters": {"global_steps": 0, "global_samples": 0, "skipped_steps": 0},
+                "hps": [{k: v for k, v in optim.param_groups[0].items() if k != "params"}]}
+    if dist.get_rank() == 0:
+        torch.save(expected, os.path.join(root, f"{name}.expected.pt"))
+    dist.barrier()
+
+
+def load_fsdp_checkpoint(root: str, name: str, case: EngineCase) -> None:
+    """A DCP checkpoint written by FSDP2 + torch AdamW loads into a DeepSpeed engine with ``load``; one in torch's
+    nested optimizer form loads too, its hyperparameters (``param_groups.0.lr``) left alone."""
+    engine = build_engine(case, seed=2)
+    own = dsck.group_hyperparameters(engine)
+    assert load(engine, os.path.join(root, f"{name}-nested")) is None
+    expected = torch.load(os.path.join(root, f"{name}.expected.pt"), weights_only=False)
+    check_loaded(engine, {**expected, "hps": list(own)}, f"{name}-nested -> {case.id}")
+    engine = build_engine(case, seed=2)
+    assert load(engine, os.path.join(root, name)) is None
+    check_loaded(engine, expected, f"{name} -> {case.id}")
+    train(engine, range(5, 6))

@@ -1,0 +1,229 @@
+"""Save and load a DeepSpeed ZeRO engine through torch's distributed checkpoint (DCP), at any world size and stage.
+
+One DCP checkpoint (a directory: ``__<rank>_0.distcp`` per saving rank and ``.metadata``) holds:
+
+==================================  ================================================================================
+DCP key                             value
+==================================  ================================================================================
+``model.<fqn>``                     fp32 master weights (frozen parameters: working weights), sharded as ZeRO holds
+                                    them: this rank's pieces as row boxes (:mod:`.state_dict`)
+``optim.state.<fqn>.<key>``         optimizer state shaped like the parameter (Adam ``exp_avg``, ``exp_avg_sq``)
+``optim.state.<fqn>.step``          the optimizer step, a 0-d float32 tensor
+``optim.param_groups.<fqn>.<hp>``   the hyperparameters of the parameter's group (``lr``, ``betas``, ...)
+``zero_dtensor.engine``             the engine's ``global_steps``, ``global_samples``, ``skipped_steps``
+``zero_dtensor.lr_scheduler``       ``engine.lr_scheduler.state_dict()`` (``None`` without a scheduler)
+``zero_dtensor.loss_scaler``        the fp16 loss scaler's numbers (``cur_scale``, ``cur_iter``, ...) or ``None``
+``zero_dtensor.client_state``       the ``client_state`` given to :func:`save` (as rank 0 had it)
+==================================  ================================================================================
+
+The ``model.*`` and ``optim.*`` keys are those of FSDP2 + a torch optimizer saved with
+``{"model": model_sd, "optim": optim_sd}`` from ``torch.distributed.checkpoint.state_dict.get_state_dict(...,
+options=StateDictOptions(flatten_optimizer_state_dict=True))``: such a checkpoint loads here (the
+``zero_dtensor.*`` entries are then left alone), and one written here loads there.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from .._deepspeed import checkpointing as ds
+from ..agreement import agree_outcome
+from ..collectives import cpu_group_for, rank_in
+from .errors import CheckpointMismatchError, CheckpointReadError, IncompleteCheckpointError
+from .state_dict import current_steps, set_state_dict, state_partitions
+from .target import Target, describe, hyperparameters_by_name, model_dict, optim_dict
+
+__all__ = ["load", "save"]
+
+METADATA = ".metadata"
+#: differences listed in a refusal's message (the rest counted)
+MAX_LINES = 12
+EXTRAS = ("engine", "lr_scheduler", "loss_scaler", "client_state")
+
+
+def _blob(value: Any) -> io.BytesIO:
+    """``value`` pickled into one DCP bytes entry (DCP would otherwise split dicts and lists into entries)."""
+    out = io.BytesIO()
+    torch.save(value, out)
+    out.seek(0)
+    return out
+
+
+def _unblob(value: Any) -> Any:
+    if isinstance(value, io.BytesIO):
+        value.seek(0)
+        return torch.load(value, weights_only=False)
+    return value
+
+
+def _engine_extras(engine: Any, client_state: Any) -> dict[str, io.BytesIO]:
+    return {"engine": _blob(ds.engine_counters(engine)), "lr_scheduler": _blob(ds.lr_scheduler_state(engine)),
+            "loss_scaler": _blob(ds.loss_scaler_state(engine)), "client_state": _blob(client_state)}
+
+
+def save(engine: Any, path: str | os.PathLike, *, async_: bool = False, client_state: Any = None) -> Any:
+    """Write ``engine``'s state into the DCP checkpoint directory ``path`` (module docstring); every rank of the
+    data-parallel group must call it. Each rank writes only the pieces it holds (masters, optimizer state, its
+    ZeRO-3 chunks of frozen parameters; replicated values once, from the lowest rank); the engine is not changed.
+    ``client_state``: any picklable object, saved as rank 0 passes it. A ``.metadata`` left by an earlier checkpoint
+    in ``path`` is removed first, so a save that does not finish never looks finished.
+
+    **Communication**: DCP's own small object collectives (plans and metadata: about 9 at 2 ranks), none of tensor
+    data. **Memory**: one copy of each piece as it is written (DCP clones views); before the first step, one
+    zero-filled partition per optimizer-state key. ``async_=True``: :func:`torch.distributed.checkpoint.async_save`
+    over a gloo group of the same ranks (made once); it copies this rank's state to CPU memory before it returns and
+    writes in a background thread: returns its ``Future`` (call ``.result()`` before the next save). Else returns
+    ``None`` once the checkpoint is complete."""
+    target = describe(engine)
+    model = model_dict(target, target.masters.partitions, {f.name: f.local for f in target.frozen})
+    optim = optim_dict(target, state_partitions(engine, target), current_steps(engine, target),
+                       hyperparameters_by_name(engine, target))
+    state = {"model": model, "optim": optim, "zero_dtensor": _engine_extras(engine, client_state)}
+    path = os.fspath(path)
+    if rank_in(target.process_group) == 0 and os.path.exists(os.path.join(path, METADATA)):
+        os.remove(os.path.join(path, METADATA))
+    planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+    if async_:
+        return dcp.async_save(state, checkpoint_id=path, planner=planner,
+                              process_group=cpu_group_for(target.process_group))
+    dcp.save(state, checkpoint_id=path, planner=planner, process_group=target.process_group)
+    return None
+
+
+class _CheckedReader(FileSystemReader):
+    """The file-system reader, handing DCP the metadata :func:`load` already read and checked (read once, and the
+    load reads exactly what was checked)."""
+
+    def __init__(self, path: str, metadata: Metadata) -> None:
+        super().__init__(path)
+        self._checked = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if getattr(self._checked, "storage_meta", None) is not None:
+            self._checked.storage_meta.load_id = self.load_id
+        return self._checked
+
+
+def read_metadata(path: str | os.PathLike) -> Metadata:
+    """The checkpoint's DCP metadata; :class:`IncompleteCheckpointError` where there is none (a save that did not
+    finish). No communication."""
+    path = os.fspath(path)
+    if not os.path.isfile(os.path.join(path, METADATA)):
+        state = "does not exist" if not os.path.isdir(path) else "has no .metadata (a save that did not finish?)"
+        raise IncompleteCheckpointError(f"checkpoint {path!r} {state}; nothing was loaded")
+    return FileSystemReader(path).read_metadata()
+
+
+def _tensor_shape(meta: Any) -> tuple[int, ...] | None:
+    return tuple(meta.size) if isinstance(meta, TensorStorageMetadata) else None
+
+
+def check_metadata(target: Target, metadata: Metadata) -> list[str]:
+    """What differs between the checkpoint and the engine: names, shapes, optimizer-state keys."""
+    entries = metadata.state_dict_metadata
+    model = {k[len("model."):]: v for k, v in entries.items() if k.startswith("model.")}
+    shapes = target.shapes()
+    problems = []
+    missing = sorted(set(shapes) - set(model))
+    extra = sorted(set(model) - set(shapes))
+    if missing:
+        problems.append(f"parameters missing from the checkpoint: {missing}")
+    if extra:
+        problems.append(f"parameters in the checkpoint that the engine does not have: {extra}")
+    problems += [f"{n}: shape {_tensor_shape(model[n])} in the checkpoint, {tuple(s)} in the engine"
+                 for n, s in shapes.items() if n in model and _tensor_shape(model[n]) != tuple(s)]
+    found: dict[str, dict[str, Any]] = {}
+    for key, meta in entries.items():
+        if key.startswith("optim.state."):
+            fqn, _, name = key[len("optim.state."):].rpartition(".")
+            found.setdefault(fqn, {})[name] = meta
+    expected = set(target.entry_keys())
+    for p in target.pieces:
+        keys = found.get(p.name, {})
+        if set(keys) != expected:
+            problems.append(f"optimizer state of {p.name}: {sorted(keys)} in the checkpoint, {sorted(expected)} "
+                            "in the engine (another optimizer, or a checkpoint saved before its first step?)")
+            continue
+        for name, meta in keys.items():
+            want = () if name == "step" else tuple(p.shape)
+            if _tensor_shape(meta) != want:
+                problems.append(f"optimizer state {name} of {p.name}: shape {_tensor_shape(meta)} in the "
+                                f"checkpoint, {want} in the engine")
+    stray = sorted(set(found) - set(target.names))
+    if stray:
+        problems.append(f"optimizer state for parameters the engine does not train: {stray}")
+    return problems
+
+
+def _staging(engine: Any, target: Target, metadata: Metadata) -> dict[str, Any]:
+    """A state dict shaped like the engine's but over new memory, for ``dcp.load`` to read into: the engine is
+    written only once every read has succeeded."""
+    entries = metadata.state_dict_metadata
+    masters = tuple(torch.empty_like(p) for p in target.masters.partitions)
+    frozen = {f.name: torch.empty_like(f.local) for f in target.frozen}
+    states = {k: tuple(torch.empty_like(p) for p in target.masters.partitions) for k in target.state_keys}
+    hparams = {name: {hp: v for hp, v in values.items() if f"optim.param_groups.{name}.{hp}" in entries}
+               for name, values in hyperparameters_by_name(engine, target).items()}
+    steps = (0.0,) * len(masters)
+    extras = {k: io.BytesIO() for k in EXTRAS if f"zero_dtensor.{k}" in entries}
+    return {"model": model_dict(target, masters, frozen), "optim": optim_dict(target, states, steps, hparams),
+            **({"zero_dtensor": extras} if extras else {})}
+
+
+def load(engine: Any, path: str | os.PathLike) -> Any:
+    """Load the checkpoint at ``path`` (written by :func:`save` at any world size and ZeRO stage, or by FSDP2, see
+    the module docstring) into ``engine``; every rank of the data-parallel group must call it. Returns the saved
+    ``client_state`` (``None`` if there is none).
+
+    Order: every rank reads ``.metadata`` (:class:`IncompleteCheckpointError` if absent) and compares names,
+    shapes and optimizer-state keys with the engine (:class:`CheckpointMismatchError` naming what differs); one
+    agreement makes every rank raise if any rank refused. Then ``dcp.load`` reads this rank's pieces into **staging
+    buffers** (a failed read raises :class:`CheckpointReadError` on every rank; the engine is unchanged); only then
+    are masters, optimizer state (created first on a never-stepped engine, by a zero-learning-rate step), steps,
+    hyperparameters, frozen weights, step counters, the lr scheduler and the loss scaler written, and the working
+    weights made the cast masters (:func:`~zero_dtensor.checkpoint.state_dict.set_state_dict`).
+
+    **Communication**: the agreement (an all_gather of 2 int64 per rank, twice), DCP's small object collectives,
+    then ZeRO-1/2 one all_gather per param group (ZeRO-3: per persistent parameter) to refresh the working weights.
+    Each rank reads only the bytes its pieces overlap. **Memory**: one staging copy of this rank's masters and
+    optimizer state (and of frozen parameters it holds) until the load returns."""
+    target = describe(engine)
+    error: BaseException | None = None
+    metadata: Metadata | None = None
+    try:
+        metadata = read_metadata(path)
+        problems = check_metadata(target, metadata)
+        if problems:
+            shown = problems[:MAX_LINES] + ([f"... and {len(problems) - MAX_LINES} more"]
+                                            if len(problems) > MAX_LINES else [])
+            raise CheckpointMismatchError(f"checkpoint {os.fspath(path)!r} does not fit this engine:\n  "
+                                          + "\n  ".join(shown) + "\nNothing was loaded.")
+    except (IncompleteCheckpointError, CheckpointMismatchError, OSError) as exc:
+        error = exc
+    agree_outcome("checkpoint.load", error, [target.process_group], target.masters.device,
+                  consequence="Nothing was loaded into the engine on any rank.")
+    assert metadata is not None
+    staged = _staging(engine, target, metadata)
+    try:
+        dcp.load(staged, storage_reader=_CheckedReader(os.fspath(path), metadata),
+                 process_group=target.process_group, planner=DefaultLoadPlanner(allow_partial_load=False))
+    except CheckpointException as exc:
+        raise CheckpointReadError(f"reading checkpoint {os.fspath(path)!r} failed ({exc}); the engine is "
+                                  "unchanged") from exc
+    set_state_dict(engine, staged["model"], staged["optim"])
+    extras: Mapping[str, Any] = {k: _unblob(v) for k, v in staged.get("zero_dtensor", {}).items()}
+    if "engine" in extras:
+        ds.set_engine_counters(engine, extras["engine"])
+    ds.set_lr_scheduler_state(engine, extras.get("lr_scheduler"))
+    ds.set_loss_scaler_state(engine, extras.get("loss_scaler"))
+    return extras.get("client_state")

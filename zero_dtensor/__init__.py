@@ -1,5 +1,5 @@
 """zero_dtensor: whole-model, sharded access to DeepSpeed ZeRO gradients, fp32 master weights and optimizer state as
-DTensors."""
+DTensors, and elastic checkpoints of a ZeRO engine through torch's distributed checkpoint."""
 
 from .api import (
     get_full_fp32_params,
@@ -14,9 +14,13 @@ from .api import (
     sharded_optimizer_state,
     sync_model_params,
 )
+from .checkpoint import get_state_dict, load, save, set_state_dict
 from .errors import (
+    CheckpointMismatchError,
+    CheckpointReadError,
     GradHookError,
     GradientsNotReadyError,
+    IncompleteCheckpointError,
     ModelParamsNotSyncedError,
     OptimizerStateNotReadyError,
     RankDisagreementError,
@@ -33,8 +37,8 @@ from .overflow import found_inf
 from .param_values import ParamValues
 from .reductions import GradStats
 from .replicate import FullGradsHandle, KeepFullGradsHandle, keep_full_grads
-from .settings import set_debug, set_gather_strategy
 from .master import ShardedMasterParams, ShardedOptimizerState
+from .settings import set_debug, set_gather_strategy
 from .sharded import ParamGrad, ShardedGrads
 from .stats_logger import GradStatsLogger
 from .tensors import ParamView, ShardedTensors
@@ -42,6 +46,8 @@ from .tensors import ParamView, ShardedTensors
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointMismatchError",
+    "CheckpointReadError",
     "FullGradsHandle",
     "GradHookError",
     "GradHookHandle",
@@ -50,6 +56,7 @@ __all__ = [
     "GradStatsLogger",
     "GradientsNotReadyError",
     "GroupLayout",
+    "IncompleteCheckpointError",
     "KeepFullGradsHandle",
     "ModelParamsNotSyncedError",
     "OptimizerStateNotReadyError",
@@ -74,16 +81,20 @@ __all__ = [
     "get_full_fp32_params",
     "get_full_model_grads",
     "get_full_optimizer_state",
+    "get_state_dict",
     "keep_full_grads",
     "launch",
+    "load",
     "on_grads",
     "on_grads_in_trainer",
     "optimizer_state_keys",
+    "save",
     "set_debug",
     "set_full_fp32_params",
     "set_full_model_grads",
     "set_full_optimizer_state",
     "set_gather_strategy",
+    "set_state_dict",
     "sharded_grads",
     "sharded_master_params",
     "sharded_optimizer_state",

@@ -5,8 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 __all__ = [
+    "CheckpointMismatchError",
+    "CheckpointReadError",
     "GradHookError",
     "GradientsNotReadyError",
+    "IncompleteCheckpointError",
     "ModelParamsNotSyncedError",
     "OptimizerStateNotReadyError",
     "RankDisagreementError",
@@ -62,3 +65,19 @@ class RankFailedError(RuntimeError):
 
 class GradHookError(RankFailedError):
     """A gradient hook (``on_grads``) raised on other ranks; the optimizer step was not run on any rank."""
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint or state dict does not fit the engine: missing or extra parameter names, other shapes, other
+    optimizer-state keys, or values the engine cannot hold (one step for parameters that share one, different
+    hyperparameters for parameters of one group). The message lists what differs. Nothing was written."""
+
+
+class IncompleteCheckpointError(RuntimeError):
+    """The directory holds no finished checkpoint: DCP writes ``.metadata`` last, after every rank's data, so a save
+    that was killed (or is still running) has none. Nothing was read into the engine."""
+
+
+class CheckpointReadError(RuntimeError):
+    """DCP failed to read the checkpoint (a missing or damaged data file); ``__cause__`` is DCP's
+    ``CheckpointException``. The data was read into staging buffers, so the engine is unchanged."""

@@ -8,7 +8,7 @@ counters, the lr scheduler, the fp16 loss scaler and a client state) at any worl
 
 from __future__ import annotations
 
-from .errors import CheckpointMismatchError, CheckpointReadError, IncompleteCheckpointError
+from ..errors import CheckpointMismatchError, CheckpointReadError, IncompleteCheckpointError
 from .io import load, save
 from .state_dict import get_state_dict, set_state_dict
 

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from .._deepspeed import checkpointing as ds
 from ..agreement import agree_outcome
 from ..collectives import cpu_group_for, rank_in
-from .errors import CheckpointMismatchError, CheckpointReadError, IncompleteCheckpointError
+from ..errors import CheckpointMismatchError, CheckpointReadError, IncompleteCheckpointError
 from .state_dict import current_steps, set_state_dict, state_partitions
 from .target import Target, describe, hyperparameters_by_name, model_dict, optim_dict
 

@@ -41,7 +41,7 @@ from .._deepspeed import families
 from .._deepspeed.sync import sync_model_params
 from ..agreement import agree_outcome
 from .boxes import boxes
-from .errors import CheckpointMismatchError
+from ..errors import CheckpointMismatchError
 from .target import Target, describe, fragment, hyperparameters_by_name, model_dict, optim_dict
 
 __all__ = ["get_state_dict", "set_state_dict"]
@@ -213,7 +213,7 @@ def set_state_dict(engine: Any, model_state_dict: Mapping[str, Any], optim_state
     :func:`~zero_dtensor._deepspeed.sync.sync_model_params` (ZeRO-1/2: one all_gather per param group; ZeRO-3: one
     per persistent parameter). Memory: none beyond the engine's (before the first step the optimizer's state is
     created by a zero-learning-rate step: one master-sized zero gradient at a time). Raises
-    :class:`~zero_dtensor.checkpoint.errors.CheckpointMismatchError` (or ``TypeError`` for values of another kind)
+    :class:`~zero_dtensor.errors.CheckpointMismatchError` (or ``TypeError`` for values of another kind)
     on every rank, before anything is written, when the dicts do not fit."""
     target = describe(engine)
     hparams = hyperparameters_by_name(engine, target)

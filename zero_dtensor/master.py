@@ -1,4 +1,4 @@
-"""The fp32 master weights and the optimizer state as sharded fronts (issue 27): ``ShardedMasterParams``,
+"""The fp32 master weights and the optimizer state as sharded fronts: ``ShardedMasterParams``,
 ``ShardedOptimizerState``, and the guard that keeps the model's working weights in step with written masters.
 
 Both are :class:`~zero_dtensor.tensors.ShardedTensors` over the families of

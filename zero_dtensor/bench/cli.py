@@ -260,7 +260,7 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
                 bytes_per_rank=8.0 * len(grads.layout.params), baseline="ds get+set loops",
                 note="baseline: DS get loop + set loop")
 
-    if getattr(args, "rows", "all") == "all":  # issue 12: redistribution rows, with their ratios
+    if getattr(args, "rows", "all") == "all":  # the redistribution rows, with their ratios
         from .redistribute import add_rows
 
         add_rows(grads, engine, measure, rows, args=args, stage=stage, full_row=f"full_tensors [auto={auto}]",
@@ -288,7 +288,7 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
                 bytes_per_rank=_ring_bytes("all_to_all", stored_bytes, world), baseline=None,
                 note="the all_to_all strategy's collective", memory=lambda _: 0)
 
-    if getattr(args, "rows", "all") == "families":  # issue 27: masters and optimizer state (takes a step)
+    if getattr(args, "rows", "all") == "families":  # the masters and the optimizer state (takes a step)
         from .families import add_rows as add_family_rows
 
         add_family_rows(engine, measure, rows, args=args, ring_bytes=_ring_bytes)

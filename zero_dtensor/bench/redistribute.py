@@ -1,4 +1,4 @@
-"""Benchmark rows of issue 12 for ``python -m zero_dtensor.bench`` (redistribution: ``to_dtensors``, ``owned``,
+"""Redistribution rows for ``python -m zero_dtensor.bench`` (redistribution: ``to_dtensors``, ``owned``,
 their writes, and ``map_full_(newton_schulz)`` against the full-everywhere and DeepSpeed-loop versions).
 
 :func:`add_rows` runs on every rank inside :func:`zero_dtensor.bench.cli._bench_stage`, after the core rows (it needs

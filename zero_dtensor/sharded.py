@@ -11,10 +11,10 @@ weights and the optimizer state are the same front over other families (:mod:`ze
 from __future__ import annotations
 
 from .errors import StaleGradientsError
-from .state import STALE, check_dtype
+from .state import STALE
 from .tensors import ParamView, ShardedTensors
 
-__all__ = ["ParamGrad", "ShardedGrads", "check_dtype"]
+__all__ = ["ParamGrad", "ShardedGrads"]
 
 
 class ParamGrad(ParamView):

@@ -24,7 +24,7 @@ from deepspeed.utils import (
 
 from workers.common import DTYPES, MODELS, EngineCase, batch, build_engine, count_comms, fill_value
 from zero_dtensor._deepspeed import families, grad_storage, sync
-from zero_dtensor._deepspeed.families import OptimizerStateNotReadyError
+from zero_dtensor.errors import OptimizerStateNotReadyError
 from zero_dtensor.errors import UnsupportedDeepSpeedError
 from zero_dtensor.layout import GroupLayout, Packing, ParamLayout
 from zero_dtensor.storage import GradStorage

@@ -72,7 +72,6 @@ from ._common import cached_layout, kept_partition, same_memory
 
 __all__ = [
     "MASTER",
-    "OptimizerStateNotReadyError",
     "StepValue",
     "master_storage",
     "optimizer_state_keys",

@@ -144,3 +144,12 @@ def placement_of(group: GroupLayout) -> GroupPlacement:
     if group.replicated:
         return _REPLICATED
     return _CHUNKED if group.packing is Packing.CHUNKED else _RAGGED
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """torch's contiguous strides of ``shape`` (zero-size dims count as 1), computed without creating a tensor."""
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))

@@ -21,6 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
+from ..layout import contiguous_stride
+
 __all__ = ["Box", "boxes", "box_dtensor", "local_boxes"]
 
 
@@ -78,13 +80,6 @@ def local_boxes(fragment: torch.Tensor, found: tuple[Box, ...]) -> list[torch.Te
     return [fragment[b.start:b.start + b.numel].view(b.sizes) for b in found]
 
 
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))
-
 
 def box_dtensor(fragment: torch.Tensor, shape: torch.Size | tuple[int, ...], start: int, mesh: DeviceMesh
                 ) -> DTensor | None:
@@ -97,4 +92,4 @@ def box_dtensor(fragment: torch.Tensor, shape: torch.Size | tuple[int, ...], sta
     found = boxes(tuple(shape), start, start + fragment.numel())
     wrapper = LocalShardsWrapper(local_boxes(fragment, found), [b.offsets for b in found])
     return DTensor.from_local(wrapper, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
-                              stride=_contiguous_stride(tuple(shape)))
+                              stride=contiguous_stride(tuple(shape)))

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import collectives
-from ..layout import GradLayout, ParamLayout
+from ..layout import GradLayout, ParamLayout, contiguous_stride
 from ..storage import GradStorage
 
 
@@ -105,14 +105,6 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """torch's contiguous strides (zero-size dims count as 1), computed without creating a tensor."""
-    stride, acc = [], 1
-    for size in reversed(shape):
-        stride.append(acc)
-        acc *= max(size, 1)
-    return tuple(reversed(stride))
-
 
 def _row_ranges(param: ParamLayout, world: int) -> tuple[tuple[Range, ...], bool]:
     """Per rank, the flattened range of its ``torch.chunk`` rows; 0-d parameters: the whole of it everywhere."""
@@ -203,7 +195,7 @@ def _bucket(layout: GradLayout, groups: tuple[int, ...], params: list[ParamLayou
         else:
             local_shape = (_row_count(shape[0], world, me), *shape[1:])
         slots.append(TargetSlot(p.name, out, tb - ta, local_shape, kind == ROWS or owner_of[p.name] == me,
-                                target_full, shape, _contiguous_stride(shape)))
+                                target_full, shape, contiguous_stride(shape)))
         gslot = slot_of_group[p.group]
         base = p.local_offset(group, me) - stored[me][0]  # partition offset of element e is base + e
         sends, recvs = _pieces(stored, stored_full, target, me)

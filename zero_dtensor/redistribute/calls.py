@@ -114,12 +114,12 @@ def set_owned_(storage: GradStorage, mapping: Mapping[str, torch.Tensor], *,
         values = _provided(storage, mapping, restrict)
     signature = () if refusal.error else (None if restrict is None else sorted(restrict.items()),)
     layout = storage.layout
-    groups = agreement_groups(storage, None)
-    by_pg = {id(storage.process_groups[g.index]): [p for p in layout.params
-                                                   if storage.process_groups[p.group] is storage.process_groups[g.index]]
-             for g in layout.groups}
-    rows = agree("set_owned_", signature, groups, storage.device, refused=refusal.error,
-                 payload=lambda pg: [int(p.name in values) for p in by_pg[id(pg)]])
+    by_pg: dict[int, tuple[Any, list[ParamLayout]]] = {}  # id(process group) -> (it, its parameters in model order)
+    for p in layout.params:
+        pg = storage.process_groups[p.group]
+        by_pg.setdefault(id(pg), (pg, []))[1].append(p)
+    rows = agree("set_owned_", signature, agreement_groups(storage, None), storage.device, refused=refusal.error,
+                 payload=lambda pg: [int(p.name in values) for p in by_pg[id(pg)][1]])
     provider = _providers(storage, values, rows, by_pg)
     selection = [p.name for p in layout.params if p.name in provider]
     plan = plan_for(storage, [layout.by_name[n] for n in selection], OWNERS, provider)
@@ -128,24 +128,21 @@ def set_owned_(storage: GradStorage, mapping: Mapping[str, torch.Tensor], *,
 
 
 def _providers(storage: GradStorage, values: Mapping[str, torch.Tensor], rows: Mapping[int, list[list[int]]],
-               by_pg: Mapping[int, list[ParamLayout]]) -> dict[str, int]:
-    """``{name: global rank that passed it}`` from the agreement's rows (the same on every rank); a parameter passed
-    by more than one rank raises ``ValueError`` on every rank. No communication."""
+               by_pg: Mapping[int, tuple[Any, list[ParamLayout]]]) -> dict[str, int]:
+    """``{name: global rank that passed it}`` from the agreement's rows (the same on every rank; per process group
+    one ``(N, k)`` matrix of who passed what); a parameter passed by more than one rank raises ``ValueError`` on
+    every rank. No communication."""
     provider: dict[str, int] = {}
     twice: list[str] = []
-    for pg in {id(storage.process_groups[p.group]): storage.process_groups[p.group]
-               for p in storage.layout.params}.values():
-        params = by_pg[id(pg)]
-        if id(pg) not in rows:  # a single-rank group: this rank alone
+    for key, (pg, params) in by_pg.items():
+        if key not in rows:  # a single-rank group: this rank alone
             provider.update({p.name: my_rank(storage) for p in params if p.name in values})
             continue
+        passed = torch.tensor(rows[key], dtype=torch.int64)[:, 2:]  # (N, k): rank r passed parameter j
+        counts, who = passed.sum(0).tolist(), passed.argmax(0).tolist()
         members = collectives.group_ranks(pg)
-        for k, p in enumerate(params):
-            passed = [members[r] for r, row in enumerate(rows[id(pg)]) if row[2 + k]]
-            if len(passed) > 1:
-                twice.append(p.name)
-            elif passed:
-                provider[p.name] = passed[0]
+        twice += [p.name for p, c in zip(params, counts) if c > 1]
+        provider.update({p.name: members[w] for p, c, w in zip(params, counts, who) if c == 1})
     if twice:
         raise ValueError(f"set_owned_: {twice[:8]} were passed by more than one rank; pass each parameter on one "
                          "rank only (its owner: see grads.owners()). Nothing was written on any rank.")

@@ -312,16 +312,16 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         """
         self._state.check_current()
         selected: list[ParamLayout] | None = None
-        plans: tuple[str, ...] = ()
+        transfers: list[Any] = []
         with Refusal() as refusal:
             selected = self._select(names)
             check_dtype(dtype, "full_tensors")
             _bulk.check_request(self._state, selected, dtype=dtype, out=out, dst=dst, strategy=strategy)
-            plans = _bulk.planned_strategies(self._state, selected, dst, strategy)
-        self._agree("full_tensors", selected, refusal.error, str(dtype), dst, async_op, strategy, plans,
-                    type(out).__name__)
+            transfers = _bulk.plan_transfers(self._state, selected, dst, strategy)
+        self._agree("full_tensors", selected, refusal.error, str(dtype), dst, async_op, strategy,
+                    tuple(t.strategy for t in transfers), type(out).__name__)
         return _bulk.full_tensors(self._state, selected, dtype=dtype, out=out, dst=dst, async_op=async_op,
-                                  strategy=strategy)
+                                  strategy=strategy, transfers=transfers)
 
     def iter_full(
         self,

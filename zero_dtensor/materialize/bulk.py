@@ -46,7 +46,7 @@ from .buffers import BUFFERS
 from .results import GatheredGrads, PendingFullTensors, run_steps
 from .strategy import CALIBRATES, check_strategy, explicit, pipelines, planned, resolve
 
-__all__ = ["check_request", "full_tensors", "planned_strategies"]
+__all__ = ["check_request", "full_tensors", "plan_transfers"]
 
 _NAME = operator.attrgetter("name")
 
@@ -76,10 +76,12 @@ class _Transfer:
         return self.numel * self.partitions[0].element_size()
 
 
-def _planned_transfers(state: GradState, wanted: Sequence[int], dst: int | None, strategy: str) -> list[_Transfer]:
-    """The call's transfers, each with the strategy it will use (:data:`~.strategy.CALIBRATES` where ``auto``
-    calibrates first). No communication."""
-    transfers = _transfers(state, wanted)
+def plan_transfers(state: GradState, params: list[ParamLayout], dst: int | None, strategy: str) -> list[_Transfer]:
+    """The transfers a ``full_tensors`` call of ``params`` will make, each with the strategy it will use
+    (:data:`~.strategy.CALIBRATES` where ``auto`` calibrates first): what the call's rank agreement compares (a pinned
+    strategy, an environment variable or a calibration cache that differs between ranks shows here), then what
+    :func:`full_tensors` runs. No communication."""
+    transfers = _transfers(state, sorted(state.plan.by_group(params)))
     for t in transfers:
         if dst is not None:  # no calibration: it times the all-rank collectives, while dst= uses gather/reduce
             chosen = explicit(strategy)
@@ -91,14 +93,6 @@ def _planned_transfers(state: GradState, wanted: Sequence[int], dst: int | None,
         t.strategy = planned(strategy, t.pg, t.device, t.dtype, t.nbytes, t.reorder, t.pipelinable,
                              one_group=len(t.groups) == 1)
     return transfers
-
-
-def planned_strategies(state: GradState, params: list[ParamLayout], dst: int | None, strategy: str
-                       ) -> tuple[str, ...]:
-    """What each transfer of a ``full_tensors`` call will use, in transfer order (part of the call's rank
-    agreement: a pinned strategy, an environment variable or a calibration cache that differs between ranks shows
-    here). No communication."""
-    return tuple(t.strategy for t in _planned_transfers(state, sorted(state.plan.by_group(params)), dst, strategy))
 
 
 def _transfers(state: GradState, group_indices: Sequence[int]) -> list[_Transfer]:
@@ -285,14 +279,16 @@ def full_tensors(
     dst: int | None = None,
     async_op: bool = False,
     strategy: str = "auto",
+    transfers: list[_Transfer] | None = None,
 ) -> dict[str, torch.Tensor] | PendingFullTensors:
     """See ``ShardedGrads.full_tensors`` (the documented entry point); ``params`` and the arguments are already
-    validated (:func:`check_request`, before the rank-agreement check)."""
+    validated (:func:`check_request`, before the rank-agreement check); ``transfers``: :func:`plan_transfers` of
+    the same arguments, as the agreement compared them (planned here when not given)."""
     state.check_current()
-    wanted = sorted(state.plan.by_group(params))  # cached for every parameter in model order
     is_dst = dst is None or global_rank() == dst
 
-    transfers = _planned_transfers(state, wanted, dst, strategy)
+    if transfers is None:
+        transfers = plan_transfers(state, params, dst, strategy)
     for t in transfers:
         if t.strategy == CALIBRATES:  # every rank agreed on it (the agreement compared the plans)
             t.strategy = resolve(strategy, t.pg, t.device, t.dtype, t.nbytes, t.reorder, t.pipelinable,

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .agreement import agree, distinct_groups
+from .agreement import agree
 from .collectives import all_reduce_op
+from .reductions import communicating_groups
 from .state import state_of
 
 __all__ = ["found_inf"]
@@ -32,8 +33,7 @@ def found_inf(grads: Any) -> bool:
     state.check_current()
     storage = state.storage
     device = storage.device
-    pgs = distinct_groups(pg for group, pg in zip(state.layout.groups, storage.process_groups)
-                          if group.placement.is_sharded)
+    pgs = communicating_groups(state)
     agree("found_inf", (), pgs, device)
     flags = torch.stack([torch.isfinite(p).all().logical_not().to(device) for p in storage.partitions])
     if not pgs:

@@ -32,7 +32,7 @@ from torch.distributed.tensor import Replicate, Shard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero_dtensor.layout import GradLayout, GroupLayout, Packing, ParamLayout, placement_of
+from zero_dtensor.layout import FlatLayout, GroupLayout, Packing, ParamLayout, placement_of
 from zero_dtensor.placement import ChunkShard, RaggedShard, Replicated
 from zero_dtensor.plan import plan_for
 
@@ -51,7 +51,7 @@ shapes = st.lists(
 
 @st.composite
 def cases(draw):
-    """``(world, [GradLayout per rank], {name: full reference tensor})``."""
+    """``(world, [FlatLayout per rank], {name: full reference tensor})``."""
     world = draw(st.integers(1, 5))
     param_shapes = draw(shapes)
     n_groups = draw(st.integers(1, min(3, len(param_shapes))))
@@ -86,7 +86,7 @@ def cases(draw):
             groups.append((flat // world, Packing.CONTIGUOUS, False))
     params = tuple(sorted(entries, key=lambda p: int(p.name[1:])))  # model order
     per_rank = [
-        GradLayout(groups=tuple(GroupLayout(g, world, r, numel, torch.float64, packing, replicated=replicated)
+        FlatLayout(groups=tuple(GroupLayout(g, world, r, numel, torch.float64, packing, replicated=replicated)
                                 for g, (numel, packing, replicated) in enumerate(groups)),
                    params=params)
         for r in range(world)
@@ -98,7 +98,7 @@ def cases(draw):
     return world, per_rank, full
 
 
-def partitions(per_rank: list[GradLayout], full: dict[str, torch.Tensor], group: int) -> list[torch.Tensor]:
+def partitions(per_rank: list[FlatLayout], full: dict[str, torch.Tensor], group: int) -> list[torch.Tensor]:
     """Each rank's partition of ``group``, built from the full parameters without the placement code."""
     layout = per_rank[0]
     g = layout.groups[group]
@@ -313,7 +313,7 @@ def _chunked_case(world: int, shapes: list[tuple[int, ...]], extra: int = 0):
         chunk = math.ceil(size.numel() / world)
         entries.append(ParamLayout(f"p{i}", size, 0, offset, chunk_numel=chunk))
         offset += chunk
-    per_rank = [GradLayout(groups=(GroupLayout(0, world, r, offset + extra, torch.float64, Packing.CHUNKED),),
+    per_rank = [FlatLayout(groups=(GroupLayout(0, world, r, offset + extra, torch.float64, Packing.CHUNKED),),
                            params=tuple(entries)) for r in range(world)]
     full, next_id = {}, 0
     for p in entries:

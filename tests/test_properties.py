@@ -20,9 +20,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero_dtensor.layout import GradLayout, GroupLayout, Packing, ParamLayout
+from zero_dtensor.layout import FlatLayout, GroupLayout, Packing, ParamLayout
 from zero_dtensor.sharded import ShardedGrads
-from zero_dtensor.storage import GradStorage
+from zero_dtensor.storage import FlatStorage
 
 shapes = st.lists(
     st.one_of(
@@ -37,7 +37,7 @@ shapes = st.lists(
 
 @st.composite
 def layouts(draw):
-    """(world_size, [GradLayout per rank]) for a random model, group split and packing."""
+    """(world_size, [FlatLayout per rank]) for a random model, group split and packing."""
     world = draw(st.integers(1, 5))
     param_shapes = draw(shapes)
     n_groups = draw(st.integers(1, min(3, len(param_shapes))))
@@ -76,7 +76,7 @@ def layouts(draw):
     packing = Packing.CHUNKED if kind == "zero3" else Packing.CONTIGUOUS
     params = sorted((p for ps in params_per_group.values() for p in ps), key=lambda p: int(p.name[1:]))
     per_rank = [
-        GradLayout(
+        FlatLayout(
             groups=tuple(
                 GroupLayout(g, world, r, group_sizes[g], torch.float32, packing, replicated=kind == "replicated")
                 for g in range(n_groups)
@@ -127,12 +127,12 @@ def test_fragments_tile_partitions_and_cover_params(case) -> None:
             assert total_padding >= 0
 
 
-def _storage(layout: GradLayout, partitions: tuple[torch.Tensor, ...]) -> GradStorage:
-    return GradStorage(layout=layout, partitions=partitions, process_groups=(None,) * len(partitions),
+def _storage(layout: FlatLayout, partitions: tuple[torch.Tensor, ...]) -> FlatStorage:
+    return FlatStorage(layout=layout, partitions=partitions, process_groups=(None,) * len(partitions),
                        loss_scale=1.0, device=torch.device("cpu"), is_current=lambda: True, describe="simulated")
 
 
-def _read(per_rank: list[GradLayout], parts: list[tuple[torch.Tensor, ...]], name: str) -> torch.Tensor:
+def _read(per_rank: list[FlatLayout], parts: list[tuple[torch.Tensor, ...]], name: str) -> torch.Tensor:
     """Reassemble one full parameter from every simulated rank's fragment (what a gather does)."""
     p = per_rank[0].by_name[name]
     full = torch.full((p.numel,), float("nan"))

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from zero_dtensor import redistribute as rd
 from zero_dtensor.redistribute import assignment, exchange, plan as rd_plan
-from zero_dtensor.layout import GradLayout, GroupLayout, Packing, ParamLayout
+from zero_dtensor.layout import FlatLayout, GroupLayout, Packing, ParamLayout
 
 from workers import redistribute as worker
 from workers.common import EngineCase
@@ -43,7 +43,7 @@ shapes = st.lists(
 
 @st.composite
 def models(draw):
-    """``(world, kind, [GradLayout per rank], group dtypes)`` laid out the way DeepSpeed does."""
+    """``(world, kind, [FlatLayout per rank], group dtypes)`` laid out the way DeepSpeed does."""
     world = draw(st.integers(1, 5))
     param_shapes = draw(shapes)
     n_groups = draw(st.integers(1, min(3, len(param_shapes))))
@@ -65,17 +65,17 @@ def models(draw):
         sizes.append(flat if kind in ("zero3", "replicated") else flat // world)
     params.sort(key=lambda p: int(p.name[1:]))
     packing = Packing.CHUNKED if kind == "zero3" else Packing.CONTIGUOUS
-    per_rank = [GradLayout(tuple(GroupLayout(g, world, r, sizes[g], dtypes[g], packing, kind == "replicated")
+    per_rank = [FlatLayout(tuple(GroupLayout(g, world, r, sizes[g], dtypes[g], packing, kind == "replicated")
                                  for g in range(n_groups)), tuple(params)) for r in range(world)]
     return world, kind, per_rank
 
 
-def _truth(layout: GradLayout, scale: float = 1.0) -> dict[str, torch.Tensor]:
+def _truth(layout: FlatLayout, scale: float = 1.0) -> dict[str, torch.Tensor]:
     return {p.name: (torch.arange(p.numel, dtype=torch.float64) + 1000 * (i + 1)).mul(scale).view(p.shape)
             for i, p in enumerate(layout.params)}
 
 
-def _partitions(layout: GradLayout, truth: dict[str, torch.Tensor], fill: float | None = None) -> list[torch.Tensor]:
+def _partitions(layout: FlatLayout, truth: dict[str, torch.Tensor], fill: float | None = None) -> list[torch.Tensor]:
     parts = [torch.zeros(g.partition_numel, dtype=g.dtype) for g in layout.groups]
     for p in layout.params:
         g = layout.groups[p.group]
@@ -103,7 +103,7 @@ def _route(sends: list[torch.Tensor], transfers: list[rd.Transfer]) -> list[torc
     return [torch.cat([chunks[s][d] for s in range(world)]) for d in range(world)]
 
 
-def _owners_of(layout: GradLayout, names: tuple[str, ...], world: int) -> tuple[int, ...]:
+def _owners_of(layout: FlatLayout, names: tuple[str, ...], world: int) -> tuple[int, ...]:
     return assignment._balanced(layout, names, (0,) * len(layout.groups))
 
 
@@ -192,10 +192,10 @@ def test_plans_move_every_element_exactly(model, kind, rnd) -> None:
 @given(st.lists(st.integers(0, 500), min_size=1, max_size=40), st.integers(1, 8))
 def test_balanced_owners_are_deterministic_and_balanced(sizes, world) -> None:
     params = tuple(ParamLayout(f"p{i}", torch.Size([n]), 0, 0) for i, n in enumerate(sizes))
-    layout = GradLayout((GroupLayout(0, world, 0, 1, torch.float32, Packing.CONTIGUOUS),), params)
+    layout = FlatLayout((GroupLayout(0, world, 0, 1, torch.float32, Packing.CONTIGUOUS),), params)
     names = tuple(p.name for p in params)
     owners = assignment._balanced(layout, names, (0,))
-    assert owners == assignment._balanced(GradLayout(layout.groups, params), names, (0,))  # value, not identity
+    assert owners == assignment._balanced(FlatLayout(layout.groups, params), names, (0,))  # value, not identity
     loads = [0] * world
     for n, r in zip(sizes, owners):
         loads[r] += n

@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zero_dtensor import rows as rows_mod
-from zero_dtensor.layout import GradLayout, GroupLayout, Packing, ParamLayout
+from zero_dtensor.layout import FlatLayout, GroupLayout, Packing, ParamLayout
 from zero_dtensor.plan import plan_for
 from zero_dtensor.rows import MIN_ROW_BYTES, piece_copy, piece_key, row_map, run_families
 
@@ -142,7 +142,7 @@ def test_row_copy_equals_copying_each_run(path, case, dtypes) -> None:
     assert torch.equal(dst, expected)
 
 
-def chunked_layouts(world: int, shapes: list[tuple[int, ...]], extra: int) -> list[GradLayout]:
+def chunked_layouts(world: int, shapes: list[tuple[int, ...]], extra: int) -> list[FlatLayout]:
     """One chunked (ZeRO-3) group of ``shapes`` as each of ``world`` ranks sees it."""
     entries, offset = [], 0
     for i, shape in enumerate(shapes):
@@ -150,11 +150,11 @@ def chunked_layouts(world: int, shapes: list[tuple[int, ...]], extra: int) -> li
         chunk = math.ceil(numel / world)
         entries.append(ParamLayout(f"p{i}", torch.Size(shape), 0, offset, chunk_numel=chunk))
         offset += chunk
-    return [GradLayout(groups=(GroupLayout(0, world, r, offset + extra, torch.float32, Packing.CHUNKED),),
+    return [FlatLayout(groups=(GroupLayout(0, world, r, offset + extra, torch.float32, Packing.CHUNKED),),
                        params=tuple(entries)) for r in range(world)]
 
 
-def reference_order(layout: GradLayout, gathered_rows: torch.Tensor) -> torch.Tensor:
+def reference_order(layout: FlatLayout, gathered_rows: torch.Tensor) -> torch.Tensor:
     gp = plan_for(layout).groups[0]
     world = layout.groups[0].world_size
     out = torch.empty(gp.param_order.numel)
@@ -163,7 +163,7 @@ def reference_order(layout: GradLayout, gathered_rows: torch.Tensor) -> torch.Te
     return out
 
 
-def check_reorder(layouts: list[GradLayout]) -> bool:
+def check_reorder(layouts: list[FlatLayout]) -> bool:
     """``to_param_order`` and the ranks' ``fill_for_reduce`` summed equal the reference; returns whether the row
     path was taken."""
     g0 = layouts[0].groups[0]

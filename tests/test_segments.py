@@ -231,13 +231,13 @@ def test_grad_stats_fast_constructor_is_a_normal_frozen_dataclass() -> None:
 # Single-rank groups communicate nothing, so the public reductions run here; for a rank of a 2-rank layout only the
 # local partials are checked (no process group). Padding holds a sentinel (huge, or nan): it must never count.
 from zero_dtensor import reductions  # noqa: E402
-from zero_dtensor.layout import GradLayout, GroupLayout, Packing, ParamLayout  # noqa: E402
-from zero_dtensor.state import GradState  # noqa: E402
-from zero_dtensor.storage import GradStorage  # noqa: E402
+from zero_dtensor.layout import FlatLayout, GroupLayout, Packing, ParamLayout  # noqa: E402
+from zero_dtensor.state import FlatState  # noqa: E402
+from zero_dtensor.storage import FlatStorage  # noqa: E402
 
 
 @st.composite
-def layouts(draw) -> tuple[GradLayout, list[ParamLayout]]:
+def layouts(draw) -> tuple[FlatLayout, list[ParamLayout]]:
     """A ragged layout of 1-3 groups for rank ``rank`` of ``world``; params in model order."""
     world = draw(st.sampled_from((1, 1, 2)))
     rank = draw(st.integers(0, world - 1))
@@ -256,20 +256,20 @@ def layouts(draw) -> tuple[GradLayout, list[ParamLayout]]:
     for g in range(n_groups):
         flat = offsets[g] + (-offsets[g]) % world + world * draw(st.integers(0, 20))
         groups.append(GroupLayout(g, world, rank, flat // world, torch.float32, Packing.CONTIGUOUS))
-    return GradLayout(groups=tuple(groups), params=tuple(params)), params
+    return FlatLayout(groups=tuple(groups), params=tuple(params)), params
 
 
-def make_state(layout: GradLayout, dtype: torch.dtype, seed: int, pad: float, scale: float = 1.0,
-               specials: bool = False) -> GradState:
+def make_state(layout: FlatLayout, dtype: torch.dtype, seed: int, pad: float, scale: float = 1.0,
+               specials: bool = False) -> FlatState:
     parts = [torch.full((g.partition_numel,), pad, dtype=torch.float64) for g in layout.groups]
-    storage = GradStorage(layout=layout, partitions=tuple(parts), process_groups=(None,) * len(parts),
+    storage = FlatStorage(layout=layout, partitions=tuple(parts), process_groups=(None,) * len(parts),
                           loss_scale=scale, device=torch.device("cpu"), is_current=lambda: True)
-    state = GradState(storage)
+    state = FlatState(storage)
     for p in layout.params:  # fill every parameter's fragment, leave the padding
         frag = state.fragment(p)
         frag.copy_(values(frag.numel(), torch.float64, seed + p.offset, specials))
     final = tuple(part.to(dtype) for part in parts)
-    return GradState(GradStorage(layout=layout, partitions=final, process_groups=storage.process_groups,
+    return FlatState(FlatStorage(layout=layout, partitions=final, process_groups=storage.process_groups,
                                  loss_scale=scale, device=storage.device, is_current=storage.is_current))
 
 

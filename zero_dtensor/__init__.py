@@ -31,7 +31,7 @@ from .errors import (
 )
 from .hooks import GradHookHandle, attach_to_trainer, on_grads, on_grads_in_trainer
 from .launch import RankPool, launch
-from .layout import GradLayout, GroupLayout, Packing, ParamLayout
+from .layout import FlatLayout, GroupLayout, Packing, ParamLayout
 from .noise import counter_normal
 from .overflow import found_inf
 from .param_values import ParamValues
@@ -45,13 +45,16 @@ from .tensors import ParamView, ShardedTensors
 
 __version__ = "0.1.0"
 
+#: The name of :class:`FlatLayout` before 0.1 (it describes every family, not only gradients).
+GradLayout = FlatLayout
+
 __all__ = [
     "CheckpointMismatchError",
     "CheckpointReadError",
+    "FlatLayout",
     "FullGradsHandle",
     "GradHookError",
     "GradHookHandle",
-    "GradLayout",
     "GradStats",
     "GradStatsLogger",
     "GradientsNotReadyError",

@@ -1,4 +1,4 @@
-"""The neutral gradient layout: flat groups, per-parameter ranges and placements.
+"""The neutral layout of every family (gradients, fp32 masters, optimizer state): flat groups, per-parameter ranges and placements.
 
 Nothing here knows DeepSpeed. An adapter in :mod:`zero_dtensor._deepspeed` reads the optimizer's private state once
 and describes it with these frozen dataclasses; everything else (views, collectives, transforms) works on them.
@@ -29,7 +29,7 @@ import torch
 
 from .placement import ChunkShard, GroupPlacement, RaggedShard, Replicated
 
-__all__ = ["GradLayout", "GroupLayout", "Packing", "ParamLayout", "placement_of"]
+__all__ = ["FlatLayout", "GroupLayout", "Packing", "ParamLayout", "placement_of"]
 
 
 class Packing(enum.Enum):
@@ -39,7 +39,7 @@ class Packing(enum.Enum):
 
 @dataclass(frozen=True)
 class GroupLayout:
-    """One flat gradient buffer, as seen from every rank of its process group."""
+    """One flat buffer (of any family), as seen from every rank of its process group."""
 
     index: int
     world_size: int
@@ -74,7 +74,7 @@ class GroupLayout:
 
 @dataclass(frozen=True)
 class ParamLayout:
-    """Where one trainable parameter's gradient lives inside its group.
+    """Where one trainable parameter's slice (gradient, master weight or optimizer state) lives inside its group.
 
     ``offset`` is the start in the global flat buffer for contiguous packing, and the start inside *every* rank's
     partition for chunked packing (where each rank holds ``chunk_numel`` elements of the parameter).
@@ -100,7 +100,7 @@ class ParamLayout:
 
 
 @dataclass(frozen=True, eq=False)
-class GradLayout:
+class FlatLayout:
     """All groups and all trainable parameters (model order) of one engine.
 
     Compared by identity (a layout is built once per optimizer and reused across steps; its plan is cached on it).

@@ -38,7 +38,7 @@ from ._deepspeed import families
 from ._deepspeed import sync as _sync
 from .agreement import agree
 from .errors import ModelParamsNotSyncedError, StaleTensorsError
-from .storage import GradStorage
+from .storage import FlatStorage
 from .tensors import ShardedTensors
 
 __all__ = [
@@ -207,6 +207,6 @@ def optimizer_state_front(engine: Any, key: str) -> ShardedOptimizerState:
     cached = fronts.get(key)
     if cached is not None and cached.is_current():
         return cached
-    storage: GradStorage = families.optimizer_state_storage(engine, key)
+    storage: FlatStorage = families.optimizer_state_storage(engine, key)
     front = fronts[key] = ShardedOptimizerState(storage)
     return front

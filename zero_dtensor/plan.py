@@ -1,6 +1,6 @@
 """Per-layout plans: everything a bulk call needs to run with a fixed number of tensor operations.
 
-A :class:`GradPlan` is built once per :class:`~zero_dtensor.layout.GradLayout` (and cached with it; adapters reuse
+A :class:`FlatPlan` is built once per :class:`~zero_dtensor.layout.FlatLayout` (and cached with it; adapters reuse
 a layout across steps) from the placements' geometry. It holds only Python tuples — split sizes, offsets, which
 piece is which parameter — so that executing a call is a handful of C++ calls whatever the number of parameters:
 one ``split_with_sizes`` turns a partition (or an assembled flat buffer) into every parameter's view, one
@@ -21,12 +21,12 @@ from functools import cached_property
 
 import torch
 
-from .layout import GradLayout, GroupLayout, ParamLayout
+from .layout import FlatLayout, GroupLayout, ParamLayout
 from .rows import RowMap, row_map
 from .segments import SegmentPlan, segment_plan
 from .tiling import Tiling, tiling
 
-__all__ = ["PIPELINE_FIRST_SHARE", "AllParams", "ColumnPiece", "GradPlan", "GroupPlan", "Tiling", "plan_for", "tiling"]
+__all__ = ["PIPELINE_FIRST_SHARE", "AllParams", "ColumnPiece", "FlatPlan", "GroupPlan", "Tiling", "plan_for", "tiling"]
 
 #: A pipelined ZeRO-3 all_gather (:attr:`GroupPlan.column_pieces`) gathers the columns up to the parameter
 #: boundary nearest this share of the partition and the rest as two collectives. Where a process group runs its
@@ -215,10 +215,10 @@ def _group_plan(group: GroupLayout, params: tuple[ParamLayout, ...]) -> GroupPla
 
 
 @dataclass(frozen=True, eq=False)
-class GradPlan:
+class FlatPlan:
     """Every group's :class:`GroupPlan` and the lookups bulk calls need, for one layout on one rank."""
 
-    layout: GradLayout
+    layout: FlatLayout
     groups: tuple[GroupPlan, ...]
 
     @cached_property
@@ -272,7 +272,7 @@ class GradPlan:
 
 class AllParams(list):
     """Every parameter of a layout in model order (what a selection of ``None`` is), marked so that
-    :meth:`GradPlan.is_everything` need not compare 10,000 entries. A copy is a plain list."""
+    :meth:`FlatPlan.is_everything` need not compare 10,000 entries. A copy is a plain list."""
 
     __slots__ = ("_of",)
 
@@ -294,13 +294,13 @@ def _grouped(params: Sequence[ParamLayout]) -> dict[int, list[ParamLayout]]:
     return out
 
 
-_PLANS: weakref.WeakKeyDictionary[GradLayout, GradPlan] = weakref.WeakKeyDictionary()
+_PLANS: weakref.WeakKeyDictionary[FlatLayout, FlatPlan] = weakref.WeakKeyDictionary()
 
 
-def plan_for(layout: GradLayout) -> GradPlan:
+def plan_for(layout: FlatLayout) -> FlatPlan:
     """The cached plan of ``layout`` (built on first use: one pass over the parameters). No communication."""
     plan = _PLANS.get(layout)
     if plan is None:
         groups = tuple(_group_plan(g, layout.params_of(g.index)) for g in layout.groups)
-        plan = _PLANS[layout] = GradPlan(layout, groups)
+        plan = _PLANS[layout] = FlatPlan(layout, groups)
     return plan

@@ -41,7 +41,7 @@ from .segments import (
     piece_sums,
     sizes_plan,
 )
-from .state import GradState, Selection
+from .state import FlatState, Selection
 from .transforms import PerParam, mul_
 
 __all__ = [
@@ -83,7 +83,7 @@ def _grad_stats(names: list[str], norm: list[float], max_abs: list[float], mean:
     return dict(zip(names, objs))
 
 
-def _result_device(state: GradState) -> torch.device:
+def _result_device(state: FlatState) -> torch.device:
     return state.storage.device
 
 
@@ -101,7 +101,7 @@ class _Part:
     take: torch.Tensor | None
 
 
-def _parts(states: Sequence[GradState], sel: Selection) -> list[_Part]:
+def _parts(states: Sequence[FlatState], sel: Selection) -> list[_Part]:
     """Per selected group (ascending index): the whole partition of each state, or the concatenation of the
     selected fragments when they cover under ``1/SPARSE`` of it (states share one layout geometry)."""
     plans = states[0].plan.groups
@@ -118,7 +118,7 @@ def _parts(states: Sequence[GradState], sel: Selection) -> list[_Part]:
     return parts
 
 
-def _per_param(state: GradState, sel: Selection, parts: list[_Part], values: Callable[[_Part], torch.Tensor],
+def _per_param(state: FlatState, sel: Selection, parts: list[_Part], values: Callable[[_Part], torch.Tensor],
                dtype: torch.dtype, columns: tuple[int, ...] = ()) -> torch.Tensor:
     """``values(part)`` (per piece, float64) for the selected parameters: (k, *columns) ``dtype`` on the result
     device, rows in ``sel.params`` order."""
@@ -137,7 +137,7 @@ def _per_param(state: GradState, sel: Selection, parts: list[_Part], values: Cal
     return torch.empty_like(stacked).index_copy_(0, order, stacked)
 
 
-def _reduce(state: GradState, sel: Selection, local: torch.Tensor, op: Any,
+def _reduce(state: FlatState, sel: Selection, local: torch.Tensor, op: Any,
             names: Sequence[str] | None = None) -> torch.Tensor:
     """All-reduce the rows of ``local`` (one per selected parameter) over each distinct process group of the
     multi-rank sharded groups (one collective per process group). Returns the reduced rows on the engine's
@@ -159,7 +159,7 @@ def _reduce(state: GradState, sel: Selection, local: torch.Tensor, op: Any,
     return local
 
 
-def _partials(state: GradState, sel: Selection, norm_type: float) -> torch.Tensor:
+def _partials(state: FlatState, sel: Selection, norm_type: float) -> torch.Tensor:
     """Per selected parameter: local ``sum |x|^p`` (or ``max |x|`` for inf), float32, stored units."""
     is_inf = math.isinf(norm_type)
 
@@ -170,7 +170,7 @@ def _partials(state: GradState, sel: Selection, norm_type: float) -> torch.Tenso
     return _per_param(state, sel, _parts((state,), sel), values, torch.float32)
 
 
-def communicating_groups(state: GradState) -> list[Any]:
+def communicating_groups(state: FlatState) -> list[Any]:
     """The process groups a reduction communicates on: those of the multi-rank sharded groups, each once. No
     communication."""
     return distinct_groups(pg for g, pg in zip(state.layout.groups, state.storage.process_groups)
@@ -183,7 +183,7 @@ def check_norm_type(norm_type: float) -> None:
         raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
 
 
-def _reduced_partials(state: GradState, sel: Selection, norm_type: float,
+def _reduced_partials(state: FlatState, sel: Selection, norm_type: float,
                       names: Sequence[str] | None = None) -> tuple[torch.Tensor, bool]:
     check_norm_type(norm_type)
     is_inf = math.isinf(norm_type)
@@ -191,7 +191,7 @@ def _reduced_partials(state: GradState, sel: Selection, norm_type: float,
     return _reduce(state, sel, local, dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, names), is_inf
 
 
-def norm_values(state: GradState, sel: Selection, norm_type: float,
+def norm_values(state: FlatState, sel: Selection, norm_type: float,
                 names: Sequence[str] | None = None) -> torch.Tensor:
     """Per-parameter true norms, (k,) float32: one collective per process group."""
     reduced, is_inf = _reduced_partials(state, sel, norm_type, names)
@@ -199,14 +199,14 @@ def norm_values(state: GradState, sel: Selection, norm_type: float,
     return values / state.loss_scale
 
 
-def norms(state: GradState, sel: Selection, norm_type: float) -> ParamValues:
+def norms(state: FlatState, sel: Selection, norm_type: float) -> ParamValues:
     """Per-parameter true norms, ``{name: 0-d float32}`` backed by one ``(k,)`` vector: one collective per process
     group."""
     names = sel.names
     return ParamValues(names, norm_values(state, sel, norm_type, names))
 
 
-def global_norm(state: GradState, sel: Selection, norm_type: float) -> torch.Tensor:
+def global_norm(state: FlatState, sel: Selection, norm_type: float) -> torch.Tensor:
     """The true norm of all selected gradients together, a 0-d float32: one collective per process group."""
     reduced, is_inf = _reduced_partials(state, sel, norm_type)
     if not reduced.numel():
@@ -219,7 +219,7 @@ def global_norm(state: GradState, sel: Selection, norm_type: float) -> torch.Ten
     return total / state.loss_scale
 
 
-def dots(state: GradState, other: GradState, sel: Selection, with_norms: bool) -> Any:
+def dots(state: FlatState, other: FlatState, sel: Selection, with_norms: bool) -> Any:
     """Per-parameter ``<g, other_g>`` (and 2-norms): one collective of a (k, 1 or 3) float32 vector per process
     group. Locally: :func:`~zero_dtensor.segments.piece_dots` (and two ``piece_pow_sums``) per group."""
 
@@ -256,7 +256,7 @@ def _stat_columns(part: _Part) -> torch.Tensor:
     return torch.cat([moments[:, :2], counts, moments[:, 2:]], dim=1)
 
 
-def stats(state: GradState, sel: Selection) -> ParamStatsMap[GradStats]:
+def stats(state: FlatState, sel: Selection) -> ParamStatsMap[GradStats]:
     """Per parameter 2-norm, max |g|, mean, nan and inf counts: a (k, 4) float64 sum and a (k,) float32 max, each
     one collective per process group. Locally per group: one :func:`~zero_dtensor.segments.piece_stats` (sums of
     squares, sums, maxima), nan/inf counts only when some value is not finite (a host sync per group); then one
@@ -283,7 +283,7 @@ def stats(state: GradState, sel: Selection) -> ParamStatsMap[GradStats]:
     return ParamStatsMap(names, one, lambda: list(_grad_stats(names, *columns).values()))
 
 
-def clip_grad_norm_(state: GradState, sel: Selection, max_norm: float, norm_type: float,
+def clip_grad_norm_(state: FlatState, sel: Selection, max_norm: float, norm_type: float,
                     error_if_nonfinite: bool) -> torch.Tensor:
     """Clip like ``torch.nn.utils.clip_grad_norm_``: one collective, then one multiply per group (or one
     ``_foreach_mul_`` over the selected fragments)."""
@@ -299,7 +299,7 @@ def clip_grad_norm_(state: GradState, sel: Selection, max_norm: float, norm_type
     return total
 
 
-def clip_per_param_(state: GradState, sel: Selection, max_norm: float, norm_type: float) -> dict[str, torch.Tensor]:
+def clip_per_param_(state: FlatState, sel: Selection, max_norm: float, norm_type: float) -> dict[str, torch.Tensor]:
     values = norm_values(state, sel, norm_type)
     coefs = torch.clamp(max_norm / (values + 1e-6), max=1.0)
     mul_(state, sel, PerParam(list(coefs.unbind(0))))

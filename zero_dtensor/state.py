@@ -1,7 +1,7 @@
 """The one internal state under a :class:`~zero_dtensor.tensors.ShardedTensors` (gradients, masters, optimizer
 state): storage, plan, selection, staleness.
 
-Every internal module (materialization, transforms, reductions) takes a :class:`GradState` as an argument instead
+Every internal module (materialization, transforms, reductions) takes a :class:`FlatState` as an argument instead
 of reaching into the public object above it. Nothing here communicates.
 """
 
@@ -17,12 +17,12 @@ import torch
 
 from .collectives import on_comm_device
 from .errors import StaleGradientsError
-from .layout import GradLayout, GroupLayout, ParamLayout
-from .plan import AllParams, GradPlan, GroupPlan, plan_for
-from .storage import GradStorage
+from .layout import FlatLayout, GroupLayout, ParamLayout
+from .plan import AllParams, FlatPlan, GroupPlan, plan_for
+from .storage import FlatStorage
 from .views import ViewCache
 
-__all__ = ["GradState", "GradsLike", "ParamSelection", "Selection", "STALE", "check_dtype", "short_names",
+__all__ = ["FlatState", "GradsLike", "ParamSelection", "Selection", "STALE", "check_dtype", "short_names",
            "state_of"]
 
 ParamSelection = Union[None, Collection[str], Callable[[str], bool]]
@@ -74,18 +74,18 @@ class Selection:
         return len(self.by_group.get(plan.index, ())) == len(plan.params)
 
 
-class GradState:
-    """Gradient memory of one engine for one step, with its cached plan and this step's partition pieces."""
+class FlatState:
+    """One family's memory of one engine (for one step, for gradients), with its cached plan and this step's partition pieces."""
 
-    def __init__(self, storage: GradStorage, stale: Callable[[], Exception] | None = None) -> None:
+    def __init__(self, storage: FlatStorage, stale: Callable[[], Exception] | None = None) -> None:
         self.storage = storage
-        self.plan: GradPlan = plan_for(storage.layout)
+        self.plan: FlatPlan = plan_for(storage.layout)
         #: makes the error a use after the storage went stale raises (default: the gradients' one)
         self.stale = stale
 
     # --- description ---------------------------------------------------------------------------------------------
     @property
-    def layout(self) -> GradLayout:
+    def layout(self) -> FlatLayout:
         return self.storage.layout
 
     @property
@@ -214,14 +214,14 @@ class GradState:
 
 
 #: per plan, the selection of every parameter (``params=None``, the usual case), built once; never modified
-_ALL_SELECTED: weakref.WeakKeyDictionary[GradPlan, Selection] = weakref.WeakKeyDictionary()
+_ALL_SELECTED: weakref.WeakKeyDictionary[FlatPlan, Selection] = weakref.WeakKeyDictionary()
 
-GradsLike = Any  # a ShardedGrads (anything with ``__zero_dtensor_state__``) or a GradState
+GradsLike = Any  # a ShardedGrads (anything with ``__zero_dtensor_state__``) or a FlatState
 
 
-def state_of(grads: GradsLike) -> GradState:
-    """The :class:`GradState` of a ``ShardedGrads`` (through its ``__zero_dtensor_state__``), or ``grads`` itself."""
-    if isinstance(grads, GradState):
+def state_of(grads: GradsLike) -> FlatState:
+    """The :class:`FlatState` of a ``ShardedGrads`` (through its ``__zero_dtensor_state__``), or ``grads`` itself."""
+    if isinstance(grads, FlatState):
         return grads
     getter = getattr(grads, "__zero_dtensor_state__", None)
     if getter is None:

@@ -1,4 +1,5 @@
-"""What an adapter hands to the rest of the library: a layout plus live handles on DeepSpeed's gradient memory."""
+"""What an adapter hands to the rest of the library: a layout plus live handles on one family's memory
+(the gradients, the fp32 masters or one optimizer-state key)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .layout import GradLayout
+from .layout import FlatLayout
 from .views import ViewCache
 
-__all__ = ["GradStorage"]
+__all__ = ["FlatStorage"]
 
 
 def _no_write_hook(names: Sequence[str]) -> None:
@@ -19,8 +20,9 @@ def _no_write_hook(names: Sequence[str]) -> None:
 
 
 @dataclass(frozen=True)
-class GradStorage:
-    """Gradient memory of one engine between ``backward()`` at a boundary and ``step()``.
+class FlatStorage:
+    """One family's memory of one engine (gradients: between ``backward()`` at a boundary and ``step()``; masters
+    and optimizer state: between steps).
 
     Attributes:
         layout: the neutral layout.
@@ -37,7 +39,7 @@ class GradStorage:
             when every step's partition is new.
     """
 
-    layout: GradLayout
+    layout: FlatLayout
     partitions: tuple[torch.Tensor, ...]
     process_groups: tuple[dist.ProcessGroup, ...]
     loss_scale: float

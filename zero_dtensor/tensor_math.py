@@ -2,7 +2,7 @@
 ShardedTensors` family, as a mixin: elementwise ``mul_`` … ``add_noise_``, ``clone``, ``norms``, ``global_norm``,
 ``dots``, ``stats``, ``clip_*``.
 
-The mixin uses the host's ``_state`` (:class:`~zero_dtensor.state.GradState`), ``_agreed_selection`` and
+The mixin uses the host's ``_state`` (:class:`~zero_dtensor.state.FlatState`), ``_agreed_selection`` and
 ``_check_same_layout``; the work is done by :mod:`zero_dtensor.transforms` and :mod:`zero_dtensor.reductions`. A
 write (every in-place method here) ends with the storage's ``after_write`` (for fp32 masters: the model's working
 weights need :func:`zero_dtensor.sync_model_params` before the next forward).
@@ -19,7 +19,7 @@ import torch
 from . import reductions, transforms
 from .param_values import ParamValues
 from .reductions import GradStats
-from .state import GradState, ParamSelection, Selection
+from .state import FlatState, ParamSelection, Selection
 from .transforms import Scalar
 
 __all__ = ["TensorMath"]
@@ -28,7 +28,7 @@ __all__ = ["TensorMath"]
 class TensorMath:
     """Transforms and reductions of a sharded family (see the module docstring)."""
 
-    _state: GradState
+    _state: FlatState
 
     if TYPE_CHECKING:
         def _agreed_selection(self, what: str, params: ParamSelection, *signature: Any,

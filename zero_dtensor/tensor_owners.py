@@ -16,7 +16,7 @@ from . import redistribute as _redistribute
 from .agreement import Refusal, agree
 from .layout import ParamLayout
 from .state import check_dtype
-from .storage import GradStorage
+from .storage import FlatStorage
 
 __all__ = ["TensorOwners"]
 
@@ -25,7 +25,7 @@ class TensorOwners:
     """Redistribution of a sharded family (see the module docstring)."""
 
     if TYPE_CHECKING:
-        _storage: GradStorage
+        _storage: FlatStorage
 
         def _check_current(self) -> None: ...
 

@@ -2,7 +2,7 @@
 public front under :class:`~zero_dtensor.grads.ShardedGrads`, :class:`~zero_dtensor.master.ShardedMasterParams` and
 :class:`~zero_dtensor.master.ShardedOptimizerState`).
 
-A family is any set of flat, sharded tensors with one layout (:class:`~zero_dtensor.storage.GradStorage`): the
+A family is any set of flat, sharded tensors with one layout (:class:`~zero_dtensor.storage.FlatStorage`): the
 reduced gradients, the fp32 master weights, one optimizer-state key. Everything here works the same on each; what
 differs (when the values are valid, what a write must be followed by) is the family's storage and subclass.
 
@@ -30,12 +30,12 @@ from . import reductions, writes
 from .agreement import Refusal, agree
 from .collectives import mesh_for
 from .errors import StaleTensorsError
-from .layout import GradLayout, ParamLayout
+from .layout import FlatLayout, ParamLayout
 from .materialize import bulk as _bulk
 from .materialize import stream as _stream
 from .materialize.results import PendingFullTensors
-from .state import GradState, ParamSelection, Selection, check_dtype, short_names
-from .storage import GradStorage
+from .state import FlatState, ParamSelection, Selection, check_dtype, short_names
+from .storage import FlatStorage
 from .tensor_math import TensorMath
 from .tensor_owners import TensorOwners
 
@@ -170,8 +170,8 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
     #: the per-parameter view class of this family
     _VIEW: type[ParamView] = ParamView
 
-    def __init__(self, storage: GradStorage) -> None:
-        self._state = GradState(storage, stale=self._stale_error)
+    def __init__(self, storage: FlatStorage) -> None:
+        self._state = FlatState(storage, stale=self._stale_error)
 
     def _stale_error(self) -> Exception:
         """The error a use after the values went stale raises (the family's subclass says when and what to do)."""
@@ -181,7 +181,7 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
             "optimizer state): make the sharded view again"
         )
 
-    def __zero_dtensor_state__(self) -> GradState:
+    def __zero_dtensor_state__(self) -> FlatState:
         """The internal state (for zero_dtensor's own modules)."""
         return self._state
 
@@ -208,7 +208,7 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
 
     # --- description -------------------------------------------------------------------------------------------
     @property
-    def layout(self) -> GradLayout:
+    def layout(self) -> FlatLayout:
         return self._state.layout
 
     @property
@@ -413,7 +413,7 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         return sel
 
     @property
-    def _storage(self) -> GradStorage:
+    def _storage(self) -> FlatStorage:
         return self._state.storage
 
     def _check_current(self) -> None:

@@ -21,8 +21,8 @@ from typing import Any, Union
 import torch
 
 from .noise import normal_from_counters, stream_key
-from .state import GradState, Selection
-from .storage import GradStorage
+from .state import FlatState, Selection
+from .storage import FlatStorage
 
 __all__ = [
     "PerParam",
@@ -77,7 +77,7 @@ def scalar(value: Any, what: str) -> float | torch.Tensor:
     raise TypeError(f"{what} must be a real number or a 0-d tensor, got {type(value).__name__}")
 
 
-def per_param(state: GradState, value: Any, sel: Selection, what: str) -> float | torch.Tensor | PerParam:
+def per_param(state: FlatState, value: Any, sel: Selection, what: str) -> float | torch.Tensor | PerParam:
     """A uniform operand, or a mapping ``name -> operand`` covering every selected parameter as :class:`PerParam`."""
     if not isinstance(value, Mapping):
         return scalar(value, what)
@@ -91,7 +91,7 @@ def per_param(state: GradState, value: Any, sel: Selection, what: str) -> float 
 
 
 # --- batched execution ---------------------------------------------------------------------------------------------
-def _group_operands(sel: Selection, per: PerParam, state: GradState) -> dict[int, list[Any]]:
+def _group_operands(sel: Selection, per: PerParam, state: FlatState) -> dict[int, list[Any]]:
     """Per group, the per-parameter operands in the group's buffer order (as :meth:`Selection.by_group` lists)."""
     order = {p.name: i for i, p in enumerate(sel.params)}
     out: dict[int, list[Any]] = {}
@@ -115,7 +115,7 @@ def _as_list(values: list[Any], device: torch.device) -> list[float] | list[torc
 
 
 @torch.no_grad()
-def run(state: GradState, sel: Selection, whole_op: Callable[[torch.Tensor, Any], Any],
+def run(state: FlatState, sel: Selection, whole_op: Callable[[torch.Tensor, Any], Any],
         foreach_op: Callable[[list[torch.Tensor], Any], Any], operand: Any = None) -> None:
     """Apply an elementwise op to the selected gradients, then tell the optimizer (``after_write``).
 
@@ -144,14 +144,14 @@ def run(state: GradState, sel: Selection, whole_op: Callable[[torch.Tensor, Any]
     state.storage.after_write(sel.names)
 
 
-def _other_fragments(other: GradState, g: int, frags_like: list[torch.Tensor],
+def _other_fragments(other: FlatState, g: int, frags_like: list[torch.Tensor],
                      indices: list[int]) -> list[torch.Tensor]:
     of = other.fragments_of(g, indices)
     device = frags_like[0].device
     return of if of[0].device == device else [t.to(device) for t in of]
 
 
-def _with_other(state: GradState, other: GradState, sel: Selection,
+def _with_other(state: FlatState, other: FlatState, sel: Selection,
                 whole_op: Callable[[torch.Tensor, torch.Tensor, Any], Any],
                 flat_op: Callable[[torch.Tensor, torch.Tensor, Any], Any], operand: Any = None) -> None:
     """Elementwise ops whose second operand is another gradient set with the same layout.
@@ -194,19 +194,19 @@ def _with_other(state: GradState, other: GradState, sel: Selection,
 
 
 # --- the transforms --------------------------------------------------------------------------------------------------
-def mul_(state: GradState, sel: Selection, factor: float | torch.Tensor | PerParam) -> None:
+def mul_(state: FlatState, sel: Selection, factor: float | torch.Tensor | PerParam) -> None:
     run(state, sel, lambda x, f: x.mul_(f), lambda xs, f: torch._foreach_mul_(xs, f), factor)
 
 
-def div_(state: GradState, sel: Selection, divisor: float | torch.Tensor | PerParam) -> None:
+def div_(state: FlatState, sel: Selection, divisor: float | torch.Tensor | PerParam) -> None:
     run(state, sel, lambda x, d: x.div_(d), lambda xs, d: torch._foreach_div_(xs, d), divisor)
 
 
-def zero_(state: GradState, sel: Selection) -> None:
+def zero_(state: FlatState, sel: Selection) -> None:
     run(state, sel, lambda x, _: x.zero_(), lambda xs, _: torch._foreach_zero_(xs))
 
 
-def add_scalar_(state: GradState, sel: Selection, value: float | torch.Tensor,
+def add_scalar_(state: FlatState, sel: Selection, value: float | torch.Tensor,
                 alpha: float | torch.Tensor | PerParam) -> None:
     """``g += value · alpha`` (true units): the stored addend is ``value · alpha · loss_scale``."""
     scale = state.loss_scale
@@ -225,7 +225,7 @@ def add_scalar_(state: GradState, sel: Selection, value: float | torch.Tensor,
     run(state, sel, lambda x, c: x.add_(c), lambda xs, c: torch._foreach_add_(xs, c), addend)
 
 
-def add_other_(state: GradState, other: GradState, sel: Selection, alpha: float | torch.Tensor | PerParam) -> None:
+def add_other_(state: FlatState, other: FlatState, sel: Selection, alpha: float | torch.Tensor | PerParam) -> None:
     """``g += alpha · other`` in true units. Where ``alpha · ratio != 1`` the product is formed in float32 and then
     added (one rounding to the stored dtype), so results do not depend on how fragments fall on vector
     boundaries (torch's ``add_(o, alpha=)`` on 16-bit tensors rounds differently in its vectorized body and its
@@ -246,7 +246,7 @@ def add_other_(state: GradState, other: GradState, sel: Selection, alpha: float 
     _with_other(state, other, sel, whole, flat, alpha)
 
 
-def clamp_(state: GradState, sel: Selection, lo: float | torch.Tensor | None, hi: float | torch.Tensor | None) -> None:
+def clamp_(state: FlatState, sel: Selection, lo: float | torch.Tensor | None, hi: float | torch.Tensor | None) -> None:
     scale = state.loss_scale
     lo = None if lo is None else lo * scale
     hi = None if hi is None else hi * scale
@@ -260,7 +260,7 @@ def clamp_(state: GradState, sel: Selection, lo: float | torch.Tensor | None, hi
     run(state, sel, lambda x, _: x.clamp_(lo, hi), many)
 
 
-def lerp_scalar_(state: GradState, sel: Selection, end: float | torch.Tensor, weight: float | torch.Tensor) -> None:
+def lerp_scalar_(state: FlatState, sel: Selection, end: float | torch.Tensor, weight: float | torch.Tensor) -> None:
     scale = state.loss_scale
 
     def target(x: torch.Tensor) -> torch.Tensor:
@@ -277,7 +277,7 @@ def lerp_scalar_(state: GradState, sel: Selection, end: float | torch.Tensor, we
     run(state, sel, lambda x, _: x.lerp_(target(x).expand_as(x), weight), many)
 
 
-def lerp_other_(state: GradState, other: GradState, sel: Selection, weight: float | torch.Tensor) -> None:
+def lerp_other_(state: FlatState, other: FlatState, sel: Selection, weight: float | torch.Tensor) -> None:
     ratio = state.loss_scale / other.loss_scale
 
     def op(x: torch.Tensor, o: torch.Tensor, _: Any) -> Any:
@@ -287,7 +287,7 @@ def lerp_other_(state: GradState, other: GradState, sel: Selection, weight: floa
     _with_other(state, other, sel, op, op)
 
 
-def copy_(state: GradState, other: GradState, sel: Selection) -> None:
+def copy_(state: FlatState, other: FlatState, sel: Selection) -> None:
     ratio = state.loss_scale / other.loss_scale
 
     def op(x: torch.Tensor, o: torch.Tensor, _: Any) -> Any:
@@ -296,7 +296,7 @@ def copy_(state: GradState, other: GradState, sel: Selection) -> None:
     _with_other(state, other, sel, op, op)
 
 
-def apply_(state: GradState, sel: Selection, fn: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+def apply_(state: FlatState, sel: Selection, fn: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
     """``fn`` on true values: once per whole group (the partition, padding included, zeroed again afterwards),
     else once per group on the concatenation of the selected fragments (written back with one ``_foreach_copy_``).
     """
@@ -333,7 +333,7 @@ def apply_(state: GradState, sel: Selection, fn: Callable[[torch.Tensor], torch.
         storage.after_write(sel.names)
 
 
-def add_noise_(state: GradState, sel: Selection, std: float | torch.Tensor, seed: int) -> None:
+def add_noise_(state: FlatState, sel: Selection, std: float | torch.Tensor, seed: int) -> None:
     """``g += std · counter_normal(seed, name, numel)[j]`` for every local element ``j`` (true units): per group one
     counter tensor for all selected fragments, one noise draw, one ``_foreach_add_``."""
     scale = state.loss_scale
@@ -367,7 +367,7 @@ def _always_current() -> bool:
     return True
 
 
-def clone_storage(state: GradState, dtype: torch.dtype | None) -> GradStorage:
+def clone_storage(state: FlatState, dtype: torch.dtype | None) -> FlatStorage:
     """A copy of this rank's partitions with the same layout (one copy per group), valid across steps."""
     storage = state.storage
     partitions = tuple(p.detach().to(dtype=dtype or p.dtype, copy=True) for p in storage.partitions)
@@ -376,7 +376,7 @@ def clone_storage(state: GradState, dtype: torch.dtype | None) -> GradStorage:
     else:
         groups = tuple(replace(g, dtype=part.dtype) for g, part in zip(storage.layout.groups, partitions))
         layout = replace(storage.layout, groups=groups)
-    return GradStorage(
+    return FlatStorage(
         layout=layout,
         partitions=partitions,
         process_groups=storage.process_groups,

@@ -44,9 +44,9 @@ from torch.distributed.tensor import DTensor
 
 from .layout import ParamLayout
 from .materialize.buffers import BUFFERS
-from .plan import GradPlan, GroupPlan
+from .plan import FlatPlan, GroupPlan
 from .rows import RowMap, row_map
-from .state import GradState, short_names
+from .state import FlatState, short_names
 
 __all__ = ["CheckedValues", "set_full_", "validate_full"]
 
@@ -86,7 +86,7 @@ def _picked(pick: Callable[[list[torch.Tensor]], Any], values: list[torch.Tensor
     return list(picked) if isinstance(picked, tuple) else [picked]
 
 
-def validate_full(state: GradState, mapping: Mapping[str, torch.Tensor]) -> CheckedValues:
+def validate_full(state: FlatState, mapping: Mapping[str, torch.Tensor]) -> CheckedValues:
     """The entries of ``mapping`` (see ``ShardedGrads.set_full_``), checked with three C-level passes over the
     values (type, ``numel``, dtype; the names' parameters come from the last request's when the names are the same);
     the per-entry check runs only to name the first bad entry. When the names are the last request's and every
@@ -143,7 +143,7 @@ class _Request:
         return out
 
 
-_REQUESTS: weakref.WeakKeyDictionary[GradPlan, _Request] = weakref.WeakKeyDictionary()
+_REQUESTS: weakref.WeakKeyDictionary[FlatPlan, _Request] = weakref.WeakKeyDictionary()
 #: per request, the ``(shape, dtype, device)`` of every value it was last written with, and their dtypes
 _ACCEPTED: weakref.WeakKeyDictionary[_Request, tuple[list[tuple[Any, ...]], frozenset[torch.dtype]]] = (
     weakref.WeakKeyDictionary())
@@ -152,7 +152,7 @@ _ACCEPTED: weakref.WeakKeyDictionary[_Request, tuple[list[tuple[Any, ...]], froz
 _ALL_STAGED: tuple[list[tuple[Any, ...]], frozenset[torch.dtype]] = ([], frozenset())
 
 
-def _request(state: GradState, names: list[Any]) -> _Request | None:
+def _request(state: FlatState, names: list[Any]) -> _Request | None:
     """The :class:`_Request` of ``names`` (the last one of this plan when the names are the same), ``None`` when a
     name is not a parameter (or not hashable)."""
     plan = state.plan
@@ -179,13 +179,13 @@ def _request(state: GradState, names: list[Any]) -> _Request | None:
     return found
 
 
-def _name_bad_entry(state: GradState, names: list[Any], values: list[Any], devices: frozenset[torch.device]) -> None:
+def _name_bad_entry(state: FlatState, names: list[Any], values: list[Any], devices: frozenset[torch.device]) -> None:
     """Raise for the first bad entry, in order (returns if there is none)."""
     for name, value in zip(names, values):
         _check_entry(state, name, value, devices)
 
 
-def _check_entry(state: GradState, name: object, value: object, devices: frozenset[torch.device]) -> None:
+def _check_entry(state: FlatState, name: object, value: object, devices: frozenset[torch.device]) -> None:
     param = state.layout.by_name.get(name) if isinstance(name, str) else None
     if param is None:
         raise KeyError(f"set_full_: {name!r} is not a trainable parameter of this engine; known: "
@@ -206,7 +206,7 @@ def _check_entry(state: GradState, name: object, value: object, devices: frozens
         )
 
 
-def set_full_(state: GradState, checked: CheckedValues) -> None:
+def set_full_(state: FlatState, checked: CheckedValues) -> None:
     """Write validated values (true units) into this rank's fragments: every group's values staged (or, for the
     per-parameter path, their shapes and devices checked) first, then every group written."""
     with torch.no_grad():  # a value that requires grad must not give DeepSpeed's memory an autograd history
@@ -233,7 +233,7 @@ def set_full_(state: GradState, checked: CheckedValues) -> None:
     state.storage.after_write(checked.names)
 
 
-def _check_shapes(state: GradState, checked: CheckedValues) -> None:
+def _check_shapes(state: FlatState, checked: CheckedValues) -> None:
     """Every value's exact shape and device (the per-parameter path's; staging checks them by concatenating)."""
     values = checked.values
     if not (all(map(operator.eq, map(_SHAPE, values), map(_SHAPE, checked.params)))
@@ -310,7 +310,7 @@ class _RowWrite:
             return None
         return staged
 
-    def commit(self, state: GradState, staged: torch.Tensor) -> None:
+    def commit(self, state: FlatState, staged: torch.Tensor) -> None:
         """One float32 multiply under loss scaling (bit-identical to scaling each value alone), one row copy
         (casting) into the partition."""
         if state.loss_scale != 1.0:
@@ -318,7 +318,7 @@ class _RowWrite:
         self.rows.copy(staged, state.storage.partitions[self.group])
 
 
-def _write_direct(state: GradState, plan: GroupPlan, params: list[ParamLayout], values: list[torch.Tensor]) -> None:
+def _write_direct(state: FlatState, plan: GroupPlan, params: list[ParamLayout], values: list[torch.Tensor]) -> None:
     """Whole local parameters: the value itself into a cached view of its fragment in the parameter's shape (no
     view per call); parameters this rank holds only part of: a view of the value's part."""
     shaped = state.view_caches[plan.index].get(("shaped", plan), lambda _: _shaped_fragments(state, plan))
@@ -349,7 +349,7 @@ def _write_direct(state: GradState, plan: GroupPlan, params: list[ParamLayout], 
     torch._foreach_copy_(dests, sources)
 
 
-def _shaped_fragments(state: GradState, plan: GroupPlan) -> list[torch.Tensor]:
+def _shaped_fragments(state: FlatState, plan: GroupPlan) -> list[torch.Tensor]:
     """Views, in each parameter's shape, of the fragments of the parameters this rank holds whole."""
     pieces = state.pieces[plan.index]
     return [pieces[plan.local.piece[k]].view(plan.params[k].shape) for k in plan.whole_local]

@@ -27,7 +27,7 @@ from zero_dtensor._deepspeed import families, grad_storage, sync
 from zero_dtensor.errors import OptimizerStateNotReadyError
 from zero_dtensor.errors import UnsupportedDeepSpeedError
 from zero_dtensor.layout import GroupLayout, Packing, ParamLayout
-from zero_dtensor.storage import GradStorage
+from zero_dtensor.storage import FlatStorage
 
 
 # ---- the test's own geometry -------------------------------------------------------------------------------------
@@ -47,7 +47,7 @@ def fragment(group: GroupLayout, param: ParamLayout, rank: int) -> tuple[int, in
     return first - param.offset, last - param.offset, first - lo
 
 
-def assemble(storage: GradStorage) -> dict[str, torch.Tensor]:
+def assemble(storage: FlatStorage) -> dict[str, torch.Tensor]:
     """Every parameter's full fp32 values, from every rank's partitions (one all_gather per group)."""
     layout = storage.layout
     gathered = []
@@ -69,7 +69,7 @@ def assemble(storage: GradStorage) -> dict[str, torch.Tensor]:
     return full
 
 
-def write_full(storage: GradStorage, values: dict[str, torch.Tensor]) -> None:
+def write_full(storage: FlatStorage, values: dict[str, torch.Tensor]) -> None:
     """This rank's fragment of every value into ``storage``'s partitions (no communication)."""
     layout = storage.layout
     for p in layout.params:

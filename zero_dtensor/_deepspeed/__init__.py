@@ -1,6 +1,6 @@
 """The only place that reads DeepSpeed's private optimizer state.
 
-One module per optimizer kind turns a live engine into a neutral :class:`~zero_dtensor.storage.GradStorage`:
+One module per optimizer kind turns a live engine into a neutral :class:`~zero_dtensor.storage.FlatStorage`:
 
 ========================================  ==========================  =====================================
 optimizer class                           module                      DeepSpeed versions known
@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import UnsupportedDeepSpeedError
-from ..storage import GradStorage
+from ..storage import FlatStorage
 from .version import MAX_DEEPSPEED_EXCLUSIVE, MIN_DEEPSPEED, SUPPORTED_OPTIMIZERS, check_deepspeed_version
 
 __all__ = ["MIN_DEEPSPEED", "MAX_DEEPSPEED_EXCLUSIVE", "check_deepspeed_version", "check_engine", "grad_storage"]
@@ -58,7 +58,7 @@ def check_engine(engine: Any) -> str:
     )
 
 
-def grad_storage(engine: Any) -> GradStorage:
+def grad_storage(engine: Any) -> FlatStorage:
     """Describe ``engine``'s reduced gradient memory. No communication."""
     kind = check_engine(engine)
     if kind == "zero12":

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..errors import GradientsNotReadyError
-from ..layout import GradLayout, GroupLayout, ParamLayout
+from ..layout import FlatLayout, GroupLayout, ParamLayout
 from ..views import ViewCache
 
 WINDOW = (
@@ -24,10 +24,10 @@ def param_names(engine: Any) -> dict[int, str]:
     return {id(p): name for name, p in engine.module.named_parameters()}
 
 
-def model_layout(engine: Any, groups: list[GroupLayout], params: list[ParamLayout]) -> GradLayout:
+def model_layout(engine: Any, groups: list[GroupLayout], params: list[ParamLayout]) -> FlatLayout:
     """The layout with ``params`` in model (``named_parameters()``) order, whatever order the optimizer keeps."""
     order = {name: i for i, (name, _) in enumerate(engine.module.named_parameters())}
-    return GradLayout(groups=tuple(groups), params=tuple(sorted(params, key=lambda p: order[p.name])))
+    return FlatLayout(groups=tuple(groups), params=tuple(sorted(params, key=lambda p: order[p.name])))
 
 
 def name_of(names: dict[int, str], param: torch.Tensor) -> str:

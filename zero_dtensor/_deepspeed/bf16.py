@@ -24,8 +24,8 @@ import torch
 
 from ..collectives import rank_in, world_size_of
 from ..errors import GradientsNotReadyError, UnsupportedDeepSpeedError
-from ..layout import GradLayout, GroupLayout, Packing, ParamLayout
-from ..storage import GradStorage
+from ..layout import FlatLayout, GroupLayout, Packing, ParamLayout
+from ..storage import FlatStorage
 from ._common import WINDOW, cached_layout, kept_partition, micro_steps, model_layout, name_of, param_names
 
 
@@ -39,7 +39,7 @@ def _has_gradients(opt: Any) -> bool:
     return any(any(group) for group in flags)
 
 
-def _build_layout(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]) -> GradLayout:
+def _build_layout(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]) -> FlatLayout:
     names = param_names(engine)
     groups, params = [], []
     for i, (group_params, flat) in enumerate(zip(opt.bf16_groups, partitions)):
@@ -55,14 +55,14 @@ def _build_layout(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]) -
     return model_layout(engine, groups, params)
 
 
-def layout_for(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]) -> GradLayout:
+def layout_for(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]) -> FlatLayout:
     """The (replicated) gradient layout of ``partitions``, one full flat fp32 buffer per param group; built once
     per optimizer and buffer sizes, and reused. No communication."""
     key = (tuple(p.numel() for p in partitions), tuple(len(g) for g in opt.bf16_groups))
     return cached_layout(opt, key, lambda: _build_layout(engine, opt, partitions))
 
 
-def grad_storage(engine: Any, opt: Any) -> GradStorage:
+def grad_storage(engine: Any, opt: Any) -> FlatStorage:
     if not engine.is_gradient_accumulation_boundary():
         raise GradientsNotReadyError(
             "BF16_Optimizer holds this rank's local, unreduced gradient sums mid-accumulation; " + WINDOW
@@ -81,7 +81,7 @@ def grad_storage(engine: Any, opt: Any) -> GradStorage:
     def is_current() -> bool:
         return micro_steps(engine) == start_micro_step and _has_gradients(opt)
 
-    return GradStorage(
+    return FlatStorage(
         layout=layout,
         partitions=partitions,
         process_groups=tuple(opt.real_dp_process_group[i] for i in range(len(partitions))),

@@ -3,7 +3,7 @@
 Beside the gradient, every ZeRO optimizer keeps two more *families* of flat, sharded tensors with the gradient's
 geometry: the fp32 **master weights** (what the inner optimizer updates) and the **optimizer state** (Adam's
 ``exp_avg``/``exp_avg_sq``, SGD's ``momentum_buffer``, ...), one state dict per master tensor. This module describes
-them as :class:`~zero_dtensor.storage.GradStorage` objects, so that everything built on the gradient storage (plans,
+them as :class:`~zero_dtensor.storage.FlatStorage` objects, so that everything built on the gradient storage (plans,
 views, gathers, DTensors, transforms) applies unchanged. Facts used (DeepSpeed 0.19.8, checked by running;
 ``S12`` ``runtime/zero/stage_1_and_2.py``, ``S3`` ``runtime/zero/stage3.py``, ``BF`` ``runtime/bf16_optimizer.py``):
 
@@ -39,7 +39,7 @@ again. ``after_write`` does nothing here (DeepSpeed keeps no bookkeeping derived
 public front (:mod:`zero_dtensor.master`) gives the masters' storage one that marks the engine as needing
 :func:`~zero_dtensor.sync_model_params`.
 
-Why :class:`~zero_dtensor.storage.GradStorage` and not a new type: every field already means what a family needs
+Why :class:`~zero_dtensor.storage.FlatStorage` and not a new type: every field already means what a family needs
 (a layout; partitions that are the optimizer's memory; process groups; a loss scale, here 1.0; the device; a
 currency check; a write hook; view caches), so the gradient machinery (plans, gathers, redistribution, transforms)
 takes these storages as they are. Only its name and its ``is_current`` wording say "gradient"; what it cannot carry
@@ -65,8 +65,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import OptimizerStateNotReadyError, UnsupportedDeepSpeedError
-from ..layout import GradLayout, GroupLayout, Packing
-from ..storage import GradStorage
+from ..layout import FlatLayout, GroupLayout, Packing
+from ..storage import FlatStorage
 from . import check_engine
 from ._common import cached_layout, kept_partition, same_memory
 
@@ -81,7 +81,7 @@ __all__ = [
     "set_optimizer_steps",
 ]
 
-#: the family name of the fp32 master weights (in ``GradStorage.describe`` and the view-cache keys)
+#: the family name of the fp32 master weights (in ``FlatStorage.describe`` and the view-cache keys)
 MASTER = "master"
 
 #: one flat group's optimizer step: a live 0-d tensor (torch optimizers) or a number (DeepSpeed's CPU/fused Adam)
@@ -97,7 +97,7 @@ class _Masters:
     tensors: tuple[torch.Tensor, ...]
     process_groups: tuple[dist.ProcessGroup, ...]
     #: the layout of per-group partitions like ``tensors`` (sizes; the dtypes of the partitions given)
-    layout: Callable[[tuple[torch.Tensor, ...]], GradLayout]
+    layout: Callable[[tuple[torch.Tensor, ...]], FlatLayout]
     #: the torch optimizers whose ``state`` may hold a master's state (ZeRO-3 partial offload: two)
     optimizers: tuple[Any, ...]
     #: re-reads the master tensors from the optimizer (to detect replaced tensors)
@@ -178,11 +178,11 @@ def _bf16(engine: Any, opt: Any) -> _Masters:
         expected.append(g.partition_numel // g.world_size)
     _check_sizes(describe, tensors, expected)
 
-    def layout(parts: tuple[torch.Tensor, ...]) -> GradLayout:
-        def build() -> GradLayout:
+    def layout(parts: tuple[torch.Tensor, ...]) -> FlatLayout:
+        def build() -> FlatLayout:
             groups = tuple(GroupLayout(g.index, g.world_size, g.rank, part.numel(), part.dtype, Packing.CONTIGUOUS)
                            for g, part in zip(grad_layout.groups, parts))
-            return GradLayout(groups=groups, params=grad_layout.params)
+            return FlatLayout(groups=groups, params=grad_layout.params)
 
         return cached_layout(opt, ("bf16 sharded", grad_layout, tuple(p.dtype for p in parts)), build)
 
@@ -203,11 +203,11 @@ def _masters(engine: Any) -> _Masters:
 
 
 def _storage(engine: Any, masters: _Masters, family: str, tensors: tuple[torch.Tensor, ...],
-             is_current: Callable[[], bool]) -> GradStorage:
+             is_current: Callable[[], bool]) -> FlatStorage:
     caches = tuple(kept_partition(engine.optimizer, ("family", family, i), t.detach().view(-1))
                    for i, t in enumerate(tensors))
     partitions = tuple(c.buffer for c in caches)
-    return GradStorage(
+    return FlatStorage(
         layout=masters.layout(partitions),
         partitions=partitions,
         process_groups=masters.process_groups,
@@ -225,7 +225,7 @@ def _same_masters(masters: _Masters) -> bool:
         a is b and same_memory(a.view(-1), b.view(-1)) for a, b in zip(now, masters.tensors))
 
 
-def master_storage(engine: Any) -> GradStorage:
+def master_storage(engine: Any) -> FlatStorage:
     """The fp32 master weights of ``engine``'s optimizer: per flat group this rank's master partition, on the
     master's device (CPU under offload), in the gradient's geometry (see the module docstring; ``BF16_Optimizer``:
     sharded where its gradient is replicated). Available from ``deepspeed.initialize`` on; writes change what the
@@ -288,7 +288,7 @@ def optimizer_state_keys(engine: Any) -> tuple[str, ...]:
     return _family_keys(masters, _require_state(masters))
 
 
-def optimizer_state_storage(engine: Any, key: str) -> GradStorage:
+def optimizer_state_storage(engine: Any, key: str) -> FlatStorage:
     """The optimizer state ``key`` (one of :func:`optimizer_state_keys`): per flat group this rank's partition of
     that state, in the masters' layout, on their device. Writes change what the next ``engine.step()`` uses.
     ``is_current()`` turns False once DeepSpeed replaces the state tensors (every ``engine.load_checkpoint`` does,

@@ -25,10 +25,10 @@ import torch
 
 from ..collectives import rank_in, world_size_of
 from ..errors import GradientsNotReadyError
-from ..layout import GradLayout, GroupLayout, Packing, ParamLayout
+from ..layout import FlatLayout, GroupLayout, Packing, ParamLayout
 from ..plan import plan_for
 from ..rows import PieceCopy, PieceKey, piece_copy, piece_key
-from ..storage import GradStorage
+from ..storage import FlatStorage
 from ..views import ViewCache
 from ._common import (
     WINDOW,
@@ -196,7 +196,7 @@ def _group_layout(opt: Any, group: int, partition: torch.Tensor) -> GroupLayout:
     )
 
 
-def _build_layout(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]) -> tuple[GradLayout, dict[str, Any]]:
+def _build_layout(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]) -> tuple[FlatLayout, dict[str, Any]]:
     names = param_names(engine)
     groups, params, by_name = [], [], {}
     for i, partition in enumerate(partitions):
@@ -208,7 +208,7 @@ def _build_layout(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]) -
     return model_layout(engine, groups, params), by_name
 
 
-def layout_for(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]) -> tuple[GradLayout, dict[str, Any]]:
+def layout_for(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]) -> tuple[FlatLayout, dict[str, Any]]:
     """The layout of flat groups holding ``partitions`` (one 1-D tensor per param group, ``opt.partition_size[i]``
     elements: the gradient, or the fp32 masters and optimizer state, which share its geometry), and the parameters
     by name; built once per optimizer, partition sizes and dtypes, and reused. No communication."""
@@ -217,7 +217,7 @@ def layout_for(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]) -> t
     return cached_layout(opt, key, lambda: _build_layout(engine, opt, partitions))
 
 
-def grad_storage(engine: Any, opt: Any) -> GradStorage:
+def grad_storage(engine: Any, opt: Any) -> FlatStorage:
     wait_for_stream(getattr(opt, "reduction_stream", None))
     stage = 2 if opt.partition_gradients else 1
     if not engine.is_gradient_accumulation_boundary():
@@ -264,7 +264,7 @@ def grad_storage(engine: Any, opt: Any) -> GradStorage:
         if fragments:  # as DeepSpeed computes them (fragment.to(norm dtype).norm(2)), one _foreach_norm for all
             opt.norm_for_param_grads.update(zip(ids, torch._foreach_norm(fragments, 2, dtype=get_norm_dtype())))
 
-    sharded = GradStorage(
+    sharded = FlatStorage(
         layout=layout,
         partitions=partitions,
         process_groups=tuple(opt.real_dp_process_group[i] for i in range(len(partitions))),
@@ -282,7 +282,7 @@ def grad_storage(engine: Any, opt: Any) -> GradStorage:
     return sharded
 
 
-def _replicated(sharded: GradStorage, capture: Any) -> GradStorage:
+def _replicated(sharded: FlatStorage, capture: Any) -> FlatStorage:
     """The same gradients as ``sharded``, but every group is the full flat buffer kept by ``keep_full_grads``.
 
     Writes (``set_full_`` and in-place transforms, which call ``after_write``) go to the full buffer; ``after_write``
@@ -302,10 +302,10 @@ def _replicated(sharded: GradStorage, capture: Any) -> GradStorage:
     caches = tuple(kept_partition(capture.opt, ("keep_full_grads", i), full) for i, full in enumerate(fulls))
     fulls = [c.buffer for c in caches]
 
-    def build() -> GradLayout:
+    def build() -> FlatLayout:
         groups = tuple(GroupLayout(g.index, g.world_size, g.rank, g.flat_numel, full.dtype, Packing.CONTIGUOUS,
                                    replicated=True) for g, full in zip(layout.groups, fulls))
-        return GradLayout(groups=groups, params=layout.params)
+        return FlatLayout(groups=groups, params=layout.params)
 
     new_layout = cached_layout(capture.opt, ("keep_full_grads", layout, tuple(f.dtype for f in fulls)), build)
 
@@ -330,7 +330,7 @@ def _replicated(sharded: GradStorage, capture: Any) -> GradStorage:
 
     capture.before_step = before_step
 
-    return GradStorage(
+    return FlatStorage(
         layout=new_layout,
         partitions=tuple(fulls),
         process_groups=sharded.process_groups,

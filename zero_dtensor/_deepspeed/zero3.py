@@ -24,9 +24,9 @@ import torch.distributed as dist
 
 from ..collectives import rank_in, world_size_of
 from ..errors import GradientsNotReadyError, UnsupportedDeepSpeedError
-from ..layout import GradLayout, GroupLayout, Packing, ParamLayout
+from ..layout import FlatLayout, GroupLayout, Packing, ParamLayout
 from ..plan import plan_for
-from ..storage import GradStorage
+from ..storage import FlatStorage
 from ..views import ViewCache
 from ._common import (
     WINDOW,
@@ -97,7 +97,7 @@ def _partition_views(opt: Any) -> tuple[torch.Tensor, ...]:
 
 
 def _build_layout(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]
-                  ) -> tuple[GradLayout, dict[str, Any], dist.ProcessGroup]:
+                  ) -> tuple[FlatLayout, dict[str, Any], dist.ProcessGroup]:
     names = param_names(engine)
     pg = _process_group(opt)
     world, rank = world_size_of(pg), rank_in(pg)
@@ -115,7 +115,7 @@ def _build_layout(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]
 
 
 def layout_for(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]
-               ) -> tuple[GradLayout, dict[str, Any], dist.ProcessGroup]:
+               ) -> tuple[FlatLayout, dict[str, Any], dist.ProcessGroup]:
     """The layout of sub-groups holding ``partitions`` (one 1-D tensor per sub-group, its chunks back to back: the
     gradient, or the fp32 masters and optimizer state, which share its geometry), the parameters by name and the
     partition group; built once per optimizer, partition sizes and dtypes, and reused. No communication."""
@@ -124,7 +124,7 @@ def layout_for(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]
     return cached_layout(opt, key, lambda: _build_layout(engine, opt, partitions))
 
 
-def grad_storage(engine: Any, opt: Any) -> GradStorage:
+def grad_storage(engine: Any, opt: Any) -> FlatStorage:
     wait_for_stream(getattr(opt, "reduce_and_partition_stream", None))
     if opt.offload_optimizer and not engine.is_gradient_accumulation_boundary():
         raise GradientsNotReadyError(f"ZeRO-3 with offload_optimizer holds stale gradients mid-accumulation: {WINDOW}")
@@ -152,7 +152,7 @@ def grad_storage(engine: Any, opt: Any) -> GradStorage:
             chunks.append(caches[g].split(columns.sizes)[columns.piece[k]])
         opt.norm_for_param_grads.update(zip(ids, buffered_norms(opt, chunks)))
 
-    return GradStorage(
+    return FlatStorage(
         layout=layout,
         partitions=partitions,
         process_groups=(pg,) * len(partitions),

@@ -16,7 +16,7 @@ from .._deepspeed import checkpointing as ds
 from .._deepspeed import families
 from ..collectives import global_world_size, mesh_for, world_size_of
 from ..errors import UnsupportedDeepSpeedError
-from ..storage import GradStorage
+from ..storage import FlatStorage
 from .boxes import box_dtensor
 
 __all__ = ["Piece", "Target", "describe", "fragment", "hyperparameters_by_name", "model_dict", "optim_dict"]
@@ -39,7 +39,7 @@ class Piece:
 class Target:
     """One engine's checkpoint geometry (this rank's view)."""
 
-    masters: GradStorage
+    masters: FlatStorage
     #: trainable parameters, model order (a tied parameter under its first name)
     pieces: tuple[Piece, ...]
     frozen: tuple[ds.FrozenParam, ...]

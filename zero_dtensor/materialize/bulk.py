@@ -40,7 +40,7 @@ from ..collectives import (
 )
 from ..layout import ParamLayout
 from ..plan import ColumnPiece, GroupPlan
-from ..state import GradState
+from ..state import FlatState
 from ..views import ViewCache
 from .buffers import BUFFERS
 from .results import GatheredGrads, PendingFullTensors, run_steps
@@ -76,7 +76,7 @@ class _Transfer:
         return self.numel * self.partitions[0].element_size()
 
 
-def plan_transfers(state: GradState, params: list[ParamLayout], dst: int | None, strategy: str) -> list[_Transfer]:
+def plan_transfers(state: FlatState, params: list[ParamLayout], dst: int | None, strategy: str) -> list[_Transfer]:
     """The transfers a ``full_tensors`` call of ``params`` will make, each with the strategy it will use
     (:data:`~.strategy.CALIBRATES` where ``auto`` calibrates first): what the call's rank agreement compares (a pinned
     strategy, an environment variable or a calibration cache that differs between ranks shows here), then what
@@ -95,7 +95,7 @@ def plan_transfers(state: GradState, params: list[ParamLayout], dst: int | None,
     return transfers
 
 
-def _transfers(state: GradState, group_indices: Sequence[int]) -> list[_Transfer]:
+def _transfers(state: FlatState, group_indices: Sequence[int]) -> list[_Transfer]:
     found: dict[tuple[Any, ...], _Transfer] = {}
     for i in group_indices:
         if not state.group(i).placement.is_sharded:
@@ -139,7 +139,7 @@ class _Buffers:
 
 
 # --- filling and cutting -------------------------------------------------------------------------------------------
-def _fill_for_reduce(state: GradState, t: _Transfer, buf: torch.Tensor) -> None:
+def _fill_for_reduce(state: FlatState, t: _Transfer, buf: torch.Tensor) -> None:
     """Every group's all_reduce input: this rank's values in parameter order, zeros elsewhere (the placement's)."""
     for g, part in zip(t.groups, t.partitions):
         group, plan = state.group(g), state.plan.groups[g]
@@ -148,7 +148,7 @@ def _fill_for_reduce(state: GradState, t: _Transfer, buf: torch.Tensor) -> None:
         group.placement.fill_for_reduce(region, group, plan, part, pieces, BUFFERS.view_cache(region))
 
 
-def _converted(state: GradState, g: int, order: torch.Tensor, want: torch.dtype, buffers: _Buffers,
+def _converted(state: FlatState, g: int, order: torch.Tensor, want: torch.dtype, buffers: _Buffers,
                copy: bool, kept: bool = True) -> torch.Tensor:
     """``order`` in true units and dtype ``want``: itself when nothing changes and no copy is needed, else one
     converted buffer (bit-identical to unscaling each parameter on its own)."""
@@ -209,18 +209,18 @@ def _make_cut(plan: GroupPlan, values: torch.Tensor) -> tuple[torch.Tensor, ...]
 
 
 # --- validation ------------------------------------------------------------------------------------------------------
-def _request_names(state: GradState, params: list[ParamLayout]) -> tuple[str, ...]:
+def _request_names(state: FlatState, params: list[ParamLayout]) -> tuple[str, ...]:
     """The requested names in request order (the layout's own tuple for every parameter in model order)."""
     return state.layout.names if state.plan.is_everything(params) else tuple(map(_NAME, params))
 
 
-def _target_dtype(state: GradState, p: ParamLayout, dtype: torch.dtype | None) -> torch.dtype:
+def _target_dtype(state: FlatState, p: ParamLayout, dtype: torch.dtype | None) -> torch.dtype:
     if dtype is not None:
         return dtype
     return torch.float32 if state.loss_scale != 1.0 else state.group(p.group).dtype
 
 
-def _validate_out(state: GradState, params: list[ParamLayout], out: Any, dtype: torch.dtype | None) -> None:
+def _validate_out(state: FlatState, params: list[ParamLayout], out: Any, dtype: torch.dtype | None) -> None:
     if not isinstance(out, MutableMapping):
         raise TypeError(f"out= must be a dict name -> tensor (e.g. a previous full_tensors result), got "
                         f"{type(out).__name__}")
@@ -247,7 +247,7 @@ def _validate_out(state: GradState, params: list[ParamLayout], out: Any, dtype: 
             raise ValueError(f"out[{p.name!r}] requires grad; pass tensors that do not (e.g. t.detach())")
 
 
-def _check_dst(state: GradState, dst: Any, wanted: list[int]) -> None:
+def _check_dst(state: FlatState, dst: Any, wanted: list[int]) -> None:
     world = global_world_size()
     if not isinstance(dst, int) or isinstance(dst, bool) or not 0 <= dst < world:
         raise ValueError(f"dst must be a global rank in [0, {world}), got {dst!r}")
@@ -258,7 +258,7 @@ def _check_dst(state: GradState, dst: Any, wanted: list[int]) -> None:
             raise ValueError(f"dst={dst} is not a member of the process group of flat group {i}") from None
 
 
-def check_request(state: GradState, params: list[ParamLayout], *, dtype: torch.dtype | None,
+def check_request(state: FlatState, params: list[ParamLayout], *, dtype: torch.dtype | None,
                   out: MutableMapping[str, torch.Tensor] | None, dst: int | None, strategy: str) -> None:
     """Refuse a ``full_tensors`` request this rank cannot make (``strategy``, ``out=`` entries, ``dst``), before any
     communication: ``TypeError`` / ``ValueError``. No communication."""
@@ -271,7 +271,7 @@ def check_request(state: GradState, params: list[ParamLayout], *, dtype: torch.d
 
 # --- the call --------------------------------------------------------------------------------------------------------
 def full_tensors(
-    state: GradState,
+    state: FlatState,
     params: list[ParamLayout],
     *,
     dtype: torch.dtype | None = None,
@@ -347,11 +347,11 @@ def full_tensors(
     return finish()
 
 
-def _pieces(state: GradState, g: int) -> tuple[ColumnPiece, ...]:
+def _pieces(state: FlatState, g: int) -> tuple[ColumnPiece, ...]:
     return state.group(g).placement.pipeline_pieces(state.plan.groups[g])
 
 
-def _pipelined_gather(state: GradState, t: _Transfer, regions: dict[int, tuple[torch.Tensor, torch.Tensor | None]],
+def _pipelined_gather(state: FlatState, t: _Transfer, regions: dict[int, tuple[torch.Tensor, torch.Tensor | None]],
                       narrow: Callable[[int, int], torch.Tensor],
                       result: MutableMapping[str, torch.Tensor]) -> list[tuple[list[Any], Callable[[], None]]]:
     """Issue a pipelined transfer's two all_gathers at once (each coalesced over its groups: every group's
@@ -377,7 +377,7 @@ def _pipelined_gather(state: GradState, t: _Transfer, regions: dict[int, tuple[t
     return steps
 
 
-def _gather_by_all_to_all(state: GradState, t: _Transfer,
+def _gather_by_all_to_all(state: FlatState, t: _Transfer,
                           regions: dict[int, tuple[torch.Tensor, torch.Tensor | None]],
                           async_op: bool) -> tuple[list[Any], Callable[[], None] | None]:
     """One ``all_to_all_single`` per flat group (it has no coalesced form), and the step that follows them. Where the
@@ -412,7 +412,7 @@ def _gather_by_all_to_all(state: GradState, t: _Transfer,
     return works, reorder
 
 
-def _reorder_step(state: GradState, members: list[tuple[int, torch.Tensor, torch.Tensor, ColumnPiece]],
+def _reorder_step(state: FlatState, members: list[tuple[int, torch.Tensor, torch.Tensor, ColumnPiece]],
                   regions: dict[int, tuple[torch.Tensor, torch.Tensor | None]],
                   result: MutableMapping[str, torch.Tensor]) -> Callable[[], None]:
     def reorder() -> None:
@@ -432,7 +432,7 @@ def _send_only(t: _Transfer, dst: int | None, async_op: bool) -> list[Any]:
     return works
 
 
-def _emit(state: GradState, params: list[ParamLayout], regions: dict[int, tuple[torch.Tensor, torch.Tensor | None]],
+def _emit(state: FlatState, params: list[ParamLayout], regions: dict[int, tuple[torch.Tensor, torch.Tensor | None]],
           result: MutableMapping[str, torch.Tensor], dtype: torch.dtype | None, buffers: _Buffers,
           reuse: bool) -> dict[str, torch.Tensor]:
     """Fill ``result`` in request order: per group one parameter-order buffer (converted once if needed), cut into

@@ -20,7 +20,7 @@ import torch
 
 from ..layout import GroupLayout, ParamLayout
 from ..tiling import Tiling
-from ..state import GradState
+from ..state import FlatState
 from .buffers import BUFFERS
 from .strategy import check_strategy, stream_strategy
 
@@ -64,7 +64,7 @@ def _window_cost(group: GroupLayout, strategy: str, params: list[ParamLayout]) -
     return _Window(group, tuple(params), strategy).elements
 
 
-def _windows(state: GradState, params: list[ParamLayout], bucket_bytes: int, strategy: str) -> list[_Window]:
+def _windows(state: FlatState, params: list[ParamLayout], bucket_bytes: int, strategy: str) -> list[_Window]:
     windows: list[_Window] = []
     chosen = {p.name for p in params}
     for plan in state.plan.groups:
@@ -86,7 +86,7 @@ def _windows(state: GradState, params: list[ParamLayout], bucket_bytes: int, str
     return windows
 
 
-def _assemble(state: GradState, w: _Window) -> torch.Tensor:
+def _assemble(state: FlatState, w: _Window) -> torch.Tensor:
     """The window's values (stored dtype, still scaled) in the window's parameter order: one collective (or a local
     copy), buffers from :data:`BUFFERS`."""
     g = w.group.index
@@ -96,12 +96,12 @@ def _assemble(state: GradState, w: _Window) -> torch.Tensor:
                                              w.strategy, BUFFERS.alloc)
 
 
-def _true(state: GradState, values: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+def _true(state: FlatState, values: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """The window in true units and ``dtype``: one conversion of the whole window (or none)."""
     return state.finish(values, dtype)
 
 
-def iter_full(state: GradState, params: list[ParamLayout], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+def iter_full(state: FlatState, params: list[ParamLayout], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
               dtype: torch.dtype | None = None, strategy: str = "auto") -> Iterator[tuple[str, torch.Tensor]]:
     """See ``ShardedGrads.iter_full`` (the documented entry point); ``params`` and the arguments are already
     validated (:func:`check_request`, before the rank-agreement check)."""
@@ -117,7 +117,7 @@ def check_request(bucket_bytes: Any, strategy: str) -> None:
         raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
 
 
-def _stream(state: GradState, windows: list[_Window], dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
+def _stream(state: FlatState, windows: list[_Window], dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor]]:
     for w in windows:
         state.check_current()
         values = _true(state, _assemble(state, w), dtype)
@@ -131,7 +131,7 @@ def _stream(state: GradState, windows: list[_Window], dtype: torch.dtype | None)
         del pieces
 
 
-def plan_windows(state: GradState, params: list[ParamLayout], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+def plan_windows(state: FlatState, params: list[ParamLayout], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  strategy: str = "auto") -> list[dict[str, Any]]:
     """The windows :func:`iter_full` would use: per window its flat group, strategy, parameter names, the
     elements this module allocates for it, and its collectives. No communication."""

@@ -10,13 +10,13 @@ from typing import Any
 
 import torch
 
-from ..layout import GradLayout, ParamLayout
-from ..storage import GradStorage
+from ..layout import FlatLayout, ParamLayout
+from ..storage import FlatStorage
 from .plan import PLAN_CACHE_SIZE, group_ranks_of, process_group_keys
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
-def _balanced(layout: GradLayout, names: tuple[str, ...], pg_keys: tuple[int, ...]) -> tuple[int, ...]:
+def _balanced(layout: FlatLayout, names: tuple[str, ...], pg_keys: tuple[int, ...]) -> tuple[int, ...]:
     """Group rank per name: largest parameter first onto the least-loaded rank of its process group (ties: the
     earlier name in the selection, then the lower rank)."""
     params = [layout.by_name[n] for n in names]
@@ -33,7 +33,7 @@ def _balanced(layout: GradLayout, names: tuple[str, ...], pg_keys: tuple[int, ..
     return tuple(owner)
 
 
-def balanced_owners(storage: GradStorage, selected: Sequence[ParamLayout]) -> dict[str, int]:
+def balanced_owners(storage: FlatStorage, selected: Sequence[ParamLayout]) -> dict[str, int]:
     """The default assignment: ``{name: global rank}``, deterministic from the layout and the selection, identical
     on every rank. No communication."""
     ranks = _balanced(storage.layout, tuple(p.name for p in selected), process_group_keys(storage))
@@ -55,7 +55,7 @@ def _as_rank(name: str, rank: Any) -> int:
                     f"0-d integer tensor), got {type(rank).__name__}")
 
 
-def check_owner_entry(storage: GradStorage, name: str, rank: Any) -> int:
+def check_owner_entry(storage: FlatStorage, name: str, rank: Any) -> int:
     param = storage.layout.by_name.get(name) if isinstance(name, str) else None
     if param is None:
         raise KeyError(f"owners=: {name!r} is not a trainable parameter of this engine")
@@ -67,7 +67,7 @@ def check_owner_entry(storage: GradStorage, name: str, rank: Any) -> int:
     return int(rank)
 
 
-def owners(storage: GradStorage, selected: Sequence[ParamLayout], given: Mapping[str, int] | None = None
+def owners(storage: FlatStorage, selected: Sequence[ParamLayout], given: Mapping[str, int] | None = None
            ) -> dict[str, int]:
     """``{name: global owner rank}`` for ``selected``: ``given`` (validated: every selected name present, each a
     member rank of the parameter's process group, no unknown names) or :func:`balanced_owners`. No communication."""

@@ -11,14 +11,14 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from .. import collectives
 from ..agreement import Refusal, agree, error_code, local_only, raise_outcome
 from ..layout import ParamLayout
-from ..storage import GradStorage
+from ..storage import FlatStorage
 from .checks import check_dtensor, check_full, build_dtensor, agreement_groups, mapping_names
 from .exchange import my_rank, read_targets, write_targets
 from .assignment import check_owner_entry
 from .plan import OWNERS, Plan, ROWS, plan_for
 
 
-def to_dtensors(storage: GradStorage, selected: Sequence[ParamLayout], *, dtype: torch.dtype | None = None
+def to_dtensors(storage: FlatStorage, selected: Sequence[ParamLayout], *, dtype: torch.dtype | None = None
                 ) -> dict[str, DTensor]:
     """Every selected parameter's gradient as a ``Shard(0)`` DTensor of its shape (0-d: ``Replicate``) on a 1-D mesh
     over its data-parallel process group; a snapshot (true units, ``dtype``). **Collective**: one
@@ -34,7 +34,7 @@ def to_dtensors(storage: GradStorage, selected: Sequence[ParamLayout], *, dtype:
     return {p.name: result[p.name] for p in selected}
 
 
-def checked_dtensors(storage: GradStorage, selected: Sequence[ParamLayout], mapping: Mapping[str, Any]
+def checked_dtensors(storage: FlatStorage, selected: Sequence[ParamLayout], mapping: Mapping[str, Any]
                      ) -> dict[str, torch.Tensor]:
     """This rank's local shards of ``set_dtensors_``'s entries, each checked (DTensor type, mesh over the group's
     ranks, placement, global shape, dtype, this rank's local shard shape, device); raises at the first bad one.
@@ -48,7 +48,7 @@ def checked_dtensors(storage: GradStorage, selected: Sequence[ParamLayout], mapp
     return values
 
 
-def set_dtensors_(storage: GradStorage, selected: Sequence[ParamLayout], values: Mapping[str, torch.Tensor]) -> None:
+def set_dtensors_(storage: FlatStorage, selected: Sequence[ParamLayout], values: Mapping[str, torch.Tensor]) -> None:
     """Write the local shards of ``Shard(0)`` DTensors (:func:`checked_dtensors`, agreed on every rank) back.
     **Collective**: one ``all_to_all_single`` per (process group, dtype), replicated groups included, about
     ``(N-1)/N · S/N`` bytes each way per rank (replicated: ``(N-1)/N · S`` received)."""
@@ -56,7 +56,7 @@ def set_dtensors_(storage: GradStorage, selected: Sequence[ParamLayout], values:
     storage.after_write([p.name for p in selected])
 
 
-def owned(storage: GradStorage, selected: Sequence[ParamLayout], assignment: Mapping[str, int], *,
+def owned(storage: FlatStorage, selected: Sequence[ParamLayout], assignment: Mapping[str, int], *,
           dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The whole gradients of the selected parameters ``assignment`` gives this rank (true units, ``dtype``); a
     snapshot. **Collective**: one ``all_to_all_single`` per (process group, dtype) of sharded groups, about
@@ -65,7 +65,7 @@ def owned(storage: GradStorage, selected: Sequence[ParamLayout], assignment: Map
     return _owned_views(storage, plan, dtype)
 
 
-def _owned_views(storage: GradStorage, plan: Plan, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+def _owned_views(storage: FlatStorage, plan: Plan, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     result = {}
     for bucket, buffer in read_targets(storage, plan, dtype):
         for slot in bucket.params:
@@ -74,7 +74,7 @@ def _owned_views(storage: GradStorage, plan: Plan, dtype: torch.dtype | None) ->
     return {n: result[n] for n in plan.names if n in result}
 
 
-def _provided(storage: GradStorage, mapping: Any, restrict: Mapping[str, int] | None) -> dict[str, torch.Tensor]:
+def _provided(storage: FlatStorage, mapping: Any, restrict: Mapping[str, int] | None) -> dict[str, torch.Tensor]:
     """This rank's ``set_owned_`` entries, each checked; raises at the first bad one. No communication."""
     values: dict[str, torch.Tensor] = {}
     names = mapping_names(mapping, "set_owned_")
@@ -91,7 +91,7 @@ def _provided(storage: GradStorage, mapping: Any, restrict: Mapping[str, int] | 
     return values
 
 
-def _restriction(storage: GradStorage, assignment: Any) -> dict[str, int] | None:
+def _restriction(storage: FlatStorage, assignment: Any) -> dict[str, int] | None:
     """``set_owned_``'s ``owners=``, checked (``None`` when not given). No communication."""
     if assignment is None:
         return None
@@ -100,7 +100,7 @@ def _restriction(storage: GradStorage, assignment: Any) -> dict[str, int] | None
     return {name: check_owner_entry(storage, name, rank) for name, rank in assignment.items()}
 
 
-def set_owned_(storage: GradStorage, mapping: Mapping[str, torch.Tensor], *,
+def set_owned_(storage: FlatStorage, mapping: Mapping[str, torch.Tensor], *,
                assignment: Mapping[str, int] | None = None) -> None:
     """Write whole gradients from the ranks holding them (each parameter from at most one rank; ``assignment``
     given: from its owner there). **Collective**: the rank agreement, which also tells every rank which rank passed
@@ -127,7 +127,7 @@ def set_owned_(storage: GradStorage, mapping: Mapping[str, torch.Tensor], *,
     storage.after_write(selection)
 
 
-def _providers(storage: GradStorage, values: Mapping[str, torch.Tensor], rows: Mapping[int, list[list[int]]],
+def _providers(storage: FlatStorage, values: Mapping[str, torch.Tensor], rows: Mapping[int, list[list[int]]],
                by_pg: Mapping[int, tuple[Any, list[ParamLayout]]]) -> dict[str, int]:
     """``{name: global rank that passed it}`` from the agreement's rows (the same on every rank; per process group
     one ``(N, k)`` matrix of who passed what); a parameter passed by more than one rank raises ``ValueError`` on
@@ -149,7 +149,7 @@ def _providers(storage: GradStorage, values: Mapping[str, torch.Tensor], rows: M
     return provider
 
 
-def map_full_(storage: GradStorage, selected: Sequence[ParamLayout], assignment: Mapping[str, int],
+def map_full_(storage: FlatStorage, selected: Sequence[ParamLayout], assignment: Mapping[str, int],
               fn: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
     """``fn(name, whole gradient)`` on each parameter's owner, written back: each gradient computed once in the job.
     **Collective**: :func:`owned`'s ``all_to_all_single``, then the reverse ``all_to_all_single`` per (process

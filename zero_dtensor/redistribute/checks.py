@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import collectives
 from ..layout import ParamLayout
-from ..storage import GradStorage
+from ..storage import FlatStorage
 from .plan import TargetSlot
 
 
@@ -31,14 +31,14 @@ def dtensor_signature(mapping: Mapping[str, Any]) -> tuple:
     return tuple((name, meta(value)) for name, value in mapping.items())
 
 
-def agreement_groups(storage: GradStorage, selected: Sequence[ParamLayout] | None) -> tuple[Any, ...]:
+def agreement_groups(storage: FlatStorage, selected: Sequence[ParamLayout] | None) -> tuple[Any, ...]:
     """The process groups a write over ``selected`` (``None``: any parameter) may communicate on: multi-rank groups,
     replicated ones included (every rank needs the whole new value)."""
     indices = sorted({p.group for p in selected}) if selected is not None else range(len(storage.process_groups))
     return tuple(storage.process_groups[i] for i in indices if storage.layout.groups[i].world_size > 1)
 
 
-def _allowed_devices(storage: GradStorage) -> set[torch.device]:
+def _allowed_devices(storage: FlatStorage) -> set[torch.device]:
     return {torch.device(storage.device), *(p.device for p in storage.partitions)}
 
 
@@ -49,7 +49,7 @@ def _same_ranks(mesh: Any, pg: Any, device_type: str) -> bool:
     return mesh.ndim == 1 and mesh.mesh.flatten().tolist() == list(collectives.group_ranks(pg))
 
 
-def check_dtensor(storage: GradStorage, slot: TargetSlot, value: Any, pg: Any) -> torch.Tensor:
+def check_dtensor(storage: FlatStorage, slot: TargetSlot, value: Any, pg: Any) -> torch.Tensor:
     """This rank's flattened local shard of a valid ``set_dtensors_`` entry; raises on anything else."""
     name = slot.name
     if not isinstance(value, DTensor):
@@ -78,7 +78,7 @@ def check_dtensor(storage: GradStorage, slot: TargetSlot, value: Any, pg: Any) -
     return local
 
 
-def check_full(storage: GradStorage, what: str, param: ParamLayout, value: Any) -> torch.Tensor:
+def check_full(storage: FlatStorage, what: str, param: ParamLayout, value: Any) -> torch.Tensor:
     """A whole-gradient value for ``param`` (``set_owned_``, ``map_full_``'s results); raises otherwise."""
     if isinstance(value, DTensor) or not isinstance(value, torch.Tensor):
         raise TypeError(f"{what}: value for {param.name!r} must be a torch.Tensor of shape {tuple(param.shape)}, got "

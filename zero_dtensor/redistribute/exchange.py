@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from .. import collectives
-from ..storage import GradStorage
+from ..storage import FlatStorage
 from .plan import BucketPlan, Piece, Plan, Transfer
 
 
@@ -27,7 +27,7 @@ def _unpack(buffer: torch.Tensor, pieces: Sequence[Piece], dests: Sequence[torch
                                     out=[dests[s].narrow(0, o, n) for s, o, n in pieces])
 
 
-def _exchange(send: torch.Tensor, transfer: Transfer, storage: GradStorage, bucket: BucketPlan) -> torch.Tensor:
+def _exchange(send: torch.Tensor, transfer: Transfer, storage: FlatStorage, bucket: BucketPlan) -> torch.Tensor:
     """The bucket's one ``all_to_all_single`` (or the send buffer itself when nothing crosses ranks)."""
     if not transfer.communicates:
         return send
@@ -37,12 +37,12 @@ def _exchange(send: torch.Tensor, transfer: Transfer, storage: GradStorage, buck
     return recv
 
 
-def _comm_device(storage: GradStorage, bucket: BucketPlan) -> torch.device:
+def _comm_device(storage: FlatStorage, bucket: BucketPlan) -> torch.device:
     return collectives.comm_device(storage.partitions[bucket.groups[0]], storage.process_groups[bucket.groups[0]],
                                    storage.device)
 
 
-def read_targets(storage: GradStorage, plan: Plan, dtype: torch.dtype | None) -> list[tuple[BucketPlan, torch.Tensor]]:
+def read_targets(storage: FlatStorage, plan: Plan, dtype: torch.dtype | None) -> list[tuple[BucketPlan, torch.Tensor]]:
     """Per bucket, the output buffer (true units, ``dtype``): every target of this rank back to back."""
     results = []
     for bucket in plan.buckets:
@@ -59,7 +59,7 @@ def read_targets(storage: GradStorage, plan: Plan, dtype: torch.dtype | None) ->
     return results
 
 
-def write_targets(storage: GradStorage, plan: Plan, values: Mapping[str, torch.Tensor], *,
+def write_targets(storage: FlatStorage, plan: Plan, values: Mapping[str, torch.Tensor], *,
            code: int | None = None) -> list[tuple[int, int]]:
     """Send every bucket's targets back into the partitions. ``values[name]``: this rank's flattened target (true
     units, any floating dtype); names absent on this rank must have an empty target here.
@@ -110,7 +110,7 @@ def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return t
 
 
-def _exchange_with_codes(send: torch.Tensor, transfer: Transfer, storage: GradStorage, bucket: BucketPlan,
+def _exchange_with_codes(send: torch.Tensor, transfer: Transfer, storage: FlatStorage, bucket: BucketPlan,
                          code: int) -> tuple[torch.Tensor, list[int]]:
     """The bucket's ``all_to_all_single`` with this rank's error ``code`` appended to what it sends each peer (also
     where no data crosses ranks): returns the received data, as :func:`_exchange` would, and every peer's code in
@@ -136,6 +136,6 @@ def _flat_on(value: torch.Tensor | None, none: torch.Tensor, device: torch.devic
     return flat if flat.device == device else flat.to(device)
 
 
-def my_rank(storage: GradStorage) -> int:
+def my_rank(storage: FlatStorage) -> int:
     """This process's global rank (from the first group's process group and group rank). No communication."""
     return collectives.group_ranks(storage.process_groups[0])[storage.layout.groups[0].rank]

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import collectives
-from ..layout import GradLayout, ParamLayout, contiguous_stride
-from ..storage import GradStorage
+from ..layout import FlatLayout, ParamLayout, contiguous_stride
+from ..storage import FlatStorage
 
 
 ROWS = "rows"
@@ -166,7 +166,7 @@ def _in_order(pieces: Sequence[Piece]) -> bool:
     return True
 
 
-def _bucket(layout: GradLayout, groups: tuple[int, ...], params: list[ParamLayout], kind: str,
+def _bucket(layout: FlatLayout, groups: tuple[int, ...], params: list[ParamLayout], kind: str,
             owner_of: Mapping[str, int]) -> BucketPlan:
     first = layout.groups[groups[0]]
     world, me = first.world_size, first.rank
@@ -223,7 +223,7 @@ def _row_count(rows: int, world: int, rank: int) -> int:
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
-def _plan(layout: GradLayout, names: tuple[str, ...], pg_keys: tuple[int, ...], kind: str,
+def _plan(layout: FlatLayout, names: tuple[str, ...], pg_keys: tuple[int, ...], kind: str,
           owners: tuple[int, ...]) -> Plan:
     owner_of = dict(zip(names, owners)) if kind == OWNERS else {}
     buckets: dict[tuple[int, torch.dtype], tuple[list[int], list[ParamLayout]]] = {}
@@ -239,17 +239,17 @@ def _plan(layout: GradLayout, names: tuple[str, ...], pg_keys: tuple[int, ...], 
     return Plan(kind, names, built)
 
 
-def process_group_keys(storage: GradStorage) -> tuple[int, ...]:
+def process_group_keys(storage: FlatStorage) -> tuple[int, ...]:
     """Per flat group, the index of the first flat group with the same process group object."""
     pgs = storage.process_groups
     return tuple(next(j for j in range(i + 1) if pgs[j] is pgs[i]) for i in range(len(pgs)))
 
 
-def group_ranks_of(storage: GradStorage, param: ParamLayout) -> tuple[int, ...]:
+def group_ranks_of(storage: FlatStorage, param: ParamLayout) -> tuple[int, ...]:
     return collectives.group_ranks(storage.process_groups[param.group])
 
 
-def plan_for(storage: GradStorage, selected: Sequence[ParamLayout], kind: str = ROWS,
+def plan_for(storage: FlatStorage, selected: Sequence[ParamLayout], kind: str = ROWS,
              assignment: Mapping[str, int] | None = None) -> Plan:
     """The cached plan for ``selected`` (in order) and a target: ``"rows"``, or ``"owners"`` with ``assignment``
     (name -> global rank, e.g. from :func:`owners`). No communication."""

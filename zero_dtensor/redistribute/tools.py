@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..state import state_of
-from ..storage import GradStorage
+from ..storage import FlatStorage
 from .assignment import owners
 from .plan import OWNERS, ROWS, plan_for
 
@@ -18,7 +18,7 @@ def traffic(grads: Any, names: Sequence[str] | None = None, *, target: str = ROW
     """Bytes this rank sends to / receives from other ranks for a read and a write of ``target`` (``"rows"`` or
     ``"owners"``, with ``assignment`` or the balanced one), from the plan (exact, stored dtype). ``grads``: a ``ShardedGrads`` or its storage. No
     communication."""
-    storage: GradStorage = grads if isinstance(grads, GradStorage) else state_of(grads).storage
+    storage: FlatStorage = grads if isinstance(grads, FlatStorage) else state_of(grads).storage
     layout = storage.layout
     selected = list(layout.params) if names is None else [layout.by_name[n] for n in names]
     plan = plan_for(storage, selected, target, owners(storage, selected, assignment) if target == OWNERS else None)

@@ -11,7 +11,9 @@ delivers ``(N-1)/N·S`` to the root.
 
 Modules, one concept each: :mod:`.strategy` (all_gather, all_to_all or all_reduce, calibration on gloo),
 :mod:`.buffers` (the allocator with its observers, recycling, the kept workspace), :mod:`.results` (the result dict
-and the pending handle), :mod:`.bulk` (``full_tensors``), :mod:`.stream` (``iter_full``).
+and the pending handle), :mod:`.bulk` (``full_tensors``: validation and the call), :mod:`.transfers` (what a call
+moves and the buffers it lands in), :mod:`.gathers` (each strategy's transfer issued), :mod:`.emit` (the result
+cut into parameters), :mod:`.stream` (``iter_full``).
 """
 
 from __future__ import annotations

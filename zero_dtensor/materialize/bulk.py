@@ -129,7 +129,7 @@ def full_tensors(
             continue
         # ZeRO-3 all_gather results are reordered into a second area of the same buffer, so that a kept result
         # pins (and a recycled one frees) all of the call's memory at once
-        gathered = t.strategy in ("all_gather", "all_to_all")  # rank after rank: ZeRO-3 needs reordering
+        gathered = t.strategy in ("all_gather", "all_to_all", "send_recv")  # rank after rank: ZeRO-3 reorders
         areas = {g: state.group(g).placement.reorder_area(state.group(g)) if gathered else 0 for g in t.groups}
         buf = buffers.get(t.key(), t.numel + sum(areas.values()), t.dtype, t.device)
         narrow = narrower(buf, view_cache(result, buf))
@@ -145,8 +145,8 @@ def full_tensors(
                           else reduce_sum_to(buf, group_rank_of(t.pg, dst), t.pg, async_op=async_op), None))
         elif t.pipelined:
             steps += pipelined_gather(state, t, regions, narrow, result)
-        elif dst is None and t.strategy == "all_to_all":
-            steps.append(gather_by_peers(state, t, regions, async_op))
+        elif dst is None and t.strategy in ("all_to_all", "send_recv"):
+            steps.append(gather_by_peers(state, t, regions, async_op, t.strategy == "send_recv"))
         elif dst is None:
             outs = [regions[g][0] for g in t.groups]
             steps.append((all_gather_into(outs, t.partitions, t.pg, async_op=async_op), None))

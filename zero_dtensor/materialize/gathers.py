@@ -12,11 +12,15 @@ from typing import Any
 import torch
 
 from ..collectives import (
+    Exchange,
     all_gather_by_all_to_all,
     all_gather_into,
+    gather_exchanges,
     gather_to,
     group_rank_of,
     peer_partitions_by_all_to_all,
+    rank_in,
+    send_recv,
 )
 from ..plan import ColumnPiece
 from ..state import FlatState
@@ -62,32 +66,49 @@ def pipelined_gather(state: FlatState, t: Transfer, regions: Regions, narrow: Ca
     return steps
 
 
-def gather_by_peers(state: FlatState, t: Transfer,
-                          regions: dict[int, tuple[torch.Tensor, torch.Tensor | None]],
-                          async_op: bool) -> tuple[list[Any], Callable[[], None] | None]:
-    """One ``all_to_all_single`` per flat group (it has no coalesced form), and the step that follows them. Where the
-    placement reorders through rows (:meth:`~zero_dtensor.placement.GroupPlacement.peer_rows`: ZeRO-3), the other
-    ranks' partitions are received back to back into the group's region (the collective issued asynchronously even
-    for a synchronous call: the step awaits it) while this rank's partition is copied into its rows of parameter
-    order, and copied into theirs once they have arrived: ``S`` copied in all, not ``S/N`` into the gathered rows
-    and then ``S``. Elsewhere the group is gathered rank after rank
-    (:func:`~zero_dtensor.collectives.all_gather_by_all_to_all`) and reordered as an all_gather is. The regions of
-    the first kind then hold their areas."""
+def gather_by_peers(state: FlatState, t: Transfer, regions: Regions, async_op: bool,
+                    by_send_recv: bool = False) -> tuple[list[Any], Callable[[], None] | None]:
+    """Every group of the transfer gathered from its peers, and the step that follows: by one ``all_to_all_single``
+    per flat group (it has no coalesced form), or, ``by_send_recv``, by **one** batch of point-to-point ops for the
+    whole transfer (:func:`~zero_dtensor.collectives.send_recv`: ``2(N-1)`` per flat group, each partition sent as
+    it is and every peer's received straight into its place; no copy of ``S``, no scratch). Where the placement
+    reorders through rows (:meth:`~zero_dtensor.placement.GroupPlacement.peer_rows`: ZeRO-3), the other ranks'
+    partitions are received back to back into the group's region (issued asynchronously even for a synchronous
+    call: the step awaits them) while this rank's partition is copied into its rows of parameter order, and copied
+    into theirs once they have arrived: ``S`` copied in all, not ``S/N`` into the gathered rows and then ``S``.
+    Elsewhere the group is gathered rank after rank (by send_recv: this rank's row copied locally while the peers'
+    travel) and reordered as an all_gather is. The regions of the first kind then hold their areas."""
     works: list[Any] = []
+    sends: list[Exchange] = []
+    recvs: list[Exchange] = []
+    local: list[Callable[[], Any]] = []  # this rank's own partitions into place, once the peers' are under way
     after: list[tuple[Any, torch.Tensor, torch.Tensor]] = []  # (peer row copy, received, area)
     for g, part in zip(t.groups, t.partitions):
         group = state.group(g)
         region, area = regions[g]
         rows = group.placement.peer_rows(state.plan.groups[g]) if area is not None else None
         if rows is None or area is None:
-            works += all_gather_by_all_to_all(region, part, t.pg, async_op=async_op)
+            if by_send_recv:
+                _add(gather_exchanges(region, part, t.pg), sends, recvs)
+                own_row = region.narrow(0, rank_in(t.pg) * part.numel(), part.numel())
+                local.append(lambda own_row=own_row, part=part: own_row.copy_(part))
+            else:
+                works += all_gather_by_all_to_all(region, part, t.pg, async_op=async_op)
             continue
         own, peers = rows
         received = region.narrow(0, 0, (group.world_size - 1) * group.partition_numel)
-        works += peer_partitions_by_all_to_all(received, part, t.pg, async_op=True)  # awaited by the step
-        own.copy(part, area)  # while it travels (both only read the partition)
+        if by_send_recv:
+            _add(gather_exchanges(received, part, t.pg, peers_only=True), sends, recvs)
+        else:
+            works += peer_partitions_by_all_to_all(received, part, t.pg, async_op=True)  # awaited by the step
+        # while it travels (both only read the partition)
+        local.append(lambda own=own, part=part, area=area: own.copy(part, area))
         after.append((peers, received, area))
         regions[g] = (area, None)
+    if by_send_recv:
+        works += send_recv(sends, recvs, t.pg, async_op=True)  # awaited by the step
+    for copy in local:
+        copy()
     if not after:
         return works, None
 
@@ -95,6 +116,11 @@ def gather_by_peers(state: FlatState, t: Transfer,
         for peers, received, area in after:
             peers.copy(received, area)
     return works, reorder
+
+
+def _add(exchanges: tuple[list[Exchange], list[Exchange]], sends: list[Exchange], recvs: list[Exchange]) -> None:
+    sends += exchanges[0]
+    recvs += exchanges[1]
 
 
 def reorder_step(state: FlatState, members: list[tuple[int, torch.Tensor, torch.Tensor, ColumnPiece]],

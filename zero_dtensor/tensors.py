@@ -274,9 +274,10 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
                 entries are created; the gather buffer is then a kept workspace
                 (``zero_dtensor.materialize.release_workspace()`` frees it).
             dst: a global rank: only it receives full tensors, every other rank gets an empty dict.
-                ``all_gather``/``all_to_all``/``send_recv``/``auto``: one ``gather`` per flat group (gather has no coalesced
-                form): each rank sends ``S/N``, the destination receives ``(N-1)/N·S`` and only it allocates ``S``. ``all_reduce``: one
-                sum ``reduce`` per transfer of a zero-padded ``S`` buffer that every rank allocates.
+                ``all_gather``/``all_to_all``/``send_recv``/``auto``: one ``gather`` per flat group (gather has no
+                coalesced form): each rank sends ``S/N``, the destination receives ``(N-1)/N·S`` and only it
+                allocates ``S``. ``all_reduce``: one sum ``reduce`` per transfer of a zero-padded ``S`` buffer that
+                every rank allocates.
             async_op: return a :class:`~zero_dtensor.materialize.PendingFullTensors` whose ``wait()`` gives the
                 dict; do not change the values (e.g. ``engine.step()``) before ``wait()``.
             strategy: ``"all_gather"``, ``"all_to_all"``, ``"send_recv"``, ``"all_reduce"`` or ``"auto"`` (see

@@ -307,7 +307,8 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
         pg = storage.process_groups[sharded[0].index]
         for kind in CANDIDATES:
             label = "floor: bare all_gather" if kind == "all_gather" else f"ref: bare {kind} gather"
-            measure(label, bare[kind], repeat=args.repeat, bytes_per_rank=_ring_bytes("all_gather", stored_bytes, world),
+            measure(label, bare[kind], repeat=args.repeat,
+                    bytes_per_rank=_ring_bytes("all_gather", stored_bytes, world),
                     baseline=None, note=f"same bytes, no unpack; median when chosen {1e3 * candidates[kind]:.1f} ms",
                     memory=lambda _: 0, beside_floors=False)
         full_buf = torch.zeros(sum(g.flat_numel for g in sharded), dtype=parts[0].dtype, device=parts[0].device)

@@ -22,7 +22,8 @@ def _row_tests(cases: list[EngineCase]) -> list:
 
 
 def _check_counts(results: list[dict], row: str) -> None:
-    """The data collectives of one call: one per transfer; all_to_all (no coalesced form) one per sharded group."""
+    """The data collectives of one call: one per transfer (send_recv: one batch of point-to-point ops); all_to_all
+    (no coalesced form) one per sharded group."""
     for strategy in materialize.GATHER_STRATEGIES:
         if row == f"{strategy} strategy=":
             want = results[0]["sharded_groups"] if strategy == "all_to_all" else 1
@@ -85,10 +86,12 @@ def test_fp16_results_are_unscaled_for_every_option(ranks, stage: int, pipelined
 @pytest.mark.parametrize("stage,pipelined,groups", [(2, False, 1), (3, False, 1), (3, True, 1), (2, False, 2),
                                                    (3, False, 2)])
 def test_auto_calibrates_once_and_agrees_across_ranks(ranks, stage: int, pipelined: bool, groups: int) -> None:
-    """A transfer of one flat group may pick all_to_all; one of two never does (one collective per transfer)."""
+    """A transfer of one flat group may pick all_to_all; one of two never does (one collective per transfer);
+    send_recv (one batch per transfer) is a candidate for both."""
     results = ranks(2).run(materialize.check_calibration, stage, pipelined, groups)
     decisions = [r["decisions"] for r in results]
-    candidates = ("all_gather", "all_to_all", "all_reduce") if groups == 1 else ("all_gather", "all_reduce")
+    candidates = (("all_gather", "all_to_all", "all_reduce", "send_recv") if groups == 1
+                  else ("all_gather", "all_reduce", "send_recv"))
     assert len(decisions[0]) == 1 and decisions[0][0] in candidates
     assert all(d == decisions[0] for d in decisions)
     assert all(r["reorders"] == [stage == 3] for r in results)

@@ -47,4 +47,4 @@ def test_write_paths_agree(ranks, case: EngineCase, max_classes: int) -> None:
 def test_zero3_row_reorder_matches_deepspeed(ranks, case: EngineCase) -> None:
     results = ranks(case.world).run(view_reuse.check_row_reorder, case)
     assert all(r["rows"] for r in results), "the wide model must take the row paths"
-    assert all(r["peer_rows"] for r in results), "the wide model must take the all_to_all row paths"
+    assert all(r["peer_rows"] for r in results), "the wide model must take the all_to_all and send_recv row paths"

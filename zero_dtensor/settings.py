@@ -9,8 +9,8 @@ with its arguments (:mod:`zero_dtensor.agreement`), and a setting that differs b
 environment variable               what it sets                                values (default first)
 =================================  ==========================================  ==================================
 ``ZERO_DTENSOR_GATHER_STRATEGY``   what ``strategy="auto"`` means for          ``auto``, ``all_gather``,
-                                   ``full_tensors`` / ``iter_full`` (read at   ``all_to_all``, ``all_reduce``
-                                   every call; :func:`set_gather_strategy`
+                                   ``full_tensors`` / ``iter_full`` (read at   ``all_to_all``, ``all_reduce``,
+                                   every call; :func:`set_gather_strategy`     ``send_recv``
                                    takes precedence)
 ``ZERO_DTENSOR_DEBUG``             debug mode at import (:func:`set_debug`):   ``0``, ``1`` (also ``true``/``on``)
                                    a rank-agreement checkpoint at the entry
@@ -41,7 +41,7 @@ __all__ = [
 
 ENV_STRATEGY = "ZERO_DTENSOR_GATHER_STRATEGY"
 ENV_DEBUG = "ZERO_DTENSOR_DEBUG"
-STRATEGIES = ("auto", "all_gather", "all_to_all", "all_reduce")
+STRATEGIES = ("auto", "all_gather", "all_to_all", "all_reduce", "send_recv")
 
 
 def _env_flag(name: str, default: bool) -> bool:

@@ -274,12 +274,13 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
                 entries are created; the gather buffer is then a kept workspace
                 (``zero_dtensor.materialize.release_workspace()`` frees it).
             dst: a global rank: only it receives full tensors, every other rank gets an empty dict.
-                ``all_gather``/``all_to_all``/``auto``: one ``gather`` per flat group (gather has no coalesced
-                form): each rank sends ``S/N``, the destination receives ``(N-1)/N·S`` and only it allocates ``S``. ``all_reduce``: one
-                sum ``reduce`` per transfer of a zero-padded ``S`` buffer that every rank allocates.
+                ``all_gather``/``all_to_all``/``send_recv``/``auto``: one ``gather`` per flat group (gather has no
+                coalesced form): each rank sends ``S/N``, the destination receives ``(N-1)/N·S`` and only it
+                allocates ``S``. ``all_reduce``: one sum ``reduce`` per transfer of a zero-padded ``S`` buffer that
+                every rank allocates.
             async_op: return a :class:`~zero_dtensor.materialize.PendingFullTensors` whose ``wait()`` gives the
                 dict; do not change the values (e.g. ``engine.step()``) before ``wait()``.
-            strategy: ``"all_gather"``, ``"all_to_all"``, ``"all_reduce"`` or ``"auto"`` (see
+            strategy: ``"all_gather"``, ``"all_to_all"``, ``"send_recv"``, ``"all_reduce"`` or ``"auto"`` (see
                 :mod:`zero_dtensor.materialize.strategy`).
 
         Communication (``N`` ranks, ``S`` the padded flat bytes of the groups involved, in the stored dtype): first
@@ -295,17 +296,21 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         :func:`~zero_dtensor.materialize.strategy.pipelines`). ``all_to_all``: the same gather by one
         ``all_to_all_single`` per flat group, the same bytes (gloo receives it in place, where its all_gather
         stages and copies out; ZeRO-3 copies this rank's partition into parameter order while the others' travel).
+        ``send_recv``: the same gather by one batch of ``isend``/``irecv`` per (process group, dtype, device), the
+        same bytes, every partition sent as it is and received in place (no copy of ``S``; ``CommDebugMode`` does
+        not count point-to-point ops, :func:`zero_dtensor.collectives.counting_p2p` does).
         ``all_reduce``: one sum all_reduce
         per (process group, dtype, device) of a zero-filled ``S`` buffer, ``2(N-1)/N·S`` bytes per rank. ``auto`` on
         gloo, for transfers of at least 1 MiB: the first call per (process group, dtype, power-of-two size) also
         calibrates (9 more collectives, 13 where the all_gather is pipelined, 4 more where the transfer is one flat
-        group and all_to_all is timed too); pin it with ``ZERO_DTENSOR_GATHER_STRATEGY`` or
+        group and all_to_all is timed too, and 4 point-to-point batches: send_recv is timed too); pin it with ``ZERO_DTENSOR_GATHER_STRATEGY`` or
         :func:`~zero_dtensor.materialize.set_gather_strategy`. Replicated groups (``BF16_Optimizer``,
         ``keep_full_grads``): none.
 
         Results are a **snapshot** the caller owns: changing them does not change the tensor, and
         ``engine.step()`` does not change them. Entries are views of one parameter-order buffer per flat group
-        (ZeRO-1/2: the gathered buffer itself; ZeRO-3: one reordering copy after an all_gather or all_to_all;
+        (ZeRO-1/2: the gathered buffer itself; ZeRO-3: one reordering copy after an all_gather, all_to_all or
+        send_recv;
         replicated: one local copy). Without ``out=`` the buffers are recycled from the previous call once none of that call's
         tensors (nor its dict) is alive, so a loop that drops each step's result allocates only once; a live result
         is never overwritten (``zero_dtensor.materialize.BUFFERS.recycle = False`` turns this off).

@@ -250,10 +250,34 @@ def fill_value(name: str, shape: torch.Size) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
+class CommCounts:
+    """The collectives ``CommDebugMode`` counts, plus the point-to-point batches it does not see (the ``send_recv``
+    strategy's: :func:`zero_dtensor.collectives.counting_p2p`), each batch counted as one transfer."""
+
+    def __init__(self, mode: CommDebugMode, p2p: Any) -> None:
+        self.mode, self.p2p = mode, p2p
+
+    def get_total_counts(self) -> int:
+        return self.mode.get_total_counts() + self.p2p.batches
+
+    def get_comm_counts(self) -> dict[Any, int]:
+        counts = dict(self.mode.get_comm_counts())
+        if self.p2p.batches:
+            counts["p2p batches"] = self.p2p.batches
+            counts["p2p ops"] = self.p2p.ops
+        return counts
+
+    @property
+    def p2p_ops(self) -> int:
+        return self.p2p.ops
+
+
 @contextlib.contextmanager
-def count_comms() -> Iterator[CommDebugMode]:
-    with CommDebugMode() as mode:
-        yield mode
+def count_comms() -> Iterator[CommCounts]:
+    from zero_dtensor.collectives import counting_p2p
+
+    with CommDebugMode() as mode, counting_p2p() as p2p:
+        yield CommCounts(mode, p2p)
 
 
 @contextlib.contextmanager

@@ -54,19 +54,22 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) ->
 
 def _expected_collectives(grads: zd.ShardedGrads, strategy: str, names: list[str] | None = None) -> int:
     """One collective per (process group, dtype, device) bucket of sharded groups holding a requested name (per
-    sharded group for all_to_all, which has no coalesced form, and none on one rank), plus the always-on
+    sharded group for all_to_all, which has no coalesced form; one batch of point-to-point ops per bucket for
+    send_recv; none on one rank for either), plus the always-on
     rank-agreement check."""
     wanted = {grads.layout.by_name[n].group for n in (names or grads.names)}
     sharded = [i for i in wanted if not grads.layout.groups[i].replicated]
     keys = {(grads._storage.process_groups[i], grads.local_partitions[i].dtype) for i in sharded}
     if strategy == "all_to_all":  # one rank: nothing to send, a local copy
         data = len(sharded) if dist.get_world_size() > 1 else 0
+    elif strategy == "send_recv":  # one batch of point-to-point ops per bucket; one rank: a local copy
+        data = len(keys) if dist.get_world_size() > 1 else 0
     else:
         data = len(keys)
     return data + rank_checks(grads, names)
 
 
-GATHER_STRATEGIES = ("all_gather", "all_to_all", "all_reduce")
+GATHER_STRATEGIES = ("all_gather", "all_to_all", "all_reduce", "send_recv")
 # The rows of check_options, in order: each option's own test (tests/test_materialize.py).
 STRATEGY_OPTIONS = ["auto pinned", "strategy=", "subset", "dtype fp32", "out= reuse", "recycling", "user out=", "dst",
                     "async", "async dst fp32"]
@@ -153,6 +156,10 @@ def _option_strategy(st: _Options, strategy: str) -> None:
     expected = st.expected(strategy)
     assert mode.get_total_counts() == expected, (strategy, mode.get_comm_counts())
     st.report[f"count_{strategy}"] = mode.get_total_counts() - rank_checks(st.grads)  # the data collectives
+    if strategy == "send_recv":  # one isend and one irecv per peer and sharded group, all in the one batch
+        sharded = sum(not g.replicated for g in st.grads.layout.groups)
+        assert mode.p2p_ops == 2 * (st.world - 1) * sharded, mode.get_comm_counts()
+        st.report["p2p_ops"] = mode.p2p_ops
 
 
 def _option_subset(st: _Options, strategy: str) -> None:
@@ -346,7 +353,8 @@ def _check_fp16(stage: int) -> None:
 
 def check_calibration(stage: int, pipelined: bool = False, groups: int = 1) -> dict:
     """auto on gloo: the first call per size bucket calibrates (``CALIBRATION_COLLECTIVES`` extra collectives, and
-    ``CALIBRATION_ALL_TO_ALL_COLLECTIVES`` more where the transfer is one flat group: ``groups=1``), later calls
+    ``CALIBRATION_ALL_TO_ALL_COLLECTIVES`` more where the transfer is one flat group: ``groups=1``, and
+    ``CALIBRATION_SEND_RECV_BATCHES`` point-to-point batches), later calls
     reuse the decision, and every rank takes the same one; on ZeRO-3 the calibration also times the reordering copy
     (the decision's key says so). ``pipelined``: ZeRO-3 all_gathers pipelined whatever their size, so the
     calibration times the pipelined gather (``CALIBRATION_PIPELINED_COLLECTIVES``)."""
@@ -383,6 +391,7 @@ def _check_calibration(stage: int, pipelined: bool, groups: int) -> dict:
     calibration = mz.CALIBRATION_PIPELINED_COLLECTIVES if pipelined else mz.CALIBRATION_COLLECTIVES
     if groups == 1:  # a transfer of one flat group also times the all_to_all
         calibration += mz.CALIBRATION_ALL_TO_ALL_COLLECTIVES
+    calibration += mz.CALIBRATION_SEND_RECV_BATCHES  # on gloo every transfer also times send_recv
     assert first.get_total_counts() == calls + calibration + checks, first.get_comm_counts()
     assert second.get_total_counts() == calls + checks, second.get_comm_counts()
     # below the threshold, auto does not calibrate (and uses all_gather)

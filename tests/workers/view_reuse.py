@@ -206,21 +206,21 @@ def check_write_paths(case: EngineCase, max_classes: int) -> dict[str, bool]:
 
 def check_row_reorder(case: EngineCase) -> dict[str, bool]:
     """ZeRO-3 with sizes that share a wide width: full_tensors by all_gather (the row reorder), by all_reduce (the
-    row fill) and by all_to_all (this rank's rows and the received ones, each by its row copy) equal DeepSpeed's
-    ``safe_get_full_grad``, twice (recycled buffers), and after a write (also into ``out=``)."""
+    row fill) and by all_to_all and send_recv (this rank's rows and the received ones, each by its row copy) equal
+    DeepSpeed's ``safe_get_full_grad``, twice (recycled buffers), and after a write (also into ``out=``)."""
     engine = build_engine(case)
     forward_backward(engine)
     grads = zd.sharded_grads(engine)
     expected = _reference(engine)
     plans = grads._state.plan.groups
-    for strategy in ("all_gather", "all_reduce", "all_to_all", "all_gather", "all_to_all"):
+    for strategy in ("all_gather", "all_reduce", "all_to_all", "send_recv", "all_gather", "all_to_all", "send_recv"):
         full = grads.full_tensors(strategy=strategy)
         for name, value in expected.items():
             assert torch.equal(full[name], value.to(full[name].dtype)), (strategy, name)
         del full
     values = {n: fill_value(n, grads[n].shape) for n in grads.names}
     grads.set_full_(values)
-    for strategy in ("all_gather", "all_reduce", "all_to_all"):
+    for strategy in ("all_gather", "all_reduce", "all_to_all", "send_recv"):
         full = grads.full_tensors(strategy=strategy)
         for name, value in values.items():
             assert torch.equal(full[name], value.to(full[name].dtype)), (strategy, name)

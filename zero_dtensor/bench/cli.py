@@ -11,9 +11,12 @@ slowest rank's):
 - ``ds safe_get_full_grad loop`` / ``ds safe_set_full_grad loop``: DeepSpeed's per-parameter API over every parameter;
 - ``full_tensors()`` (``strategy="auto"``; its buffer is recycled between calls once the previous result is dropped),
   the same with a fresh buffer every call (what a first call costs), ``full_tensors(out=prev)`` (reused memory), the
-  two explicit strategies,
+  explicit strategies,
   ``iter_full`` (streaming), ``set_full_``, and ``clip_grad_norm_`` if this zero_dtensor has it;
-- the floor: one bare all_gather of the same partitions into a preallocated buffer (what any full read must move).
+- the floors (:mod:`zero_dtensor.bench.floors`): the bare primitives that move the same partitions into
+  preallocated buffers (``all_gather_into_tensor``, ``all_to_all_single``, batched ``isend``/``irecv``); the
+  cheapest is chosen in the run, and every row's repetitions are each timed right after one of the bare all_gather
+  (``÷ floor``) and one of the cheapest (``÷ cheapest``).
 
 Collectives are counted in a separate, untimed run under ``CommDebugMode``. Progress and the final table are printed
 by rank 0 (rich); ``--json PATH`` writes the same figures.
@@ -30,7 +33,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .common import engine_config, fmt_bytes, run_ranks, sync
+from .common import engine_config, run_ranks, sync
+from .floors import CANDIDATES, bare_gathers, beside, cheapest
+from .table import render
 from .sweep import main as sweep_main
 
 SIZES = {"tiny": (32, 2), "small": (128, 4), "default": (352, 16)}
@@ -100,8 +105,18 @@ def _ring_bytes(kind: str, full_bytes: float, world: int) -> float:
     """Bytes per rank for a collective whose full size is ``full_bytes`` (ring model)."""
     if world <= 1:
         return 0.0
-    return {"all_gather": (world - 1) / world, "all_to_all": (world - 1) / world, "all_reduce": 2 * (world - 1) / world,
-            "none": 0.0}[kind] * full_bytes
+    return {"all_gather": (world - 1) / world, "all_to_all": (world - 1) / world, "send_recv": (world - 1) / world,
+            "all_reduce": 2 * (world - 1) / world, "none": 0.0}[kind] * full_bytes
+
+
+def _ratio(row: dict[str, Any], kind: str, bare_rows: dict[str, dict[str, Any] | None]) -> float | None:
+    """``row``'s median over that of the bare ``kind`` timed beside it; for rows timed alone (DeepSpeed's loops,
+    the bare primitives), over the bare ``kind``'s own row."""
+    floor = row.get("floors_beside_s", {}).get(kind)
+    if floor is None:
+        own = bare_rows.get(kind)
+        floor = own["median_s"] if own is not None else None
+    return row["median_s"] / floor if floor else None
 
 
 class _Row:
@@ -119,7 +134,7 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
     import zero_dtensor as zd
     from zero_dtensor import materialize as mz
     from zero_dtensor.bench.model import TransformerLike
-    from zero_dtensor.collectives import all_gather_by_all_to_all, all_gather_into
+    from zero_dtensor.collectives import counting_p2p
     from zero_dtensor.state import state_of
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -152,32 +167,53 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
 
     rows: list[dict[str, Any]] = []
 
-    def measure(name: str, fn: Callable[[], Any], *, repeat: int, bytes_per_rank: float, baseline: str | None,
-                note: str = "", memory: Callable[[Any], int] | None = None) -> None:
-        progress(f"stage {stage}: {name}")
-        result = fn()  # warm-up (also calibrates strategy="auto" on gloo)
-        with CommDebugMode() as mode:
-            result = fn()
-        counts = {str(k).split(".")[-1].strip("_") or str(k): v for k, v in mode.get_comm_counts().items()}
-        mem = memory(result) if memory is not None else new_bytes(result)
+    def timed(fn: Callable[[], Any]) -> float:
+        dist.barrier()
+        sync(device)
+        t0 = time.perf_counter()
+        result = fn()
+        sync(device)
+        elapsed = time.perf_counter() - t0
         del result
-        times = []
-        for _ in range(repeat):
-            dist.barrier()
-            sync(device)
-            t0 = time.perf_counter()
-            result = fn()
-            sync(device)
-            times.append(time.perf_counter() - t0)
-            del result
+        return elapsed
+
+    def slowest(times: list[float]) -> list[float]:
         t = torch.tensor(times, dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a repetition takes as long as its slowest rank
-        times = t.cpu().tolist()
+        return t.cpu().tolist()
+
+    # the floors: the bare primitives moving the same bytes, the cheapest chosen here; every row is timed beside
+    # the bare all_gather and the cheapest (each repetition right after one of each)
+    sharded = [g for g in grads.layout.groups if g.placement.is_sharded]
+    bare: dict[str, Callable[[], Any]] = {}
+    floors: dict[str, Callable[[], Any]] = {}
+    chosen, candidates = "all_gather", {}
+    if sharded:
+        bare = bare_gathers([parts[g.index] for g in sharded], [g.flat_numel for g in sharded],
+                            state_of(grads).storage.process_groups[sharded[0].index])
+        chosen, candidates = cheapest(bare, timed, slowest, args.repeat)
+        floors = {name: bare[name] for name in dict.fromkeys(("all_gather", chosen))}
+
+    def measure(name: str, fn: Callable[[], Any], *, repeat: int, bytes_per_rank: float, baseline: str | None,
+                note: str = "", memory: Callable[[Any], int] | None = None, beside_floors: bool = True) -> None:
+        progress(f"stage {stage}: {name}")
+        result = fn()  # warm-up (also calibrates strategy="auto" on gloo)
+        with CommDebugMode() as mode, counting_p2p() as p2p:
+            result = fn()
+        counts = {str(k).split(".")[-1].strip("_") or str(k): v for k, v in mode.get_comm_counts().items()}
+        if p2p.batches:
+            counts["p2p batch"] = p2p.batches
+        mem = memory(result) if memory is not None else new_bytes(result)
+        del result
+        own, floor_times = beside(fn, floors if beside_floors else {}, timed, repeat)
+        flat = slowest(own + [t for ts in floor_times.values() for t in ts])
+        times = flat[:repeat]
+        floor_s = {k: statistics.median(flat[repeat * (i + 1):repeat * (i + 2)]) for i, k in enumerate(floor_times)}
         rows.append({
             "stage": stage, "row": name, "median_s": statistics.median(times), "min_s": min(times),
-            "max_s": max(times), "repeat": repeat, "collectives": int(mode.get_total_counts()),
+            "max_s": max(times), "repeat": repeat, "collectives": int(mode.get_total_counts()) + p2p.batches,
             "collective_ops": counts, "bytes_per_rank": float(bytes_per_rank), "memory_bytes": int(mem),
-            "baseline": baseline, "note": note,
+            "baseline": baseline, "note": note, "floors_beside_s": floor_s,
         })
 
     # DeepSpeed's per-parameter loops
@@ -189,7 +225,7 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
             ds_get_bytes += _ring_bytes("all_reduce", 4.0 * p.numel(), world)
     measure("ds get loop", lambda: {n: safe_get_full_grad(p) for n, p in named},
             repeat=args.ds_repeat, bytes_per_rank=ds_get_bytes, baseline=None,
-            note="fp32 per param" + (" all_gather" if stage == 3 else " all_reduce"))
+            note="fp32 per param" + (" all_gather" if stage == 3 else " all_reduce"), beside_floors=False)
     values = {n: safe_get_full_grad(p) for n, p in named}
     ds_values = {}
     for n, p in named:
@@ -204,7 +240,7 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
             safe_set_full_grad(p, ds_values[n])
 
     measure("ds set loop", ds_set, repeat=args.ds_repeat, bytes_per_rank=0.0, baseline=None,
-            note="0 comm")
+            note="0 comm", beside_floors=False)
     grads = zd.sharded_grads(engine)  # DeepSpeed's writes went to the same memory; the view is still current
 
     # zero_dtensor
@@ -226,10 +262,10 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
         finally:
             mz.BUFFERS.recycle = True
 
-    measure(f"full_tensors [auto, fresh buffer]", fresh, repeat=args.repeat,
+    measure("full_tensors [auto, fresh buffer]", fresh, repeat=args.repeat,
             bytes_per_rank=_ring_bytes(auto, stored_bytes, world), baseline="ds get loop",
             note="no recycling: allocates S every call (like a first call)")
-    for strategy in ("all_gather", "all_to_all", "all_reduce"):
+    for strategy in ("all_gather", "all_to_all", "all_reduce", "send_recv"):
         measure(f"full_tensors {strategy}", lambda s=strategy: grads.full_tensors(strategy=s),
                 repeat=args.repeat, bytes_per_rank=_ring_bytes(strategy, stored_bytes, world),
                 baseline="ds get loop")
@@ -266,27 +302,19 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
         add_rows(grads, engine, measure, rows, args=args, stage=stage, full_row=f"full_tensors [auto={auto}]",
                  ring_bytes=_ring_bytes, device=device)
 
-    # the floor: one bare all_gather of the same partitions into preallocated buffers
-    sharded = [g for g in grads.layout.groups if g.placement.is_sharded]
+    # the bare primitives as rows of their own (not timed beside the floors: they are the floors)
     if sharded:
         pg = storage.process_groups[sharded[0].index]
-        ins = [parts[g.index] for g in sharded]
-        outs = [torch.empty(g.flat_numel, dtype=parts[g.index].dtype, device=parts[g.index].device) for g in sharded]
-        measure("floor: bare all_gather", lambda: all_gather_into(outs, ins, pg), repeat=args.repeat,
-                bytes_per_rank=_ring_bytes("all_gather", stored_bytes, world), baseline=None,
-                note="same bytes, no unpack", memory=lambda _: 0)
+        for kind in CANDIDATES:
+            label = "floor: bare all_gather" if kind == "all_gather" else f"ref: bare {kind} gather"
+            measure(label, bare[kind], repeat=args.repeat,
+                    bytes_per_rank=_ring_bytes("all_gather", stored_bytes, world),
+                    baseline=None, note=f"same bytes, no unpack; median when chosen {1e3 * candidates[kind]:.1f} ms",
+                    memory=lambda _: 0, beside_floors=False)
         full_buf = torch.zeros(sum(g.flat_numel for g in sharded), dtype=parts[0].dtype, device=parts[0].device)
         measure("ref: bare all_reduce", lambda: dist.all_reduce(full_buf, group=pg),
                 repeat=args.repeat, bytes_per_rank=_ring_bytes("all_reduce", stored_bytes, world), baseline=None,
-                note="the zero-padded strategy's collective", memory=lambda _: 0)
-
-        def gather_by_all_to_all() -> None:
-            for out, part in zip(outs, ins):
-                all_gather_by_all_to_all(out, part, pg)
-
-        measure("ref: bare all_to_all gather", gather_by_all_to_all, repeat=args.repeat,
-                bytes_per_rank=_ring_bytes("all_to_all", stored_bytes, world), baseline=None,
-                note="the all_to_all strategy's collective", memory=lambda _: 0)
+                note="the zero-padded strategy's collective", memory=lambda _: 0, beside_floors=False)
 
     if getattr(args, "rows", "all") == "families":  # the masters and the optimizer state (takes a step)
         from .families import add_rows as add_family_rows
@@ -294,7 +322,8 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
         add_family_rows(engine, measure, rows, args=args, ring_bytes=_ring_bytes)
 
     by = {r["row"]: r for r in rows}
-    floor = by.get("floor: bare all_gather")
+    bare_rows = {kind: by.get("floor: bare all_gather" if kind == "all_gather" else f"ref: bare {kind} gather")
+                 for kind in CANDIDATES}
     for r in rows:
         base = r.pop("baseline")
         if base == "ds get+set loops":
@@ -302,9 +331,11 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
         else:
             ref = by[base]["median_s"] if base in by else None
         r["speedup_vs_deepspeed"] = (ref / r["median_s"]) if ref and r["median_s"] > 0 else None
-        r["ratio_to_floor"] = (r["median_s"] / floor["median_s"]) if floor and floor["median_s"] > 0 else None
+        r["ratio_to_floor"] = _ratio(r, "all_gather", bare_rows)  # the bare all_gather timed beside it
+        r["ratio_to_cheapest"] = _ratio(r, chosen, bare_rows)  # the cheapest bare primitive timed beside it
     meta = {"stage": stage, "params": numel, "tensors": len(named), "groups": len(grads.layout.groups),
-            "stored_dtype": str(parts[0].dtype), "stored_bytes": stored_bytes, "optimizer": state_of(grads).storage.describe}
+            "stored_dtype": str(parts[0].dtype), "stored_bytes": stored_bytes, "optimizer": state_of(grads).storage.describe,
+            "floor_primitive": chosen, "floor_candidates_s": candidates}
     del engine, grads
     return [{"meta": meta}] + rows
 
@@ -351,55 +382,6 @@ def _rank_main(args: argparse.Namespace) -> dict[str, Any]:
     results["backend"] = dist.get_backend()
     results["torch_threads"] = torch.get_num_threads()
     return results
-
-
-# --- presentation --------------------------------------------------------------------------------------------------
-def render(results: dict[str, Any], args: argparse.Namespace | None = None, console: Any = None) -> None:
-    """Print the results as rich tables (one per stage)."""
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
-    console = console or Console(width=None if sys.stdout.isatty() else 150)
-    for stage, meta in results["stages"].items():
-        table = Table(
-            title=escape(f"ZeRO-{stage} ({meta['optimizer']}), {results['world_size']} ranks on {results['backend']}: "
-                   f"{meta['params'] / 1e6:.1f}M params, {meta['tensors']} tensors, {meta['stored_dtype']}, "
-                   f"{fmt_bytes(meta['stored_bytes'])} flat"),
-            title_justify="left",
-        )
-        for col, just in (("row", "left"), ("median ms", "right"), ("min ms", "right"), ("max ms", "right"),
-                          ("collectives", "right"), ("bytes/rank", "right"), ("× DeepSpeed", "right"),
-                          ("÷ floor", "right"), ("memory", "right")):
-            table.add_column(col, justify=just)
-        for r in results["rows"]:
-            if r["stage"] != stage:
-                continue
-            ops = ", ".join(f"{v} {k}" for k, v in r["collective_ops"].items())
-            table.add_row(
-                escape(r["row"]), f"{1e3 * r['median_s']:.1f}", f"{1e3 * r['min_s']:.1f}", f"{1e3 * r['max_s']:.1f}",
-                f"{r['collectives']}" + (f" {ops.split(' ', 1)[1]}" if ops and len(r["collective_ops"]) == 1 else ""),
-                fmt_bytes(r["bytes_per_rank"]),
-                f"{r['speedup_vs_deepspeed']:.2f}" if r["speedup_vs_deepspeed"] else "-",
-                f"{r['ratio_to_floor']:.2f}" if r["ratio_to_floor"] else "-",
-                fmt_bytes(r["memory_bytes"]),
-            )
-        console.print(table)
-    from .redistribute import render as render_redistribution
-
-    render_redistribution(results, console)
-    from .families import render as render_families
-
-    render_families(results, console)
-    console.print(
-        "[dim]Times: slowest rank per repetition, median/min/max over --repeat runs after one warm-up. collectives: "
-        "counted with CommDebugMode in a separate untimed run. bytes/rank: ring-model estimate (all_gather (N-1)/N·S,"
-        " all_reduce 2(N-1)/N·S). × DeepSpeed: DeepSpeed loop median / row median (set_full_ vs the set loop, clip vs "
-        "get+set loops). ÷ floor: row median / bare all_gather median. memory: bytes of new tensors held by the "
-        "result (storages other than DeepSpeed's), for iter_full the peak of its live bucket buffers; allocations "
-        f"inside torch/the backend are not seen. Process max RSS (rank 0): {fmt_bytes(results['maxrss_bytes'])}. "
-        "CPU timings on a shared machine are noisy.[/dim]"
-    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,18 +9,18 @@ For each ``K`` a model of ``K`` tensors is built from ``Linear(32, 32)`` layers 
   ``stats()``;
 - ``first sharded_grads`` of a step: a step and a fresh backward before each repetition; only the
   ``zd.sharded_grads(engine)`` call is timed;
-- ``ref: bare all_to_all gather``: what ``strategy="all_to_all"`` sends, bare (one ``all_to_all_single`` per flat
-  group, :func:`~zero_dtensor.collectives.all_gather_by_all_to_all`), for a floor of the strategy gloo's ``auto``
-  picks;
+- ``ref: bare all_to_all gather`` / ``ref: bare send_recv gather``: what ``strategy="all_to_all"`` /
+  ``"send_recv"`` send, bare (:mod:`zero_dtensor.bench.floors`), for a floor of the strategy gloo's ``auto`` picks;
 - the floor: one bare ``all_gather_into_tensor`` of the padded flat partitions (copies of them) into a preallocated
   buffer.
 
-Every row: ``--repeat`` repetitions of the floor, then one warm-up and ``--repeat`` repetitions of the call, back to
-back (as a training loop makes the call, on gradients or values it has just computed), each starting at a barrier;
-a repetition's time is the slowest rank's; the row's time is the median. ``÷ floor`` is that median over the median
-of the floor repetitions timed just before it (a shared machine's speed drifts within a run: a floor measured once,
-minutes away from a row, moved ratios by 2x), ``µs/tensor`` is ``(t - floor) / K``: the cost per tensor above the
-wire time; the floor row shows every floor repetition of the run. Collectives are counted in one untimed call under
+Every row: one warm-up, then ``--repeat`` repetitions of the call, each right after one repetition of the floor
+(:func:`~zero_dtensor.bench.floors.beside`; as a training loop makes the call, on gradients or values it has just
+computed), each starting at a barrier; a repetition's time is the slowest rank's; the row's time is the median.
+``÷ floor`` is that median over the median of the floor repetitions timed beside it (a shared machine's speed
+drifts within a run: a floor measured once, minutes away from a row, moved ratios by 2x), ``µs/tensor`` is
+``(t - floor) / K``: the cost per tensor above the wire time; the floor row shows every floor repetition of the
+run. Collectives are counted in one untimed call under
 ``CommDebugMode``. The layers are applied side by side (``sum(layer(x))``), not stacked, so that every gradient
 is of the same magnitude (no vanishing into denormals, which would slow the CPU arithmetic of deep layers).
 """
@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .common import engine_config, fmt_bytes, run_ranks, sync
+from .floors import bare_gathers, beside
 
 __all__ = ["ROWS", "main", "sweep_model"]
 
@@ -50,6 +51,7 @@ ROWS = (
     "stats()",
     "first sharded_grads",
     "ref: bare all_to_all gather",
+    "ref: bare send_recv gather",
     "floor: bare all_gather",
 )
 FLOOR = ROWS[-1]
@@ -85,7 +87,7 @@ def _sweep_stage(args: argparse.Namespace, stage: int, tensors: int, progress: C
     from torch.distributed.tensor.debug import CommDebugMode
 
     import zero_dtensor as zd
-    from zero_dtensor.collectives import all_gather_by_all_to_all, all_gather_into
+    from zero_dtensor.collectives import counting_p2p
 
     rank = dist.get_rank()
     use_cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
@@ -144,36 +146,21 @@ def _sweep_stage(args: argparse.Namespace, stage: int, tensors: int, progress: C
             "stored_bytes": sum(g.flat_numel * parts[g.index].element_size() for g in sharded),
             "optimizer": type(engine.optimizer).__name__}
     floor: Callable[[], Any] | None = None
-    gather_by_all_to_all: Callable[[], Any] | None = None
-    if sharded:
-        pg = grads.groups[sharded[0].index].device_mesh.get_group()
-        ins = [parts[g.index].clone() for g in sharded]
-        outs = [torch.empty(g.flat_numel, dtype=parts[g.index].dtype, device=parts[g.index].device) for g in sharded]
-        if len(ins) == 1:
-            def floor() -> Any:
-                return dist.all_gather_into_tensor(outs[0], ins[0], group=pg)
-        else:  # several flat groups: one coalesced all_gather, as full_tensors() issues
-            def floor() -> Any:
-                return all_gather_into(outs, ins, pg)
-
-        def gather_by_all_to_all() -> None:  # what strategy="all_to_all" sends: one per flat group
-            for out, part in zip(outs, ins):
-                all_gather_by_all_to_all(out, part, pg)
+    bare: dict[str, Callable[[], Any]] = {}
+    if sharded:  # copies of the partitions (bench.floors): one coalesced all_gather is what full_tensors() issues
+        bare = bare_gathers([parts[g.index] for g in sharded], [g.flat_numel for g in sharded],
+                            grads.groups[sharded[0].index].device_mesh.get_group())
+        floor = bare["all_gather"]
     del grads, parts
 
     def repetitions(fn: Callable[[], Any], before: Callable[[], Any] | None = None
                     ) -> tuple[list[float], list[float]]:
-        """``--repeat`` timed floors, then ``--repeat`` timed calls of ``fn``, each after ``before()`` (untimed);
-        without ``before``, one untimed call of ``fn`` between the two (a warm-up)."""
-        floors = [timed(floor) for _ in range(args.repeat)] if floor is not None else []
+        """``--repeat`` timed calls of ``fn``, each right after one timed floor and after ``before()`` (untimed);
+        without ``before``, one untimed call of ``fn`` first (a warm-up)."""
         if before is None:
             fn()
-        times = []
-        for _ in range(args.repeat):
-            if before is not None:
-                before()
-            times.append(timed(fn))
-        return times, floors
+        times, floors = beside(fn, {"floor": floor} if floor is not None else {}, timed, args.repeat, before)
+        return times, floors.get("floor", [])
 
     # the first sharded_grads of a step: a step and a fresh backward (untimed) before every repetition
     progress(f"ZeRO-{stage}, {tensors} tensors: first sharded_grads")
@@ -193,9 +180,9 @@ def _sweep_stage(args: argparse.Namespace, stage: int, tensors: int, progress: C
     def measure(name: str, fn: Callable[[], Any]) -> None:
         progress(f"ZeRO-{stage}, {tensors} tensors: {name}")
         fn()  # the first call also calibrates strategy="auto" on gloo: not counted
-        with CommDebugMode() as comm:
+        with CommDebugMode() as comm, counting_p2p() as p2p:
             fn()
-        record(name, *repetitions(fn), int(comm.get_total_counts()))
+        record(name, *repetitions(fn), int(comm.get_total_counts()) + p2p.batches)
 
     measure("full_tensors()", lambda: grads.full_tensors())
     state: dict[str, Any] = {"prev": grads.full_tensors()}
@@ -209,8 +196,9 @@ def _sweep_stage(args: argparse.Namespace, stage: int, tensors: int, progress: C
     measure("global_norm", lambda: grads.global_norm())
     measure("stats()", lambda: grads.stats())
     record("first sharded_grads", firsts, first_floors, first_comms)
-    if gather_by_all_to_all is not None:
-        measure("ref: bare all_to_all gather", gather_by_all_to_all)
+    for kind in ("all_to_all", "send_recv"):  # what strategy="all_to_all" / "send_recv" send, bare
+        if kind in bare:
+            measure(f"ref: bare {kind} gather", bare[kind])
     meta["auto_strategy"] = ", ".join(sorted(set(zd.materialize.strategy_decisions().values()))) or "all_gather"
     if floor is not None:  # every floor repetition of this run, interleaved with the rows'
         with CommDebugMode() as comm:
@@ -293,7 +281,7 @@ def render(results: dict[str, Any], console: Any = None) -> None:
         console.print(table)
     console.print(
         "[dim]Median over --repeat repetitions (after one warm-up) of the slowest rank. ÷ floor: row median / median "
-        "of a bare all_gather_into_tensor of the same padded flat partitions, --repeat times just before the row. "
+        "of a bare all_gather_into_tensor of the same padded flat partitions, timed before each repetition of the row. "
         "µs/tensor: (row - its floor) / K. "
         "first sharded_grads: a fresh backward before every repetition, only the call timed. CPU timings on a "
         "shared machine are noisy.[/dim]"

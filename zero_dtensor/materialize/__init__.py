@@ -9,9 +9,11 @@ the dtype DeepSpeed stores them. "Bytes per rank" follows the ring model (nccl-t
 and reduce-scatter move ``(N-1)/N·S``, all_reduce ``2(N-1)/N·S``; a gather sends ``S/N`` from every rank and
 delivers ``(N-1)/N·S`` to the root.
 
-Modules, one concept each: :mod:`.strategy` (all_gather, all_to_all or all_reduce, calibration on gloo),
+Modules, one concept each: :mod:`.strategy` (all_gather, all_to_all, send_recv or all_reduce, calibration on gloo),
 :mod:`.buffers` (the allocator with its observers, recycling, the kept workspace), :mod:`.results` (the result dict
-and the pending handle), :mod:`.bulk` (``full_tensors``), :mod:`.stream` (``iter_full``).
+and the pending handle), :mod:`.bulk` (``full_tensors``: validation and the call), :mod:`.transfers` (what a call
+moves and the buffers it lands in), :mod:`.gathers` (each strategy's transfer issued), :mod:`.emit` (the result
+cut into parameters), :mod:`.stream` (``iter_full``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .strategy import (
     CALIBRATION_COLLECTIVES,
     CALIBRATION_MAX_BYTES,
     CALIBRATION_PIPELINED_COLLECTIVES,
+    CALIBRATION_SEND_RECV_BATCHES,
     ENV_STRATEGY,
     PIPELINE_MIN_BYTES,
     STRATEGIES,
@@ -46,6 +49,7 @@ __all__ = [
     "CALIBRATION_COLLECTIVES",
     "CALIBRATION_MAX_BYTES",
     "CALIBRATION_PIPELINED_COLLECTIVES",
+    "CALIBRATION_SEND_RECV_BATCHES",
     "DEFAULT_BUCKET_BYTES",
     "ENV_STRATEGY",
     "FullGrads",

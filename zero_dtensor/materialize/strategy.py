@@ -1,5 +1,5 @@
-"""How bulk materialization travels: ``all_gather`` of the partitions, the same gather by ``all_to_all``, or a
-zero-padded ``all_reduce``.
+"""How bulk materialization travels: ``all_gather`` of the partitions, the same gather by ``all_to_all`` or by
+point-to-point ops (``send_recv``), or a zero-padded ``all_reduce``.
 
 ``"all_gather"``
     one ``all_gather`` of the equal-size partitions per (process group, dtype, device), coalesced over the flat
@@ -15,6 +15,15 @@ zero-padded ``all_reduce``.
     rank's own input too); its all_to_all receives in place and sends nothing to the rank itself. With more than 2
     ranks the input is the partition repeated (a local copy of up to ``S``). Measured on 2 gloo ranks sharing 2
     cores, 21 MiB: a bare all_to_all gather 0.63-0.72 of an ``all_gather_into_tensor``'s time.
+``"send_recv"``
+    the same gather by **one** batch of point-to-point ops per (process group, dtype, device) (``isend`` of each
+    partition to every peer, ``irecv`` of every peer's, ``2(N-1)`` per flat group,
+    :func:`~zero_dtensor.collectives.send_recv`; coalesced on NCCL, posted one by one on gloo), the same
+    ``(N-1)/N·S`` bytes per rank: every partition sent as it is (no copy of ``S``, unlike ``all_to_all`` with more
+    than 2 ranks), every peer's received straight into its place (ZeRO-1/2: its rows of the output, this rank's
+    own copied locally meanwhile; ZeRO-3: back to back, then reordered as ``all_to_all`` does). Measured on gloo
+    (torchrun, 2/3/4 ranks sharing 2 cores, 80 MB): 0.32/0.38/0.41 of a bare ``all_gather_into_tensor``'s time.
+    ``CommDebugMode`` does not see point-to-point ops: :func:`~zero_dtensor.collectives.counting_p2p` counts them.
 ``"all_reduce"``
     each rank writes its partition into a zeroed full-size buffer, then one sum ``all_reduce`` of that buffer:
     ``2(N-1)/N·S`` bytes per rank, plus a memset of ``S``. Exact (every element has exactly one non-zero
@@ -23,10 +32,10 @@ zero-padded ``all_reduce``.
 ``"auto"``
     the pinned strategy if one is set (:func:`set_gather_strategy` or ``ZERO_DTENSOR_GATHER_STRATEGY``), else
     ``all_gather`` on every backend but gloo; on gloo the candidates are measured once per (process group, device,
-    dtype, power-of-two size class, ...) and the fastest is cached (:func:`calibrate`): all_gather and all_reduce,
-    and all_to_all where the transfer is one flat group (it has no coalesced form, and ``auto`` never issues more
-    data collectives than one per transfer). Transfers under ``CALIBRATION_MIN_BYTES`` (1 MiB) are not measured and
-    use all_gather.
+    dtype, power-of-two size class, ...) and the fastest is cached (:func:`calibrate`): all_gather, all_reduce and
+    send_recv (one batch per transfer), and all_to_all where the transfer is one flat group (it has no coalesced
+    form, and ``auto`` never issues more data collectives than one per transfer). Transfers under
+    ``CALIBRATION_MIN_BYTES`` (1 MiB) are not measured and use all_gather.
 
 A ZeRO-3 ``all_gather`` of ``PIPELINE_MIN_BYTES`` (16 MiB) or more is *pipelined* (:func:`pipelines`): it travels as
 two all_gathers issued at once, of the columns up to a parameter boundary near 3/4 of every partition and of the
@@ -50,6 +59,7 @@ import torch.distributed as dist
 
 from ..collectives import (
     all_gather_by_all_to_all,
+    all_gather_by_send_recv,
     all_gather_single,
     all_reduce_op,
     backend_of,
@@ -57,6 +67,7 @@ from ..collectives import (
     group_rank_of,
     max_across,
     peer_partitions_by_all_to_all,
+    peer_partitions_by_send_recv,
     world_size_of,
 )
 from ..plan import PIPELINE_FIRST_SHARE
@@ -68,6 +79,7 @@ __all__ = [
     "CALIBRATION_MAX_BYTES",
     "CALIBRATION_MIN_BYTES",
     "CALIBRATION_PIPELINED_COLLECTIVES",
+    "CALIBRATION_SEND_RECV_BATCHES",
     "ENV_STRATEGY",
     "PIPELINE_MIN_BYTES",
     "STRATEGIES",
@@ -94,6 +106,9 @@ CALIBRATION_COLLECTIVES = 9
 CALIBRATION_PIPELINED_COLLECTIVES = 13
 #: Added to either where the all_to_all is a candidate too (a transfer of one flat group): its 4 rounds.
 CALIBRATION_ALL_TO_ALL_COLLECTIVES = 4
+#: Point-to-point batches (:func:`~zero_dtensor.collectives.send_recv`) added to either on gloo, where send_recv is
+#: a candidate: its 4 rounds.
+CALIBRATION_SEND_RECV_BATCHES = 4
 #: ZeRO-3 all_gathers of at least this many bytes (a power of two: a size class of calibration) are pipelined.
 PIPELINE_MIN_BYTES = 16 * 2**20
 CALIBRATION_MAX_BYTES = 128 * 2**20
@@ -135,11 +150,13 @@ def pipelines(nbytes: int, reorder: bool) -> bool:
 
 
 def calibrate(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, nbytes: int,
-              unpack: bool = False, pipelined: bool = False, all_to_all: bool = False) -> str:
+              unpack: bool = False, pipelined: bool = False, all_to_all: bool = False,
+              send_recv: bool = True) -> str:
     """Time the strategies at ``nbytes`` (capped at ``CALIBRATION_MAX_BYTES``) and return the fastest: all_gather,
-    all_reduce and, with ``all_to_all``, all_to_all. **Collective** (``CALIBRATION_COLLECTIVES`` = 9 collectives;
-    ``CALIBRATION_PIPELINED_COLLECTIVES`` = 13 with ``pipelined``, unless the scratch partition is a single element;
-    ``CALIBRATION_ALL_TO_ALL_COLLECTIVES`` = 4 more with ``all_to_all``).
+    all_reduce, with ``send_recv`` send_recv and, with ``all_to_all``, all_to_all. **Collective**
+    (``CALIBRATION_COLLECTIVES`` = 9 collectives; ``CALIBRATION_PIPELINED_COLLECTIVES`` = 13 with ``pipelined``,
+    unless the scratch partition is a single element; ``CALIBRATION_ALL_TO_ALL_COLLECTIVES`` = 4 more with
+    ``all_to_all``; ``CALIBRATION_SEND_RECV_BATCHES`` = 4 point-to-point batches with ``send_recv``).
 
     Each rank runs each once untimed (a first transfer of a size costs more on gloo: measured first, all_reduce won
     calibrations that all_gather won once warm), then times, 3 times and interleaved, what each strategy does on
@@ -149,7 +166,9 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype
     part copied once it has arrived, in issue order, as :mod:`~zero_dtensor.materialize.bulk` does; all_to_all is
     :func:`~zero_dtensor.collectives.all_gather_by_all_to_all`, or, with ``unpack``, as bulk does it: the other
     ranks' partitions received (:func:`~zero_dtensor.collectives.peer_partitions_by_all_to_all`) while this rank's
-    is copied, then the received ones copied; all_reduce is
+    is copied, then the received ones copied; send_recv the same by
+    :func:`~zero_dtensor.collectives.all_gather_by_send_recv` /
+    :func:`~zero_dtensor.collectives.peer_partitions_by_send_recv`; all_reduce is
     the zero fill of the full buffer, the copy of the rank's own part into it, then the collective. The per-rank
     minimum of each is then maximized over the group in one ``all_reduce(MAX)``, so every rank takes the same
     decision. Scratch memory: about ``2·nbytes`` (``3·nbytes`` with ``unpack``; capped), freed on return. Ties go
@@ -183,14 +202,28 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype
             work.wait()
         reordered.narrow(0, 0, (world - 1) * per_rank).copy_(peers)
 
+    def gather_by_send_recv() -> None:
+        if reordered is None:
+            all_gather_by_send_recv(full, part, group)
+            return
+        peers = full.narrow(0, 0, (world - 1) * per_rank)
+        works = peer_partitions_by_send_recv(peers, part, group, async_op=True)
+        reordered.narrow(0, (world - 1) * per_rank, per_rank).copy_(part)
+        for work in works:
+            work.wait()
+        reordered.narrow(0, 0, (world - 1) * per_rank).copy_(peers)
+
     def reduce() -> None:
         full.zero_()
         own.copy_(part)
         all_reduce_op(full, group, dist.ReduceOp.SUM)
 
-    runs = {"all_gather": gather, "all_to_all": gather_by_all_to_all, "all_reduce": reduce}
+    runs = {"all_gather": gather, "all_to_all": gather_by_all_to_all, "all_reduce": reduce,
+            "send_recv": gather_by_send_recv}
     if not all_to_all:
         del runs["all_to_all"]
+    if not send_recv:
+        del runs["send_recv"]
     timings = dict.fromkeys(runs, float("inf"))
     for attempt in range(4):
         for name, run in runs.items():
@@ -256,16 +289,17 @@ def resolve(strategy: str, group: dist.ProcessGroup, device: torch.device, dtype
     if decision != CALIBRATES:
         return decision
     key = _decision_key(group, device, dtype, nbytes, unpack, pipelined, one_group)
-    decision = _DECISIONS[key] = calibrate(group, device, dtype, nbytes, unpack, pipelined, one_group)
+    decision = _DECISIONS[key] = calibrate(group, device, dtype, nbytes, unpack, pipelined, one_group,
+                                           send_recv=True)
     return decision
 
 
 def stream_strategy(strategy: str, group: dist.ProcessGroup, param_order_gather: bool) -> str:
-    """What ``iter_full`` uses per window: the explicit or pinned strategy (``all_to_all`` windows travel by
-    all_gather: a window is small and gathered into scratch), else all_reduce on gloo and for parameter-order
-    (ZeRO-1/2) windows (no stitching), all_gather for ZeRO-3 windows elsewhere."""
+    """What ``iter_full`` uses per window: the explicit or pinned strategy (``all_to_all`` and ``send_recv``
+    windows travel by all_gather: a window is small and gathered into scratch), else all_reduce on gloo and for
+    parameter-order (ZeRO-1/2) windows (no stitching), all_gather for ZeRO-3 windows elsewhere."""
     chosen = explicit(strategy)
-    if chosen == "all_to_all":
+    if chosen in ("all_to_all", "send_recv"):
         return "all_gather"
     if chosen != "auto":
         return chosen

@@ -1,0 +1,143 @@
+"""How each strategy's transfer is issued (:mod:`.strategy`): the zero-padded all_reduce's fill, the pipelined ZeRO-3
+all_gather, the gather from every peer by ``all_to_all`` or by point-to-point ops (``send_recv``), and the sends of
+a non-destination rank of ``dst=``. Each returns the pending works and the step that follows them (a reordering
+into parameter order), run by :func:`~.results.run_steps` or ``PendingFullTensors.wait()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, MutableMapping
+from typing import Any
+
+import torch
+
+from ..collectives import (
+    Exchange,
+    all_gather_by_all_to_all,
+    all_gather_into,
+    gather_exchanges,
+    gather_to,
+    group_rank_of,
+    peer_partitions_by_all_to_all,
+    rank_in,
+    send_recv,
+)
+from ..plan import ColumnPiece
+from ..state import FlatState
+from .buffers import BUFFERS
+from .transfers import Transfer, pipeline_pieces, view_cache
+
+__all__ = ["fill_for_reduce", "gather_by_peers", "pipelined_gather", "send_only"]
+
+Regions = dict[int, tuple[torch.Tensor, torch.Tensor | None]]  # group -> (assembled, reorder area)
+
+
+def fill_for_reduce(state: FlatState, t: Transfer, buf: torch.Tensor) -> None:
+    """Every group's all_reduce input: this rank's values in parameter order, zeros elsewhere (the placement's)."""
+    for g, part in zip(t.groups, t.partitions):
+        group, plan = state.group(g), state.plan.groups[g]
+        pieces = state.pieces[g] if part is state.storage.partitions[g] else None  # moved: cut on use
+        region = buf.narrow(0, t.offsets[g], group.flat_numel)
+        group.placement.fill_for_reduce(region, group, plan, part, pieces, BUFFERS.view_cache(region))
+
+
+def pipelined_gather(state: FlatState, t: Transfer, regions: Regions, narrow: Callable[[int, int], torch.Tensor],
+                     result: MutableMapping[str, torch.Tensor]) -> list[tuple[list[Any], Callable[[], None]]]:
+    """Issue a pipelined transfer's two all_gathers at once (each coalesced over its groups: every group's
+    columns of that step, gathered as ``(N, width)`` rows into its part of the group's region), and return the
+    steps that reorder each part into the group's area once it has arrived. The regions then hold the areas: in
+    parameter order once the steps have run."""
+    per_step: list[list[tuple[int, torch.Tensor, torch.Tensor, ColumnPiece]]] = [[], []]
+    for g, part in zip(t.groups, t.partitions):
+        area = regions[g][1]
+        assert area is not None
+        N = state.group(g).world_size
+        for k, piece in enumerate(pipeline_pieces(state, g)):
+            rows = narrow(t.offsets[g] + N * piece.lo, N * piece.width)
+            per_step[k].append((g, rows, part.narrow(0, piece.lo, piece.width), piece))
+        regions[g] = (area, None)
+    steps: list[tuple[list[Any], Callable[[], None]]] = []
+    for members in per_step:
+        if not members:
+            continue
+        works = all_gather_into([rows for _, rows, _, _ in members], [inp for _, _, inp, _ in members], t.pg,
+                                async_op=True)
+        steps.append((works, reorder_step(state, members, regions, result)))
+    return steps
+
+
+def gather_by_peers(state: FlatState, t: Transfer, regions: Regions, async_op: bool,
+                    by_send_recv: bool = False) -> tuple[list[Any], Callable[[], None] | None]:
+    """Every group of the transfer gathered from its peers, and the step that follows: by one ``all_to_all_single``
+    per flat group (it has no coalesced form), or, ``by_send_recv``, by **one** batch of point-to-point ops for the
+    whole transfer (:func:`~zero_dtensor.collectives.send_recv`: ``2(N-1)`` per flat group, each partition sent as
+    it is and every peer's received straight into its place; no copy of ``S``, no scratch). Where the placement
+    reorders through rows (:meth:`~zero_dtensor.placement.GroupPlacement.peer_rows`: ZeRO-3), the other ranks'
+    partitions are received back to back into the group's region (issued asynchronously even for a synchronous
+    call: the step awaits them) while this rank's partition is copied into its rows of parameter order, and copied
+    into theirs once they have arrived: ``S`` copied in all, not ``S/N`` into the gathered rows and then ``S``.
+    Elsewhere the group is gathered rank after rank (by send_recv: this rank's row copied locally while the peers'
+    travel) and reordered as an all_gather is. The regions of the first kind then hold their areas."""
+    works: list[Any] = []
+    sends: list[Exchange] = []
+    recvs: list[Exchange] = []
+    local: list[Callable[[], Any]] = []  # this rank's own partitions into place, once the peers' are under way
+    after: list[tuple[Any, torch.Tensor, torch.Tensor]] = []  # (peer row copy, received, area)
+    for g, part in zip(t.groups, t.partitions):
+        group = state.group(g)
+        region, area = regions[g]
+        rows = group.placement.peer_rows(state.plan.groups[g]) if area is not None else None
+        if rows is None or area is None:
+            if by_send_recv:
+                _add(gather_exchanges(region, part, t.pg), sends, recvs)
+                own_row = region.narrow(0, rank_in(t.pg) * part.numel(), part.numel())
+                local.append(lambda own_row=own_row, part=part: own_row.copy_(part))
+            else:
+                works += all_gather_by_all_to_all(region, part, t.pg, async_op=async_op)
+            continue
+        own, peers = rows
+        received = region.narrow(0, 0, (group.world_size - 1) * group.partition_numel)
+        if by_send_recv:
+            _add(gather_exchanges(received, part, t.pg, peers_only=True), sends, recvs)
+        else:
+            works += peer_partitions_by_all_to_all(received, part, t.pg, async_op=True)  # awaited by the step
+        # while it travels (both only read the partition)
+        local.append(lambda own=own, part=part, area=area: own.copy(part, area))
+        after.append((peers, received, area))
+        regions[g] = (area, None)
+    if by_send_recv:
+        works += send_recv(sends, recvs, t.pg, async_op=True)  # awaited by the step
+    for copy in local:
+        copy()
+    if not after:
+        return works, None
+
+    def reorder() -> None:
+        for peers, received, area in after:
+            peers.copy(received, area)
+    return works, reorder
+
+
+def _add(exchanges: tuple[list[Exchange], list[Exchange]], sends: list[Exchange], recvs: list[Exchange]) -> None:
+    sends += exchanges[0]
+    recvs += exchanges[1]
+
+
+def reorder_step(state: FlatState, members: list[tuple[int, torch.Tensor, torch.Tensor, ColumnPiece]],
+                 regions: Regions, result: MutableMapping[str, torch.Tensor]) -> Callable[[], None]:
+    def reorder() -> None:
+        for g, rows, _, piece in members:
+            group, area = state.group(g), regions[g][0]
+            target = area.narrow(0, group.world_size * piece.lo, group.world_size * piece.width)
+            group.placement.to_param_order(rows, group, state.plan.groups[g], target, view_cache(result, area),
+                                           piece)
+    return reorder
+
+
+def send_only(t: Transfer, dst: int | None, async_op: bool) -> list[Any]:
+    """A non-destination rank of ``dst=`` with all_gather: send this rank's partitions (one gather per group)."""
+    works: list[Any] = []
+    for part in t.partitions:
+        works += gather_to(part, None, group_rank_of(t.pg, dst), t.pg, async_op=async_op)
+    return works
+

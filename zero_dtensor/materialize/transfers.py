@@ -1,0 +1,136 @@
+"""What a ``full_tensors`` call moves and where it lands: its *transfers* (the sharded flat groups that share a
+process group, dtype and device, and travel in one collective or one batch of point-to-point ops), the strategy
+each uses (:mod:`.strategy`), and the buffers they are assembled in (the previous result's, the kept workspace or
+the recycling pool: :mod:`.buffers`). Planning only: no communication.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..layout import ParamLayout
+from ..plan import ColumnPiece
+from ..state import FlatState
+from ..views import ViewCache
+from .buffers import BUFFERS
+from .results import GatheredGrads
+from .strategy import explicit, pipelines, planned
+
+__all__ = ["Buffers", "Transfer", "narrower", "pipeline_pieces", "plan_transfers", "view_cache"]
+
+
+@dataclass
+class Transfer:
+    """Sharded flat groups that share a process group, dtype and device: they travel in one collective."""
+
+    pg: dist.ProcessGroup
+    dtype: torch.dtype
+    device: torch.device
+    groups: list[int] = field(default_factory=list)
+    partitions: list[torch.Tensor] = field(default_factory=list)
+    strategy: str = ""
+    pipelined: bool = False  # gathered as two all_gathers, each part reordered once it has arrived
+    reorder: bool = False  # gathered rank after rank, its groups need reordering into parameter order (ZeRO-3)
+    pipelinable: bool = False  # an all_gather of it would be pipelined
+    offsets: dict[int, int] = field(default_factory=dict)  # group index -> start in the transfer buffer
+    numel: int = 0
+
+    def key(self) -> tuple[Any, ...]:
+        return ("transfer", self.pg, self.dtype, self.device, self.strategy, tuple(self.groups), self.numel)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the assembled groups (stored dtype)."""
+        return self.numel * self.partitions[0].element_size()
+
+
+def plan_transfers(state: FlatState, params: list[ParamLayout], dst: int | None, strategy: str) -> list[Transfer]:
+    """The transfers a ``full_tensors`` call of ``params`` will make, each with the strategy it will use
+    (:data:`~.strategy.CALIBRATES` where ``auto`` calibrates first): what the call's rank agreement compares (a pinned
+    strategy, an environment variable or a calibration cache that differs between ranks shows here), then what
+    :func:`full_tensors` runs. No communication."""
+    transfers = _transfers(state, sorted(state.plan.by_group(params)))
+    for t in transfers:
+        if dst is not None:  # no calibration: it times the all-rank collectives, while dst= uses gather/reduce
+            chosen = explicit(strategy)
+            t.strategy = "all_reduce" if chosen == "all_reduce" else "all_gather"  # all_to_all: a gather too
+            continue
+        t.reorder = any(state.group(g).placement.reorder_area(state.group(g)) for g in t.groups)
+        # the pieces (and their row copies) are planned only for transfers large enough to pipeline
+        t.pipelinable = pipelines(t.nbytes, t.reorder) and any(len(pipeline_pieces(state, g)) > 1 for g in t.groups)
+        t.strategy = planned(strategy, t.pg, t.device, t.dtype, t.nbytes, t.reorder, t.pipelinable,
+                             one_group=len(t.groups) == 1)
+    return transfers
+
+
+def _transfers(state: FlatState, group_indices: Sequence[int]) -> list[Transfer]:
+    found: dict[tuple[Any, ...], Transfer] = {}
+    for i in group_indices:
+        if not state.group(i).placement.is_sharded:
+            continue
+        part = state.comm_partition(i)
+        pg = state.storage.process_groups[i]
+        t = found.setdefault((pg, part.dtype, part.device), Transfer(pg, part.dtype, part.device))
+        t.offsets[i] = t.numel
+        t.numel += state.group(i).flat_numel
+        t.groups.append(i)
+        t.partitions.append(part)
+    return list(found.values())
+
+
+def pipeline_pieces(state: FlatState, g: int) -> tuple[ColumnPiece, ...]:
+    return state.group(g).placement.pipeline_pieces(state.plan.groups[g])
+
+
+# --- buffers -----------------------------------------------------------------------------------------------------
+class Buffers:
+    """Where a call's buffers come from: the previous result's (``out=`` a :class:`GatheredGrads`), the kept
+    workspace (``out=`` a user dict), or the recycling pool (no ``out=``). Every buffer handed out is recorded in
+    the result's ``buffers``."""
+
+    def __init__(self, out: MutableMapping[str, torch.Tensor] | None, result: MutableMapping[str, torch.Tensor]):
+        self.reuse = out is not None
+        self.own = result.buffers if isinstance(result, GatheredGrads) else BUFFERS.workspace
+        self.result = result
+
+    def get(self, key: tuple[Any, ...], numel: int, dtype: torch.dtype, device: torch.device,
+            *, kept: bool = True) -> torch.Tensor:
+        """A buffer for ``key``; ``kept=False`` for one whose views are handed to a user-made ``out=`` dict's
+        missing entries (always fresh)."""
+        if not kept:
+            return BUFFERS.alloc(numel, dtype, device)
+        key = (*key, numel, dtype, device)
+        buf = self.own.get(key) if self.reuse else None
+        if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != device:
+            buf = BUFFERS.alloc(numel, dtype, device) if self.reuse else BUFFERS.recycled_or_new(key, numel, dtype,
+                                                                                                  device)
+            self.own[key] = buf
+        if isinstance(self.result, GatheredGrads):
+            self.result.buffers[key] = buf
+        return buf
+
+
+def narrower(buf: torch.Tensor, cache: Any) -> Any:
+    """``narrow(start, length)`` of ``buf``: views kept in the buffer's cache when it is kept. The collectives get
+    these kept views, so a backend thread that holds its inputs a moment after ``wait()`` holds no extra view of
+    the memory, and the buffer is found free (and reused, with its cut views) by the next call."""
+    if cache is None:
+        return lambda start, length: buf.narrow(0, start, length)
+    base = buf.storage_offset()
+    return lambda start, length: cache.get(("narrow", base + start, length),
+                                           lambda _: [buf.narrow(0, start, length)])[0]
+
+
+def view_cache(result: Any, t: torch.Tensor) -> ViewCache | None:
+    """The cache of the kept buffer ``t`` is a view of: the pool's, else that of a :class:`GatheredGrads`
+    ``result`` holding it; None for memory nobody keeps (cut anew)."""
+    cache = BUFFERS.view_cache(t)
+    if cache is None and isinstance(result, GatheredGrads):
+        cache = result.view_cache(t)
+    return cache
+

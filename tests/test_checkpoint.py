@@ -20,6 +20,18 @@ SAVES_2 = [
     ("z2-offload-async", EngineCase(stage=2, offload=True), 2),
     ("z3-bf16-2g", EngineCase(stage=3, dtype="bf16", groups=2), 2),
     ("z2-fresh", EngineCase(stage=2), 0),
+    ("tied-z2", EngineCase(stage=2, model="tied"), 2),  # mid2.weight is mid.weight
+]
+SAVES_1 = [("w1-z2-fp16", EngineCase(stage=2, dtype="fp16", world=1), 2)]
+SAVES_4 = [
+    ("w4-z3-tied-bf16", EngineCase(stage=3, dtype="bf16", model="tied", world=4), 2),
+    ("w4-z1-fp16-2g", EngineCase(stage=1, dtype="fp16", groups=2, world=4), 2),
+]
+LOADS_4 = [
+    ("z2-fp32", EngineCase(stage=3, world=4)),  # 2 -> 4
+    ("w3-z3-2g", EngineCase(stage=2, groups=2, offload=True, world=4)),  # 3 -> 4
+    ("tied-z2", EngineCase(stage=3, model="tied", world=4)),
+    ("w1-z2-fp16", EngineCase(stage=3, dtype="fp16", world=4)),  # 1 -> 4
 ]
 SAVES_3 = [
     ("w3-z3-bf16", EngineCase(stage=3, dtype="bf16", world=3), 2),
@@ -31,12 +43,14 @@ LOADS_3 = [
     ("z2-offload-async", EngineCase(stage=3, offload=True, world=3)),
     ("z3-bf16-2g", EngineCase(stage=1, dtype="bf16", groups=2, world=3)),
     ("z2-fresh", EngineCase(stage=2, world=3)),
+    ("w4-z1-fp16-2g", EngineCase(stage=3, dtype="fp16", groups=2, world=3)),  # 4 -> 3
 ]
 LOADS_2 = [
     ("z2-fp32", EngineCase(stage=2)),  # same world size and stage
     ("w3-z3-bf16", EngineCase(stage=2, dtype="bf16")),
     ("w3-z3-2g", EngineCase(stage=3, groups=2)),
     ("z1-bf16", EngineCase(stage=3, dtype="bf16", zero={"sub_group_size": 600})),  # 5 sub-groups, 5 steps
+    ("w4-z3-tied-bf16", EngineCase(stage=2, dtype="bf16", model="tied")),  # 4 -> 2
 ]
 
 
@@ -44,9 +58,31 @@ LOADS_2 = [
 def saved(ranks, tmp_path_factory) -> str:
     root = str(tmp_path_factory.mktemp("ckpt"))
     ranks(2).run(ck.save_cases, root, SAVES_2)
+    ranks(1).run(ck.save_cases, root, SAVES_1)
+    ranks(4).run(ck.save_cases, root, SAVES_4)
     ranks(3).run(ck.save_cases, root, SAVES_3)
     ranks(3).run(ck.fsdp_saves, root, "fsdp2")
+    ranks(3).run(ck.fsdp_saves, root, "fsdp2-tied", "tied")
     return root
+
+
+def test_load_at_four_ranks(ranks, saved) -> None:
+    ranks(4).run(ck.load_cases, saved, LOADS_4)
+
+
+def test_tied_parameters(ranks, saved) -> None:
+    """A tied weight is saved under both its names, as torch's FSDP2 state dict has it (the optimizer state once,
+    under the first name); checkpoints move between DeepSpeed and FSDP2 both ways (cross world size above)."""
+    found = ranks(2).run(ck.tied_names, saved, "tied-z2")[0]
+    assert found["checkpoint"] == [
+        "model.mid.bias", "model.mid.weight", "model.mid2.bias", "model.mid2.weight",
+        "optim.state.mid.bias.exp_avg", "optim.state.mid.bias.exp_avg_sq", "optim.state.mid.bias.step",
+        "optim.state.mid.weight.exp_avg", "optim.state.mid.weight.exp_avg_sq", "optim.state.mid.weight.step",
+        "optim.state.mid2.bias.exp_avg", "optim.state.mid2.bias.exp_avg_sq", "optim.state.mid2.bias.step"]
+    assert found["same value"]  # get_state_dict: both names, one value
+    assert not any(k.startswith("state.mid2.weight") for k in found["optim"])
+    ranks(3).run(ck.fsdp_loads, saved, "tied-z2", "tied")  # ZeRO-2 at 2 -> FSDP2 at 3
+    ranks(2).run(ck.load_fsdp_checkpoint, saved, "fsdp2-tied", EngineCase(stage=3, dtype="bf16", model="tied"))
 
 
 def test_load_at_three_ranks_other_stage_and_fsdp2(ranks, saved) -> None:
@@ -68,6 +104,7 @@ def test_torch_style_get_load_set(ranks, saved, steps) -> None:
 @pytest.mark.parametrize("case", [
     EngineCase(stage=2, extra={"scheduler": ck.WARMUP["scheduler"]}),
     EngineCase(stage=3, dtype="fp16"),
+    EngineCase(stage=1, dtype="bf16", model="tied"),
 ], ids=lambda c: c.id)
 def test_training_continues_bit_for_bit(ranks, tmp_path, case) -> None:
     ranks(2).run(ck.continue_equals_uninterrupted, str(tmp_path), case)

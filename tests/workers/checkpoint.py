@@ -262,17 +262,20 @@ __all__ = ["DTYPES", "continue_equals_uninterrupted", "load_cases", "refusals", 
 
 # ---- FSDP2 interop ---------------------------------------------------------------------------------------------------
 
-def _fsdp(seed: int) -> tuple[Any, Any]:
+def _fsdp(seed: int, kind: str = "odd") -> tuple[Any, Any]:
+    """FSDP2 + torch AdamW: ``odd`` with ``fully_shard`` per Linear and on the root; ``tied`` (a weight shared by
+    two Linears) on the root only."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from workers.common import OddModel
+    from workers.common import MODELS
 
     torch.manual_seed(seed)
-    model = OddModel()
+    model = MODELS[kind]()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in (model.fc1, model.fc2, model.tiny, model.fc3):
-        fully_shard(layer, mesh=mesh)
+    if kind == "odd":
+        for layer in (model.fc1, model.fc2, model.tiny, model.fc3):
+            fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
 
@@ -285,13 +288,15 @@ def _fsdp_state(model: Any, optim: Any) -> tuple[dict, dict, Any]:
     return msd, osd, options
 
 
-def fsdp_loads(root: str, name: str) -> None:
+def fsdp_loads(root: str, name: str, kind: str = "odd") -> None:
     """A checkpoint from ``save`` loads into FSDP2 + torch AdamW with torch's own functions: equal bit for bit."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    model, optim = _fsdp(seed=9)
+    model, optim = _fsdp(seed=9, kind=kind)
     msd, osd, options = _fsdp_state(model, optim)
+    if kind == "tied":  # torch's model state dict names a tied weight under both names
+        assert {"mid.weight", "mid2.weight"} <= set(msd), sorted(msd)
     dcp.load({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, name))
     set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd, options=options)
     expected = torch.load(os.path.join(root, f"{name}.expected.pt"), weights_only=False)
@@ -302,17 +307,19 @@ def fsdp_loads(root: str, name: str) -> None:
             assert same(state[key].full_tensor(), expected["state"][key][n]), (n, key)
         assert float(state["step"]) == expected["steps"][0], n
     assert optim.param_groups[0]["lr"] == expected["hps"][0]["lr"]
+    if kind == "tied":
+        assert model.mid2.weight is model.mid.weight  # still tied after set_state_dict
     loss = model(torch.randn(4, 33)).pow(2).mean()  # trains on
     loss.backward()
     optim.step()
 
 
-def fsdp_saves(root: str, name: str) -> None:
+def fsdp_saves(root: str, name: str, kind: str = "odd") -> None:
     """FSDP2 + torch AdamW trains 2 steps and saves through DCP (torch's flattened format); expected values are
     written in the snapshot format."""
     import torch.distributed.checkpoint as dcp
 
-    model, optim = _fsdp(seed=11)
+    model, optim = _fsdp(seed=11, kind=kind)
     for step in range(2):
         g = torch.Generator().manual_seed(100 * step + dist.get_rank())
         model(torch.randn(4, 33, generator=g)).pow(2).mean().backward()
@@ -333,6 +340,17 @@ def fsdp_saves(root: str, name: str) -> None:
     if dist.get_rank() == 0:
         torch.save(expected, os.path.join(root, f"{name}.expected.pt"))
     dist.barrier()
+
+
+def tied_names(root: str, name: str) -> dict[str, Any]:
+    """The tied weight's entries in a checkpoint (names and sizes) and in ``get_state_dict`` of a tied engine."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    case = EngineCase(stage=3, model="tied", world=dist.get_world_size())
+    model, optim = get_state_dict(build_engine(case))
+    meta = FileSystemReader(os.path.join(root, name)).read_metadata().state_dict_metadata
+    return {"checkpoint": sorted(k for k in meta if ".mid" in k and "param_groups" not in k),
+            "same value": model["mid2.weight"] is model["mid.weight"], "optim": sorted(k for k in optim if "mid2" in k)}
 
 
 def load_fsdp_checkpoint(root: str, name: str, case: EngineCase) -> None:

@@ -133,15 +133,16 @@ def check_metadata(target: Target, metadata: Metadata) -> list[str]:
     entries = metadata.state_dict_metadata
     model = {k[len("model."):]: v for k, v in entries.items() if k.startswith("model.")}
     shapes = target.shapes()
+    aliases = target.alias_shapes()  # optional: FSDP2 and save write them, a checkpoint without them loads too
     problems = []
     missing = sorted(set(shapes) - set(model))
-    extra = sorted(set(model) - set(shapes))
+    extra = sorted(set(model) - set(shapes) - set(aliases))
     if missing:
         problems.append(f"parameters missing from the checkpoint: {missing}")
     if extra:
         problems.append(f"parameters in the checkpoint that the engine does not have: {extra}")
     problems += [f"{n}: shape {_tensor_shape(model[n])} in the checkpoint, {tuple(s)} in the engine"
-                 for n, s in shapes.items() if n in model and _tensor_shape(model[n]) != tuple(s)]
+                 for n, s in {**shapes, **aliases}.items() if n in model and _tensor_shape(model[n]) != tuple(s)]
     found: dict[str, dict[str, Any]] = {}
     for key, meta in entries.items():
         if key.startswith("optim.state."):
@@ -176,7 +177,8 @@ def _staging(engine: Any, target: Target, metadata: Metadata) -> dict[str, Any]:
                for name, values in hyperparameters_by_name(engine, target).items()}
     steps = (0.0,) * len(masters)
     extras = {k: io.BytesIO() for k in EXTRAS if f"zero_dtensor.{k}" in entries}
-    return {"model": model_dict(target, masters, frozen), "optim": optim_dict(target, states, steps, hparams),
+    model = {k: v for k, v in model_dict(target, masters, frozen).items() if f"model.{k}" in entries}  # aliases
+    return {"model": model, "optim": optim_dict(target, states, steps, hparams),
             **({"zero_dtensor": extras} if extras else {})}
 
 

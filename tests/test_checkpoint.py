@@ -20,7 +20,7 @@ SAVES_2 = [
     ("z2-offload-async", EngineCase(stage=2, offload=True), 2),
     ("z3-bf16-2g", EngineCase(stage=3, dtype="bf16", groups=2), 2),
     ("z2-fresh", EngineCase(stage=2), 0),
-    ("tied-z2", EngineCase(stage=2, model="tied"), 2),  # mid2.weight is mid.weight
+    ("tied-z2-nosync", EngineCase(stage=2, model="tied"), 2),  # mid2.weight is mid.weight
 ]
 SAVES_1 = [("w1-z2-fp16", EngineCase(stage=2, dtype="fp16", world=1), 2)]
 SAVES_4 = [
@@ -30,7 +30,7 @@ SAVES_4 = [
 LOADS_4 = [
     ("z2-fp32", EngineCase(stage=3, world=4)),  # 2 -> 4
     ("w3-z3-2g", EngineCase(stage=2, groups=2, offload=True, world=4)),  # 3 -> 4
-    ("tied-z2", EngineCase(stage=3, model="tied", world=4)),
+    ("tied-z2-nosync", EngineCase(stage=3, model="tied", world=4)),
     ("w1-z2-fp16", EngineCase(stage=3, dtype="fp16", world=4)),  # 1 -> 4
 ]
 SAVES_3 = [
@@ -73,7 +73,7 @@ def test_load_at_four_ranks(ranks, saved) -> None:
 def test_tied_parameters(ranks, saved) -> None:
     """A tied weight is saved under both its names, as torch's FSDP2 state dict has it (the optimizer state once,
     under the first name); checkpoints move between DeepSpeed and FSDP2 both ways (cross world size above)."""
-    found = ranks(2).run(ck.tied_names, saved, "tied-z2")[0]
+    found = ranks(2).run(ck.tied_names, saved, "tied-z2-nosync")[0]
     assert found["checkpoint"] == [
         "model.mid.bias", "model.mid.weight", "model.mid2.bias", "model.mid2.weight",
         "optim.state.mid.bias.exp_avg", "optim.state.mid.bias.exp_avg_sq", "optim.state.mid.bias.step",
@@ -81,7 +81,7 @@ def test_tied_parameters(ranks, saved) -> None:
         "optim.state.mid2.bias.exp_avg", "optim.state.mid2.bias.exp_avg_sq", "optim.state.mid2.bias.step"]
     assert found["same value"]  # get_state_dict: both names, one value
     assert not any(k.startswith("state.mid2.weight") for k in found["optim"])
-    ranks(3).run(ck.fsdp_loads, saved, "tied-z2", "tied")  # ZeRO-2 at 2 -> FSDP2 at 3
+    ranks(3).run(ck.fsdp_loads, saved, "tied-z2-nosync", "tied")  # ZeRO-2 at 2 -> FSDP2 at 3
     ranks(2).run(ck.load_fsdp_checkpoint, saved, "fsdp2-tied", EngineCase(stage=3, dtype="bf16", model="tied"))
 
 

@@ -82,13 +82,14 @@ def diff(a: dict, b: dict) -> list[str]:
 
 def save_cases(root: str, cases: list[tuple[str, EngineCase, int]]) -> None:
     """Per ``(name, case, steps)``: build, train ``steps`` steps, save into ``root/name`` (async for names ending in
-    ``-async``) with a client state, check the save changed nothing, write the expected values."""
+    ``-async``, without fsync for names ending in ``-nosync``) with a client state, check the save changed nothing,
+    write the expected values."""
     for name, case, steps in cases:
         engine = build_engine(case, seed=1)
         train(engine, range(steps))
         before = snapshot(engine)
         future = save(engine, os.path.join(root, name), async_=name.endswith("-async"),
-                      client_state={"name": name, "epoch": 3})
+                      sync_files=not name.endswith("-nosync"), client_state={"name": name, "epoch": 3})
         if future is not None:
             future.result()
         after = snapshot(engine)

@@ -81,8 +81,9 @@ def save(engine: Any, path: str | os.PathLike, *, async_: bool = False, client_s
     in ``path`` is removed first, so a save that does not finish never looks finished.
 
     **Communication**: DCP's own small object collectives (plans and metadata: about 9 at 2 ranks), none of tensor
-    data. **Memory**: one copy of each piece as it is written (DCP clones views); before the first step, one
-    zero-filled partition per optimizer-state key. ``async_=True``: :func:`torch.distributed.checkpoint.async_save`
+    data. **Memory**: one piece at a time is copied as it is written (DCP clones views; a piece is at most one
+    parameter's fp32 elements on this rank), plus one pickle per distinct hyperparameter value; before the first
+    step, one zero-filled partition per optimizer-state key. ``async_=True``: :func:`torch.distributed.checkpoint.async_save`
     over a gloo group of the same ranks (made once); it copies this rank's state to CPU memory before it returns and
     writes in a background thread: returns its ``Future`` (call ``.result()`` before the next save). Else returns
     ``None`` once the checkpoint is complete. ``sync_files``: ``fsync`` each file before ``.metadata`` is written
@@ -204,8 +205,10 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
 
     **Communication**: the agreement (an all_gather of 2 int64 per rank, twice), DCP's small object collectives,
     then ZeRO-1/2 one all_gather per param group (ZeRO-3: per persistent parameter) to refresh the working weights.
-    Each rank reads only the bytes its pieces overlap. **Memory**: one staging copy of this rank's masters and
-    optimizer state (and of frozen parameters it holds) until the load returns."""
+    Each rank reads only the bytes its pieces overlap. **Memory**: one staging copy of this rank's partition (its
+    masters and optimizer state, and the frozen parameters it holds) until the load returns, plus one saved piece
+    at a time as DCP reads it (at most one parameter's fp32 elements: a saved piece is part of one parameter). The
+    hyperparameter entries are unpickled once per distinct value."""
     target = describe(engine)
     error: BaseException | None = None
     metadata: Metadata | None = None

@@ -130,3 +130,38 @@ def test_state_dict_format(ranks) -> None:
 def test_load_at_one_rank(ranks, saved) -> None:
     ranks(1).run(ck.load_cases, saved, [("w3-z3-2g", EngineCase(stage=2, groups=2, world=1)),
                                         ("z1-bf16", EngineCase(stage=3, dtype="bf16", world=1))])
+
+
+def test_caching_planners_write_what_torch_save_writes() -> None:
+    """The save planner's bytes entries are ``torch.save``'s bytes (so torch's own readers read them), serialized once
+    per distinct value; the load planner shares only immutable results between entries with the same bytes."""
+    import io
+
+    import torch
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem, WriteItem, WriteItemType
+
+    from zero_dtensor.checkpoint.planners import CachingLoadPlanner, CachingSavePlanner
+
+    def torch_bytes(value: object) -> bytes:
+        out = io.BytesIO()
+        torch.save(value, out)
+        return out.getvalue()
+
+    saver = CachingSavePlanner()
+    values = [0.001, (0.9, 0.999), True, 1, None, "x", -0.0, [1, 2], {"a": 1}]
+    for value in values:
+        item = WriteItem(index=MetadataIndex("k"), type=WriteItemType.BYTE_IO)
+        assert saver.transform_object(item, value).getvalue() == torch_bytes(value), value
+    assert len(saver._bytes) == 7  # the list and the dict are not cached
+    assert saver.transform_object(item, 1).getvalue() != saver.transform_object(item, True).getvalue()
+
+    state = {"a": None, "b": None, "c": None, "d": None}
+    loader = CachingLoadPlanner()
+    loader.set_up_planner(state, None, True)
+    for key, value in (("a", (0.9, 0.999)), ("b", (0.9, 0.999)), ("c", [1, 2]), ("d", [1, 2])):
+        item = ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(key), dest_offsets=torch.Size([0]),
+                        storage_index=MetadataIndex(key), storage_offsets=torch.Size([0]), lengths=torch.Size([0]))
+        loader.load_bytes(item, io.BytesIO(torch_bytes(value)))
+    assert state == {"a": (0.9, 0.999), "b": (0.9, 0.999), "c": [1, 2], "d": [1, 2]}
+    assert state["a"] is state["b"] and state["c"] is not state["d"]  # lists are never shared

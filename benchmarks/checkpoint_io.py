@@ -171,8 +171,8 @@ def resume(hidden: int, layers: int, stage: int, root: str, repeat: int) -> dict
             times[name].append(t)
             extra[name].append(e)
             got = fingerprint(engine)
-            exact[name] = len(got) == len(saved) and max(
-                abs(a - b) / max(abs(b), 1e-30) for a, b in zip(got, saved)) < 1e-5
+            exact[name] = exact.get(name, True) and len(got) == len(saved) and max(
+                abs(a - b) / max(abs(b), 1e-30) for a, b in zip(got, saved)) < 1e-5  # every round
     return {k: {**_row(times[k], extra[k]), "restored the saved values": exact[k]} for k in calls}
 
 

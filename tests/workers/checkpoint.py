@@ -366,3 +366,32 @@ def load_fsdp_checkpoint(root: str, name: str, case: EngineCase) -> None:
     assert load(engine, os.path.join(root, name)) is None
     check_loaded(engine, expected, f"{name} -> {case.id}")
     train(engine, range(5, 6))
+
+
+def collective_counts(root: str, cases: list[EngineCase]) -> list[dict[str, Any]]:
+    return [_collective_counts(root, case) for case in cases]
+
+
+def _collective_counts(root: str, case: EngineCase) -> dict[str, Any]:
+    """Collectives (``CommDebugMode``) of ``get_state_dict``, ``set_state_dict``, ``save`` and ``load`` on a stepped
+    engine, and what the refresh of the working weights is documented to issue."""
+    from workers.common import count_comms
+    from workers.families_ds import sync_collectives
+
+    engine = build_engine(case)
+    train(engine, range(1))
+    path = os.path.join(root, f"counts-{case.id}")
+    out: dict[str, Any] = {"sync": sync_collectives(engine)}
+    with count_comms() as mode:
+        model, optim = get_state_dict(engine)
+    out["get_state_dict"] = mode.get_total_counts()
+    with count_comms() as mode:
+        set_state_dict(engine, model, optim)
+    out["set_state_dict"] = mode.get_total_counts()
+    with count_comms() as mode:
+        save(engine, path)
+    out["save"] = {str(k): v for k, v in mode.get_comm_counts().items()}
+    with count_comms() as mode:
+        load(engine, path)
+    out["load"] = {str(k): v for k, v in mode.get_comm_counts().items()}
+    return out

@@ -83,10 +83,11 @@ def save(engine: Any, path: str | os.PathLike, *, async_: bool = False, client_s
     **Communication**: DCP's own small object collectives (plans and metadata: about 9 at 2 ranks), none of tensor
     data. **Memory**: one piece at a time is copied as it is written (DCP clones views; a piece is at most one
     parameter's fp32 elements on this rank), plus one pickle per distinct hyperparameter value; before the first
-    step, one zero-filled partition per optimizer-state key. ``async_=True``: :func:`torch.distributed.checkpoint.async_save`
-    over a gloo group of the same ranks (made once); it copies this rank's state to CPU memory before it returns and
-    writes in a background thread: returns its ``Future`` (call ``.result()`` before the next save). Else returns
-    ``None`` once the checkpoint is complete. ``sync_files``: ``fsync`` each file before ``.metadata`` is written
+    step, one zero-filled partition per optimizer-state key. A tied parameter is written under each of its names.
+    ``async_=True``: :func:`torch.distributed.checkpoint.async_save` over a gloo group of the same ranks (made
+    once); it copies this rank's state to CPU memory before it returns and writes in a background thread: returns
+    its ``Future`` (call ``.result()`` before the next save). Else returns ``None`` once the checkpoint is complete.
+    ``sync_files``: ``fsync`` each file before ``.metadata`` is written
     (DCP's default: a checkpoint that looks complete survives a power loss); ``False`` leaves the flush to the
     operating system, as DeepSpeed's ``save_checkpoint`` (``torch.save``) does: faster, but a crash of the machine
     soon after a save may leave a ``.metadata`` over data that never reached the disk."""

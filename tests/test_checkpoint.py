@@ -105,6 +105,7 @@ def test_torch_style_get_load_set(ranks, saved, steps) -> None:
     EngineCase(stage=2, extra={"scheduler": ck.WARMUP["scheduler"]}),
     EngineCase(stage=3, dtype="fp16"),
     EngineCase(stage=1, dtype="bf16", model="tied"),
+    EngineCase(stage=3, offload=True, groups=2),
 ], ids=lambda c: c.id)
 def test_training_continues_bit_for_bit(ranks, tmp_path, case) -> None:
     ranks(2).run(ck.continue_equals_uninterrupted, str(tmp_path), case)

@@ -20,6 +20,18 @@ SAVES_2 = [
     ("z2-offload-async", EngineCase(stage=2, offload=True), 2),
     ("z3-bf16-2g", EngineCase(stage=3, dtype="bf16", groups=2), 2),
     ("z2-fresh", EngineCase(stage=2), 0),
+    ("tied-z2-nosync", EngineCase(stage=2, model="tied"), 2),  # mid2.weight is mid.weight
+]
+SAVES_1 = [("w1-z2-fp16", EngineCase(stage=2, dtype="fp16", world=1), 2)]
+SAVES_4 = [
+    ("w4-z3-tied-bf16", EngineCase(stage=3, dtype="bf16", model="tied", world=4), 2),
+    ("w4-z1-fp16-2g", EngineCase(stage=1, dtype="fp16", groups=2, world=4), 2),
+]
+LOADS_4 = [
+    ("z2-fp32", EngineCase(stage=3, world=4)),  # 2 -> 4
+    ("w3-z3-2g", EngineCase(stage=2, groups=2, offload=True, world=4)),  # 3 -> 4
+    ("tied-z2-nosync", EngineCase(stage=3, model="tied", world=4)),
+    ("w1-z2-fp16", EngineCase(stage=3, dtype="fp16", world=4)),  # 1 -> 4
 ]
 SAVES_3 = [
     ("w3-z3-bf16", EngineCase(stage=3, dtype="bf16", world=3), 2),
@@ -31,12 +43,14 @@ LOADS_3 = [
     ("z2-offload-async", EngineCase(stage=3, offload=True, world=3)),
     ("z3-bf16-2g", EngineCase(stage=1, dtype="bf16", groups=2, world=3)),
     ("z2-fresh", EngineCase(stage=2, world=3)),
+    ("w4-z1-fp16-2g", EngineCase(stage=3, dtype="fp16", groups=2, world=3)),  # 4 -> 3
 ]
 LOADS_2 = [
     ("z2-fp32", EngineCase(stage=2)),  # same world size and stage
     ("w3-z3-bf16", EngineCase(stage=2, dtype="bf16")),
     ("w3-z3-2g", EngineCase(stage=3, groups=2)),
     ("z1-bf16", EngineCase(stage=3, dtype="bf16", zero={"sub_group_size": 600})),  # 5 sub-groups, 5 steps
+    ("w4-z3-tied-bf16", EngineCase(stage=2, dtype="bf16", model="tied")),  # 4 -> 2
 ]
 
 
@@ -44,9 +58,31 @@ LOADS_2 = [
 def saved(ranks, tmp_path_factory) -> str:
     root = str(tmp_path_factory.mktemp("ckpt"))
     ranks(2).run(ck.save_cases, root, SAVES_2)
+    ranks(1).run(ck.save_cases, root, SAVES_1)
+    ranks(4).run(ck.save_cases, root, SAVES_4)
     ranks(3).run(ck.save_cases, root, SAVES_3)
     ranks(3).run(ck.fsdp_saves, root, "fsdp2")
+    ranks(3).run(ck.fsdp_saves, root, "fsdp2-tied", "tied")
     return root
+
+
+def test_load_at_four_ranks(ranks, saved) -> None:
+    ranks(4).run(ck.load_cases, saved, LOADS_4)
+
+
+def test_tied_parameters(ranks, saved) -> None:
+    """A tied weight is saved under both its names, as torch's FSDP2 state dict has it (the optimizer state once,
+    under the first name); checkpoints move between DeepSpeed and FSDP2 both ways (cross world size above)."""
+    found = ranks(2).run(ck.tied_names, saved, "tied-z2-nosync")[0]
+    assert found["checkpoint"] == [
+        "model.mid.bias", "model.mid.weight", "model.mid2.bias", "model.mid2.weight",
+        "optim.state.mid.bias.exp_avg", "optim.state.mid.bias.exp_avg_sq", "optim.state.mid.bias.step",
+        "optim.state.mid.weight.exp_avg", "optim.state.mid.weight.exp_avg_sq", "optim.state.mid.weight.step",
+        "optim.state.mid2.bias.exp_avg", "optim.state.mid2.bias.exp_avg_sq", "optim.state.mid2.bias.step"]
+    assert found["same value"]  # get_state_dict: both names, one value
+    assert not any(k.startswith("state.mid2.weight") for k in found["optim"])
+    ranks(3).run(ck.fsdp_loads, saved, "tied-z2-nosync", "tied")  # ZeRO-2 at 2 -> FSDP2 at 3
+    ranks(2).run(ck.load_fsdp_checkpoint, saved, "fsdp2-tied", EngineCase(stage=3, dtype="bf16", model="tied"))
 
 
 def test_load_at_three_ranks_other_stage_and_fsdp2(ranks, saved) -> None:
@@ -68,6 +104,8 @@ def test_torch_style_get_load_set(ranks, saved, steps) -> None:
 @pytest.mark.parametrize("case", [
     EngineCase(stage=2, extra={"scheduler": ck.WARMUP["scheduler"]}),
     EngineCase(stage=3, dtype="fp16"),
+    EngineCase(stage=1, dtype="bf16", model="tied"),
+    EngineCase(stage=3, offload=True, groups=2),
 ], ids=lambda c: c.id)
 def test_training_continues_bit_for_bit(ranks, tmp_path, case) -> None:
     ranks(2).run(ck.continue_equals_uninterrupted, str(tmp_path), case)
@@ -90,6 +128,60 @@ def test_state_dict_format(ranks) -> None:
     assert {"DTensor", "Tensor", "float", "tuple"} <= set(found["kinds"])  # frozen fc1.bias and step: plain tensors
 
 
+def test_collectives_counted(ranks, tmp_path) -> None:
+    """What the docstrings promise, counted with CommDebugMode at 2 ranks on an 8-tensor ZeRO-2 and a 34-tensor
+    ZeRO-3 engine: ``get_state_dict`` none; ``set_state_dict`` one agreement + the working weights' refresh;
+    ``save`` only DCP's object collectives (no tensor data), as many for either model; ``load`` two agreements,
+    the refresh and DCP's object collectives, as many for either model."""
+    small, deep = ranks(2).run(ck.collective_counts, str(tmp_path), [EngineCase(stage=2),
+                                                                     EngineCase(stage=3, model="deep")])[0]
+    tensor_op = "c10d._allgather_base_"  # the agreements and the refresh; DCP moves only pickled objects
+    for found in (small, deep):
+        assert found["get_state_dict"] == 0, found
+        assert found["set_state_dict"] == 1 + found["sync"], found
+        assert tensor_op not in found["save"], found
+        assert found["load"][tensor_op] == 2 + found["sync"], found
+    assert deep["sync"] == 34 and small["sync"] == 1  # ZeRO-3: every (persistent) parameter; ZeRO-2: one group
+    assert small["save"] == deep["save"] and sum(small["save"].values()) == 9  # "about 9 at 2 ranks"
+    dcp_load = {k: v for k, v in small["load"].items() if k != tensor_op}
+    assert dcp_load == {k: v for k, v in deep["load"].items() if k != tensor_op} and sum(dcp_load.values()) == 7
+
+
 def test_load_at_one_rank(ranks, saved) -> None:
     ranks(1).run(ck.load_cases, saved, [("w3-z3-2g", EngineCase(stage=2, groups=2, world=1)),
                                         ("z1-bf16", EngineCase(stage=3, dtype="bf16", world=1))])
+
+
+def test_caching_planners_write_what_torch_save_writes() -> None:
+    """The save planner's bytes entries are ``torch.save``'s bytes (so torch's own readers read them), serialized once
+    per distinct value; the load planner shares only immutable results between entries with the same bytes."""
+    import io
+
+    import torch
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem, WriteItem, WriteItemType
+
+    from zero_dtensor.checkpoint.planners import CachingLoadPlanner, CachingSavePlanner
+
+    def torch_bytes(value: object) -> bytes:
+        out = io.BytesIO()
+        torch.save(value, out)
+        return out.getvalue()
+
+    saver = CachingSavePlanner()
+    values = [0.001, (0.9, 0.999), True, 1, None, "x", -0.0, [1, 2], {"a": 1}]
+    for value in values:
+        item = WriteItem(index=MetadataIndex("k"), type=WriteItemType.BYTE_IO)
+        assert saver.transform_object(item, value).getvalue() == torch_bytes(value), value
+    assert len(saver._bytes) == 7  # the list and the dict are not cached
+    assert saver.transform_object(item, 1).getvalue() != saver.transform_object(item, True).getvalue()
+
+    state = {"a": None, "b": None, "c": None, "d": None}
+    loader = CachingLoadPlanner()
+    loader.set_up_planner(state, None, True)
+    for key, value in (("a", (0.9, 0.999)), ("b", (0.9, 0.999)), ("c", [1, 2]), ("d", [1, 2])):
+        item = ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(key), dest_offsets=torch.Size([0]),
+                        storage_index=MetadataIndex(key), storage_offsets=torch.Size([0]), lengths=torch.Size([0]))
+        loader.load_bytes(item, io.BytesIO(torch_bytes(value)))
+    assert state == {"a": (0.9, 0.999), "b": (0.9, 0.999), "c": [1, 2], "d": [1, 2]}
+    assert state["a"] is state["b"] and state["c"] is not state["d"]  # lists are never shared

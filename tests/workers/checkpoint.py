@@ -82,13 +82,14 @@ def diff(a: dict, b: dict) -> list[str]:
 
 def save_cases(root: str, cases: list[tuple[str, EngineCase, int]]) -> None:
     """Per ``(name, case, steps)``: build, train ``steps`` steps, save into ``root/name`` (async for names ending in
-    ``-async``) with a client state, check the save changed nothing, write the expected values."""
+    ``-async``, without fsync for names ending in ``-nosync``) with a client state, check the save changed nothing,
+    write the expected values."""
     for name, case, steps in cases:
         engine = build_engine(case, seed=1)
         train(engine, range(steps))
         before = snapshot(engine)
         future = save(engine, os.path.join(root, name), async_=name.endswith("-async"),
-                      client_state={"name": name, "epoch": 3})
+                      sync_files=not name.endswith("-nosync"), client_state={"name": name, "epoch": 3})
         if future is not None:
             future.result()
         after = snapshot(engine)
@@ -262,17 +263,20 @@ __all__ = ["DTYPES", "continue_equals_uninterrupted", "load_cases", "refusals", 
 
 # ---- FSDP2 interop ---------------------------------------------------------------------------------------------------
 
-def _fsdp(seed: int) -> tuple[Any, Any]:
+def _fsdp(seed: int, kind: str = "odd") -> tuple[Any, Any]:
+    """FSDP2 + torch AdamW: ``odd`` with ``fully_shard`` per Linear and on the root; ``tied`` (a weight shared by
+    two Linears) on the root only."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from workers.common import OddModel
+    from workers.common import MODELS
 
     torch.manual_seed(seed)
-    model = OddModel()
+    model = MODELS[kind]()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in (model.fc1, model.fc2, model.tiny, model.fc3):
-        fully_shard(layer, mesh=mesh)
+    if kind == "odd":
+        for layer in (model.fc1, model.fc2, model.tiny, model.fc3):
+            fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
 
@@ -285,13 +289,15 @@ def _fsdp_state(model: Any, optim: Any) -> tuple[dict, dict, Any]:
     return msd, osd, options
 
 
-def fsdp_loads(root: str, name: str) -> None:
+def fsdp_loads(root: str, name: str, kind: str = "odd") -> None:
     """A checkpoint from ``save`` loads into FSDP2 + torch AdamW with torch's own functions: equal bit for bit."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    model, optim = _fsdp(seed=9)
+    model, optim = _fsdp(seed=9, kind=kind)
     msd, osd, options = _fsdp_state(model, optim)
+    if kind == "tied":  # torch's model state dict names a tied weight under both names
+        assert {"mid.weight", "mid2.weight"} <= set(msd), sorted(msd)
     dcp.load({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, name))
     set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd, options=options)
     expected = torch.load(os.path.join(root, f"{name}.expected.pt"), weights_only=False)
@@ -302,17 +308,19 @@ def fsdp_loads(root: str, name: str) -> None:
             assert same(state[key].full_tensor(), expected["state"][key][n]), (n, key)
         assert float(state["step"]) == expected["steps"][0], n
     assert optim.param_groups[0]["lr"] == expected["hps"][0]["lr"]
+    if kind == "tied":
+        assert model.mid2.weight is model.mid.weight  # still tied after set_state_dict
     loss = model(torch.randn(4, 33)).pow(2).mean()  # trains on
     loss.backward()
     optim.step()
 
 
-def fsdp_saves(root: str, name: str) -> None:
+def fsdp_saves(root: str, name: str, kind: str = "odd") -> None:
     """FSDP2 + torch AdamW trains 2 steps and saves through DCP (torch's flattened format); expected values are
     written in the snapshot format."""
     import torch.distributed.checkpoint as dcp
 
-    model, optim = _fsdp(seed=11)
+    model, optim = _fsdp(seed=11, kind=kind)
     for step in range(2):
         g = torch.Generator().manual_seed(100 * step + dist.get_rank())
         model(torch.randn(4, 33, generator=g)).pow(2).mean().backward()
@@ -335,6 +343,17 @@ def fsdp_saves(root: str, name: str) -> None:
     dist.barrier()
 
 
+def tied_names(root: str, name: str) -> dict[str, Any]:
+    """The tied weight's entries in a checkpoint (names and sizes) and in ``get_state_dict`` of a tied engine."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    case = EngineCase(stage=3, model="tied", world=dist.get_world_size())
+    model, optim = get_state_dict(build_engine(case))
+    meta = FileSystemReader(os.path.join(root, name)).read_metadata().state_dict_metadata
+    return {"checkpoint": sorted(k for k in meta if ".mid" in k and "param_groups" not in k),
+            "same value": model["mid2.weight"] is model["mid.weight"], "optim": sorted(k for k in optim if "mid2" in k)}
+
+
 def load_fsdp_checkpoint(root: str, name: str, case: EngineCase) -> None:
     """A DCP checkpoint written by FSDP2 + torch AdamW loads into a DeepSpeed engine with ``load``; one in torch's
     nested optimizer form loads too, its hyperparameters (``param_groups.0.lr``) left alone."""
@@ -347,3 +366,32 @@ def load_fsdp_checkpoint(root: str, name: str, case: EngineCase) -> None:
     assert load(engine, os.path.join(root, name)) is None
     check_loaded(engine, expected, f"{name} -> {case.id}")
     train(engine, range(5, 6))
+
+
+def collective_counts(root: str, cases: list[EngineCase]) -> list[dict[str, Any]]:
+    return [_collective_counts(root, case) for case in cases]
+
+
+def _collective_counts(root: str, case: EngineCase) -> dict[str, Any]:
+    """Collectives (``CommDebugMode``) of ``get_state_dict``, ``set_state_dict``, ``save`` and ``load`` on a stepped
+    engine, and what the refresh of the working weights is documented to issue."""
+    from workers.common import count_comms
+    from workers.families_ds import sync_collectives
+
+    engine = build_engine(case)
+    train(engine, range(1))
+    path = os.path.join(root, f"counts-{case.id}")
+    out: dict[str, Any] = {"sync": sync_collectives(engine)}
+    with count_comms() as mode:
+        model, optim = get_state_dict(engine)
+    out["get_state_dict"] = mode.get_total_counts()
+    with count_comms() as mode:
+        set_state_dict(engine, model, optim)
+    out["set_state_dict"] = mode.get_total_counts()
+    with count_comms() as mode:
+        save(engine, path)
+    out["save"] = {str(k): v for k, v in mode.get_comm_counts().items()}
+    with count_comms() as mode:
+        load(engine, path)
+    out["load"] = {str(k): v for k, v in mode.get_comm_counts().items()}
+    return out

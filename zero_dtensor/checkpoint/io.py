@@ -31,15 +31,16 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from .._deepspeed import checkpointing as ds
 from ..agreement import agree_outcome
 from ..collectives import cpu_group_for, rank_in
 from ..errors import CheckpointMismatchError, CheckpointReadError, IncompleteCheckpointError
+from .planners import CachingLoadPlanner, CachingSavePlanner
 from .state_dict import current_steps, set_state_dict, state_partitions
 from .target import Target, describe, hyperparameters_by_name, model_dict, optim_dict
 
@@ -71,7 +72,8 @@ def _engine_extras(engine: Any, client_state: Any) -> dict[str, io.BytesIO]:
             "loss_scaler": _blob(ds.loss_scaler_state(engine)), "client_state": _blob(client_state)}
 
 
-def save(engine: Any, path: str | os.PathLike, *, async_: bool = False, client_state: Any = None) -> Any:
+def save(engine: Any, path: str | os.PathLike, *, async_: bool = False, client_state: Any = None,
+         sync_files: bool = True) -> Any:
     """Write ``engine``'s state into the DCP checkpoint directory ``path`` (module docstring); every rank of the
     data-parallel group must call it. Each rank writes only the pieces it holds (masters, optimizer state, its
     ZeRO-3 chunks of frozen parameters; replicated values once, from the lowest rank); the engine is not changed.
@@ -79,11 +81,16 @@ def save(engine: Any, path: str | os.PathLike, *, async_: bool = False, client_s
     in ``path`` is removed first, so a save that does not finish never looks finished.
 
     **Communication**: DCP's own small object collectives (plans and metadata: about 9 at 2 ranks), none of tensor
-    data. **Memory**: one copy of each piece as it is written (DCP clones views); before the first step, one
-    zero-filled partition per optimizer-state key. ``async_=True``: :func:`torch.distributed.checkpoint.async_save`
-    over a gloo group of the same ranks (made once); it copies this rank's state to CPU memory before it returns and
-    writes in a background thread: returns its ``Future`` (call ``.result()`` before the next save). Else returns
-    ``None`` once the checkpoint is complete."""
+    data. **Memory**: one piece at a time is copied as it is written (DCP clones views; a piece is at most one
+    parameter's fp32 elements on this rank), plus one pickle per distinct hyperparameter value; before the first
+    step, one zero-filled partition per optimizer-state key. A tied parameter is written under each of its names.
+    ``async_=True``: :func:`torch.distributed.checkpoint.async_save` over a gloo group of the same ranks (made
+    once); it copies this rank's state to CPU memory before it returns and writes in a background thread: returns
+    its ``Future`` (call ``.result()`` before the next save). Else returns ``None`` once the checkpoint is complete.
+    ``sync_files``: ``fsync`` each file before ``.metadata`` is written
+    (DCP's default: a checkpoint that looks complete survives a power loss); ``False`` leaves the flush to the
+    operating system, as DeepSpeed's ``save_checkpoint`` (``torch.save``) does: faster, but a crash of the machine
+    soon after a save may leave a ``.metadata`` over data that never reached the disk."""
     target = describe(engine)
     model = model_dict(target, target.masters.partitions, {f.name: f.local for f in target.frozen})
     optim = optim_dict(target, state_partitions(engine, target), current_steps(engine, target),
@@ -92,11 +99,13 @@ def save(engine: Any, path: str | os.PathLike, *, async_: bool = False, client_s
     path = os.fspath(path)
     if rank_in(target.process_group) == 0 and os.path.exists(os.path.join(path, METADATA)):
         os.remove(os.path.join(path, METADATA))
-    planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+    planner = CachingSavePlanner(dedup_save_to_lowest_rank=True)
+    writer = FileSystemWriter(path, sync_files=sync_files)
     if async_:
-        return dcp.async_save(state, checkpoint_id=path, planner=planner,
+        stager = DefaultStager(StagingOptions(False, False, False, False))  # what async_save picks without a writer
+        return dcp.async_save(state, storage_writer=writer, planner=planner, async_stager=stager,
                               process_group=cpu_group_for(target.process_group))
-    dcp.save(state, checkpoint_id=path, planner=planner, process_group=target.process_group)
+    dcp.save(state, storage_writer=writer, planner=planner, process_group=target.process_group)
     return None
 
 
@@ -133,15 +142,16 @@ def check_metadata(target: Target, metadata: Metadata) -> list[str]:
     entries = metadata.state_dict_metadata
     model = {k[len("model."):]: v for k, v in entries.items() if k.startswith("model.")}
     shapes = target.shapes()
+    aliases = target.alias_shapes()  # optional: FSDP2 and save write them, a checkpoint without them loads too
     problems = []
     missing = sorted(set(shapes) - set(model))
-    extra = sorted(set(model) - set(shapes))
+    extra = sorted(set(model) - set(shapes) - set(aliases))
     if missing:
         problems.append(f"parameters missing from the checkpoint: {missing}")
     if extra:
         problems.append(f"parameters in the checkpoint that the engine does not have: {extra}")
     problems += [f"{n}: shape {_tensor_shape(model[n])} in the checkpoint, {tuple(s)} in the engine"
-                 for n, s in shapes.items() if n in model and _tensor_shape(model[n]) != tuple(s)]
+                 for n, s in {**shapes, **aliases}.items() if n in model and _tensor_shape(model[n]) != tuple(s)]
     found: dict[str, dict[str, Any]] = {}
     for key, meta in entries.items():
         if key.startswith("optim.state."):
@@ -176,7 +186,8 @@ def _staging(engine: Any, target: Target, metadata: Metadata) -> dict[str, Any]:
                for name, values in hyperparameters_by_name(engine, target).items()}
     steps = (0.0,) * len(masters)
     extras = {k: io.BytesIO() for k in EXTRAS if f"zero_dtensor.{k}" in entries}
-    return {"model": model_dict(target, masters, frozen), "optim": optim_dict(target, states, steps, hparams),
+    model = {k: v for k, v in model_dict(target, masters, frozen).items() if f"model.{k}" in entries}  # aliases
+    return {"model": model, "optim": optim_dict(target, states, steps, hparams),
             **({"zero_dtensor": extras} if extras else {})}
 
 
@@ -195,8 +206,10 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
 
     **Communication**: the agreement (an all_gather of 2 int64 per rank, twice), DCP's small object collectives,
     then ZeRO-1/2 one all_gather per param group (ZeRO-3: per persistent parameter) to refresh the working weights.
-    Each rank reads only the bytes its pieces overlap. **Memory**: one staging copy of this rank's masters and
-    optimizer state (and of frozen parameters it holds) until the load returns."""
+    Each rank reads only the bytes its pieces overlap. **Memory**: one staging copy of this rank's partition (its
+    masters and optimizer state, and the frozen parameters it holds) until the load returns, plus one saved piece
+    at a time as DCP reads it (at most one parameter's fp32 elements: a saved piece is part of one parameter). The
+    hyperparameter entries are unpickled once per distinct value."""
     target = describe(engine)
     error: BaseException | None = None
     metadata: Metadata | None = None
@@ -216,7 +229,7 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
     staged = _staging(engine, target, metadata)
     try:
         dcp.load(staged, storage_reader=_CheckedReader(os.fspath(path), metadata),
-                 process_group=target.process_group, planner=DefaultLoadPlanner(allow_partial_load=False))
+                 process_group=target.process_group, planner=CachingLoadPlanner(allow_partial_load=False))
     except CheckpointException as exc:
         raise CheckpointReadError(f"reading checkpoint {os.fspath(path)!r} failed ({exc}); the engine is "
                                   "unchanged") from exc

@@ -3,9 +3,10 @@
 ``get_state_dict(engine) -> (model_state_dict, optimizer_state_dict)``:
 
 * **model**: ``{fqn: value}`` for every parameter of ``engine.module`` (``named_parameters()`` names; a tied
-  parameter once, under its first name). Trainable parameters hold the optimizer's **fp32 master weights** (what
-  FSDP2's sharded parameters are with a mixed-precision policy: the working bf16/fp16 weights are the masters cast,
-  and :func:`set_state_dict` restores them so); frozen parameters (no master) hold their working weights in the
+  parameter under each of its names, one value, as torch's ``get_model_state_dict`` gives it; ``set_state_dict``
+  reads the first name). Trainable parameters hold the optimizer's **fp32 master weights** (what FSDP2's
+  sharded parameters are with a mixed-precision policy: the working bf16/fp16 weights are the masters cast, and
+  :func:`set_state_dict` restores them so); frozen parameters (no master) hold their working weights in the
   model dtype.
 * **optimizer**: torch's *flattened* form (``StateDictOptions(flatten_optimizer_state_dict=True)``):
   ``state.<fqn>.<key>`` for the optimizer's tensors shaped like the parameter (Adam: ``exp_avg``, ``exp_avg_sq``),
@@ -115,7 +116,7 @@ def _same(a: Any, b: Any) -> bool:
 def _check_model(target: Target, model: Mapping[str, Any]) -> list[str]:
     shapes = target.shapes()
     problems = []
-    extra = sorted(set(model) - set(shapes))
+    extra = sorted(set(model) - set(shapes) - set(target.alias_shapes()))  # a tied parameter's further names: ignored
     held = [p.name for p in target.pieces if p.stop > p.start]
     held += [f.name for f in target.frozen if f.stop > f.start]
     missing = [n for n in held if n not in model]

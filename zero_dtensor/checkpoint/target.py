@@ -19,7 +19,8 @@ from ..errors import UnsupportedDeepSpeedError
 from ..storage import FlatStorage
 from .boxes import box_dtensor
 
-__all__ = ["Piece", "Target", "describe", "fragment", "hyperparameters_by_name", "model_dict", "optim_dict"]
+__all__ = ["Piece", "Target", "describe", "fragment", "hyperparameters_by_name", "model_dict", "optim_dict",
+           "tied_aliases"]
 
 
 @dataclass(frozen=True)
@@ -51,18 +52,38 @@ class Target:
     #: per flat group, its inner optimizer parameter group
     param_group: tuple[int, ...]
     process_group: dist.ProcessGroup
+    #: ``(alias, name)`` for every further name of a tied parameter (``mid2.weight`` -> ``mid.weight``), module order
+    aliases: tuple[tuple[str, str], ...] = ()
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(p.name for p in self.pieces)
 
     def shapes(self) -> dict[str, torch.Size]:
-        """Every model entry's shape (trainable and frozen)."""
+        """Every model entry's shape (trainable and frozen; a tied parameter under its first name)."""
         return {**{p.name: p.shape for p in self.pieces}, **{f.name: f.shape for f in self.frozen}}
+
+    def alias_shapes(self) -> dict[str, torch.Size]:
+        """The further names of tied parameters, with their shapes."""
+        shapes = self.shapes()
+        return {alias: shapes[name] for alias, name in self.aliases if name in shapes}
 
     def entry_keys(self) -> tuple[str, ...]:
         """The optimizer-state keys of each parameter (``step`` last where there is one)."""
         return self.state_keys + (("step",) if self.has_step else ())
+
+
+def tied_aliases(module: torch.nn.Module) -> tuple[tuple[str, str], ...]:
+    """``(alias, first name)`` for every name under which ``module`` lists a parameter it already listed (tied
+    weights: ``named_parameters()`` keeps the first name only; torch's ``get_model_state_dict`` keeps them all)."""
+    first: dict[int, str] = {}
+    out = []
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            out.append((name, first[id(p)]))
+        else:
+            first[id(p)] = name
+    return tuple(out)
 
 
 def describe(engine: Any) -> Target:
@@ -89,7 +110,8 @@ def describe(engine: Any) -> Target:
         keys, has_step = ds.probe_state_keys(engine)
     return Target(masters=masters, pieces=tuple(pieces), frozen=ds.frozen_params(engine, set(layout.names)),
                   state_keys=keys, has_step=has_step, ready=ready,
-                  param_group=ds.param_group_of_flat_groups(engine), process_group=pg)
+                  param_group=ds.param_group_of_flat_groups(engine), process_group=pg,
+                  aliases=tied_aliases(engine.module))
 
 
 def fragment(target: Target, piece: Piece, partitions: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -106,7 +128,8 @@ def model_dict(target: Target, partitions: tuple[torch.Tensor, ...],
                frozen: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """``{fqn: value}``: trainable parameters as box DTensors over ``partitions`` (masters' geometry), frozen ones
     from ``frozen`` (this rank's 1-D piece; replicated ones as the plain full tensor). Ranks holding none of a
-    parameter omit it. No copy."""
+    parameter omit it. A tied parameter's further names hold the same value, as in torch's FSDP2 state dict (DCP
+    then writes its bytes once per name). No copy."""
     out: dict[str, Any] = {}
     for piece in target.pieces:
         value = _entry(target, fragment(target, piece, partitions), piece.shape, piece.start)
@@ -120,6 +143,9 @@ def model_dict(target: Target, partitions: tuple[torch.Tensor, ...],
             value = _entry(target, local, f.shape, f.start)
             if value is not None:
                 out[f.name] = value
+    for alias, name in target.aliases:
+        if name in out:
+            out[alias] = out[name]
     return out
 
 

@@ -153,15 +153,15 @@ class GroupPlacement:
         """Elements of the extra buffer :meth:`to_param_order` needs after an all_gather (0: none)."""
         return 0
 
-    def peer_rows(self, plan: GroupPlan) -> tuple[RowMap, RowMap] | None:
-        """Where an all_gather needs a reorder: the row copies that put this rank's partition, and the other ranks'
+    def peer_rows(self, plan: GroupPlan, element_size: int) -> tuple[RowMap, RowMap] | None:
+        """Where an all_gather of ``element_size``-byte elements needs a reorder: the row copies that put this rank's partition, and the other ranks'
         received back to back (:func:`~zero_dtensor.collectives.peer_partitions_by_all_to_all`), each straight
         into its rows of parameter order (``area`` of :meth:`to_param_order`), so that this rank's own partition
         is never copied into the gathered rows first; ``None`` where no reorder is needed or rows do not pay."""
         return None
 
-    def pipeline_pieces(self, plan: GroupPlan) -> tuple[ColumnPiece, ...]:
-        """The column ranges of the partitions that a pipelined all_gather gathers as collectives of their own,
+    def pipeline_pieces(self, plan: GroupPlan, element_size: int) -> tuple[ColumnPiece, ...]:
+        """The column ranges (``element_size``-byte elements) of the partitions that a pipelined all_gather gathers as collectives of their own,
         each reordered by :meth:`to_param_order` once it has arrived (while the next travels, where the process
         group runs collectives in issue order); empty where an all_gather needs no reorder (then nothing is worth
         pipelining)."""
@@ -333,11 +333,11 @@ class ChunkShard(GroupPlacement):
     def fill_for_reduce(self, region: torch.Tensor, group: GroupLayout, plan: GroupPlan, partition: torch.Tensor,
                         pieces: tuple[torch.Tensor, ...] | None, cache: ViewCache | None = None) -> None:
         """Rank ``r``'s chunk of parameter ``p`` goes to row ``r`` of ``p``'s ``(N, chunk)`` block: one zero fill,
-        then one row copy of the whole partition (:attr:`~zero_dtensor.plan.GroupPlan.own_column_rows`; the
+        then one row copy of the whole partition (:meth:`~zero_dtensor.plan.GroupPlan.own_column_rows`; the
         chunks' padding lands in the blocks' padding, which no result shows), or, where rows do not pay
         (:func:`~zero_dtensor.rows.row_map`), one ``_foreach_copy_`` of the fragments."""
         region.zero_()
-        rows = plan.own_column_rows
+        rows = plan.own_column_rows(partition.element_size())
         if rows is not None:
             rows.copy(partition, region)
             return
@@ -363,7 +363,7 @@ class ChunkShard(GroupPlacement):
         copy per block elsewhere)."""
         assert area is not None
         N = group.world_size
-        piece = plan.whole_columns if piece is None else piece
+        piece = plan.whole_columns(gathered.element_size()) if piece is None else piece
         if piece.rows is not None:
             piece.rows.copy(gathered, area)
             return area
@@ -378,15 +378,15 @@ class ChunkShard(GroupPlacement):
     def reorder_area(self, group: GroupLayout) -> int:
         return group.flat_numel
 
-    def peer_rows(self, plan: GroupPlan) -> tuple[RowMap, RowMap] | None:
-        """:attr:`~zero_dtensor.plan.GroupPlan.own_column_rows` and
-        :attr:`~zero_dtensor.plan.GroupPlan.peer_column_rows` (both or ``None``)."""
-        own, peers = plan.own_column_rows, plan.peer_column_rows
+    def peer_rows(self, plan: GroupPlan, element_size: int) -> tuple[RowMap, RowMap] | None:
+        """:meth:`~zero_dtensor.plan.GroupPlan.own_column_rows` and
+        :meth:`~zero_dtensor.plan.GroupPlan.peer_column_rows` (both or ``None``)."""
+        own, peers = plan.own_column_rows(element_size), plan.peer_column_rows(element_size)
         return None if own is None or peers is None else (own, peers)
 
-    def pipeline_pieces(self, plan: GroupPlan) -> tuple[ColumnPiece, ...]:
-        """:attr:`~zero_dtensor.plan.GroupPlan.column_pieces`: two, cut at a parameter boundary."""
-        return plan.column_pieces
+    def pipeline_pieces(self, plan: GroupPlan, element_size: int) -> tuple[ColumnPiece, ...]:
+        """:meth:`~zero_dtensor.plan.GroupPlan.column_pieces`: two, cut at a parameter boundary."""
+        return plan.column_pieces(element_size)
 
     def window_order_tiling(self, group: GroupLayout, params: tuple[ParamLayout, ...], start: int,
                             width: int) -> Tiling:

@@ -77,7 +77,7 @@ class ParamView:
     def dtype(self) -> torch.dtype:
         """The dtype DeepSpeed stores this family in (gradients: the gradient-accumulation dtype; masters and optimizer
         state: float32)."""
-        return self._owner.layout.groups[self._param.group].dtype
+        return self._owner._state.storage.partitions[self._param.group].dtype
 
     @property
     def group(self) -> int:

@@ -9,7 +9,7 @@ number of tensor operations whatever the number of parameters. See ``ShardedGrad
 
 A large ZeRO-3 all_gather is *pipelined* (:func:`~zero_dtensor.materialize.strategy.pipelines`): two coalesced
 all_gathers issued at once, of each group's columns up to and from its cut
-(:attr:`~zero_dtensor.plan.GroupPlan.column_pieces`), each into its part of the group's region; once the first has
+(:meth:`~zero_dtensor.plan.GroupPlan.column_pieces`), each into its part of the group's region; once the first has
 arrived its part is reordered, while the second travels where the group runs collectives in issue order (NCCL; gloo
 runs the two at once, see :mod:`~zero_dtensor.materialize.strategy`). The steps (collectives, then what follows
 each) run in order at the end of a synchronous call or in ``PendingFullTensors.wait()``.
@@ -217,7 +217,7 @@ def _request_names(state: FlatState, params: list[ParamLayout]) -> tuple[str, ..
 def _target_dtype(state: FlatState, p: ParamLayout, dtype: torch.dtype | None) -> torch.dtype:
     if dtype is not None:
         return dtype
-    return torch.float32 if state.loss_scale != 1.0 else state.group(p.group).dtype
+    return torch.float32 if state.loss_scale != 1.0 else state.storage.partitions[p.group].dtype
 
 
 def _validate_out(state: FlatState, params: list[ParamLayout], out: Any, dtype: torch.dtype | None) -> None:
@@ -348,7 +348,7 @@ def full_tensors(
 
 
 def _pieces(state: FlatState, g: int) -> tuple[ColumnPiece, ...]:
-    return state.group(g).placement.pipeline_pieces(state.plan.groups[g])
+    return state.group(g).placement.pipeline_pieces(state.plan.groups[g], state.storage.partitions[g].element_size())
 
 
 def _pipelined_gather(state: FlatState, t: _Transfer, regions: dict[int, tuple[torch.Tensor, torch.Tensor | None]],
@@ -393,7 +393,7 @@ def _gather_by_all_to_all(state: FlatState, t: _Transfer,
     for g, part in zip(t.groups, t.partitions):
         group = state.group(g)
         region, area = regions[g]
-        rows = group.placement.peer_rows(state.plan.groups[g]) if area is not None else None
+        rows = group.placement.peer_rows(state.plan.groups[g], part.element_size()) if area is not None else None
         if rows is None or area is None:
             works += all_gather_by_all_to_all(region, part, t.pg, async_op=async_op)
             continue

@@ -167,7 +167,7 @@ def _in_order(pieces: Sequence[Piece]) -> bool:
 
 
 def _bucket(layout: FlatLayout, groups: tuple[int, ...], params: list[ParamLayout], kind: str,
-            owner_of: Mapping[str, int]) -> BucketPlan:
+            owner_of: Mapping[str, int], dtype: torch.dtype) -> BucketPlan:
     first = layout.groups[groups[0]]
     world, me = first.world_size, first.rank
     slot_of_group = {g: i for i, g in enumerate(groups)}
@@ -212,7 +212,7 @@ def _bucket(layout: FlatLayout, groups: tuple[int, ...], params: list[ParamLayou
         write_cross = write_cross or _crosses(target, target_full, stored)
         out += tb - ta
     multi = world > 1
-    return BucketPlan(groups, first.dtype, world, me, tuple(slots), out,
+    return BucketPlan(groups, dtype, world, me, tuple(slots), out,
                       _transfer(read_send, read_recv, multi and read_cross, me),
                       _transfer(write_send, write_recv, multi and write_cross, me))
 
@@ -223,19 +223,19 @@ def _row_count(rows: int, world: int, rank: int) -> int:
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
-def _plan(layout: FlatLayout, names: tuple[str, ...], pg_keys: tuple[int, ...], kind: str,
-          owners: tuple[int, ...]) -> Plan:
+def _plan(layout: FlatLayout, names: tuple[str, ...], pg_keys: tuple[int, ...], dtypes: tuple[torch.dtype, ...],
+          kind: str, owners: tuple[int, ...]) -> Plan:
     owner_of = dict(zip(names, owners)) if kind == OWNERS else {}
     buckets: dict[tuple[int, torch.dtype], tuple[list[int], list[ParamLayout]]] = {}
     for g in layout.groups:  # bucket order: first flat group of each (process group, dtype)
-        groups, _ = buckets.setdefault((pg_keys[g.index], g.dtype), ([], []))
+        groups, _ = buckets.setdefault((pg_keys[g.index], dtypes[g.index]), ([], []))
         groups.append(g.index)
-    bucket_of = {g.index: buckets[(pg_keys[g.index], g.dtype)] for g in layout.groups}
+    bucket_of = {g.index: buckets[(pg_keys[g.index], dtypes[g.index])] for g in layout.groups}
     for name in names:
         p = layout.by_name[name]
         bucket_of[p.group][1].append(p)
-    built = tuple(_bucket(layout, tuple(groups), params, kind, owner_of)
-                  for groups, params in buckets.values() if params)
+    built = tuple(_bucket(layout, tuple(groups), params, kind, owner_of, dtype)
+                  for (_, dtype), (groups, params) in buckets.items() if params)
     return Plan(kind, names, built)
 
 
@@ -262,4 +262,5 @@ def plan_for(storage: FlatStorage, selected: Sequence[ParamLayout], kind: str = 
         ranks = ()
     else:
         raise ValueError(f"unknown target {kind!r}; use 'rows' or 'owners'")
-    return _plan(storage.layout, names, process_group_keys(storage), kind, ranks)
+    dtypes = tuple(p.dtype for p in storage.partitions)  # the family's: the layout is geometry only
+    return _plan(storage.layout, names, process_group_keys(storage), dtypes, kind, ranks)

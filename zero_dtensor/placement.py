@@ -1,8 +1,9 @@
-"""How a flat group's gradient is spread over the ranks of its process group, and what that costs to gather.
+"""How a flat group's buffer (of any family) is assembled from the ranks of its process group, and what that costs.
 
-One placement kind per way DeepSpeed stores a group. Each answers, for a whole group at once, which elements each
-rank holds, how the group's full buffer is assembled (which collective, how many bytes), and how an assembled
-buffer is cut into parameters. Nothing outside this module branches on the kind of a group.
+One placement kind per way DeepSpeed stores a group: its geometry (which elements each rank holds) is
+:mod:`zero_dtensor.geometry`'s; each kind here adds, for a whole group at once, how the group's full buffer is
+assembled (which collective, how many bytes) and how an assembled buffer is cut into parameters. Nothing outside
+this module and :mod:`zero_dtensor.geometry` branches on the kind of a group.
 
 ``N`` ranks, ``P`` elements per rank's partition, ``S`` the bytes of the group's padded flat buffer (``N·P``
 elements, stored dtype; ``P`` elements for a replicated group):
@@ -60,10 +61,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
 
 from .collectives import all_gather_into, all_gather_single, all_reduce_sum_work, on_comm_device
+from .geometry import ChunkGeometry, GroupGeometry, RaggedGeometry, ReplicatedGeometry
 from .tiling import Tiling, tiling
 from .views import ViewCache
 
@@ -84,48 +84,9 @@ class Allocator(Protocol):
 
 
 @dataclass(frozen=True)
-class GroupPlacement:
-    """The geometry of one kind of flat group (see the module docstring)."""
-
-    #: a short name for messages and benchmarks
-    kind: str = ""
-
-    @property
-    def is_sharded(self) -> bool:
-        """Whether assembling the full buffer needs a collective."""
-        return True
-
-    @property
-    def param_order_gather(self) -> bool:
-        """Whether an all_gather of the partitions lands in parameter order (else rows must be reordered)."""
-        return True
-
-    def dtensor_placement(self) -> Placement:
-        """The placement of the group's flat ``DTensor``."""
-        return Shard(0)
-
-    def rank_range(self, group: GroupLayout, param: ParamLayout, rank: int) -> tuple[int, int]:
-        """``(start, stop)`` of the elements of the flattened ``param`` that ``rank`` holds."""
-        raise NotImplementedError
-
-    def local_offset(self, group: GroupLayout, param: ParamLayout, rank: int) -> int:
-        """Where the fragment of :meth:`rank_range` starts inside ``rank``'s partition."""
-        raise NotImplementedError
-
-    def span(self, param: ParamLayout) -> tuple[int, int]:
-        """``[start, stop)`` ``param`` occupies in the axis the group is laid out along: the global flat buffer
-        (ragged, replicated) or every rank's partition (chunked)."""
-        return param.offset, param.offset + param.numel
-
-    def gathered_numel(self, group: GroupLayout) -> int:
-        """Elements of the group's assembled buffer."""
-        return group.flat_numel
-
-    @property
-    def exact_param_shards(self) -> bool:
-        """Whether one parameter's pieces form an exact per-parameter DTensor (``Shard(0)`` of the flattened
-        parameter, or ``Replicate``)."""
-        return True
+class GroupPlacement(GroupGeometry):
+    """One kind of flat group: its geometry (:mod:`zero_dtensor.geometry`) and how its buffer is assembled (see
+    the module docstring)."""
 
     def gather_param(self, group: GroupLayout, param: ParamLayout, partition: torch.Tensor,
                      pg: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
@@ -199,24 +160,8 @@ class GroupPlacement:
 
 
 @dataclass(frozen=True)
-class RaggedShard(GroupPlacement):
-    """ZeRO-1/2: parameters back to back in a zero-padded flat buffer of ``N·P`` elements; rank ``r`` owns
-    ``[r·P, (r+1)·P)``. A parameter's pieces are ragged: never describe one as a per-parameter ``Shard(0)``."""
-
-    kind: str = "ragged"
-
-    def rank_range(self, group: GroupLayout, param: ParamLayout, rank: int) -> tuple[int, int]:
-        lo, hi = rank * group.partition_numel, (rank + 1) * group.partition_numel
-        start = min(max(lo - param.offset, 0), param.numel)
-        return start, max(min(hi - param.offset, param.numel), start)
-
-    def local_offset(self, group: GroupLayout, param: ParamLayout, rank: int) -> int:
-        start, stop = self.rank_range(group, param, rank)
-        return 0 if start == stop else param.offset + start - rank * group.partition_numel
-
-    @property
-    def exact_param_shards(self) -> bool:
-        return False
+class RaggedShard(RaggedGeometry, GroupPlacement):
+    """ZeRO-1/2 (:class:`~zero_dtensor.geometry.RaggedGeometry`): gathered in parameter order."""
 
     def gather_param(self, group: GroupLayout, param: ParamLayout, partition: torch.Tensor,
                      pg: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
@@ -302,25 +247,8 @@ class RaggedShard(GroupPlacement):
 
 
 @dataclass(frozen=True)
-class ChunkShard(GroupPlacement):
-    """ZeRO-3: each parameter split like ``torch.chunk(flat_param, N)`` into chunks of ``chunk_numel`` elements,
-    each stored at the same ``offset`` in every rank's partition (zero-padded at the end of the parameter)."""
-
-    kind: str = "chunked"
-
-    @property
-    def param_order_gather(self) -> bool:
-        return False
-
-    def rank_range(self, group: GroupLayout, param: ParamLayout, rank: int) -> tuple[int, int]:
-        start = min(rank * param.chunk_numel, param.numel)
-        return start, min(start + param.chunk_numel, param.numel)
-
-    def local_offset(self, group: GroupLayout, param: ParamLayout, rank: int) -> int:
-        return param.offset
-
-    def span(self, param: ParamLayout) -> tuple[int, int]:
-        return param.offset, param.offset + param.chunk_numel
+class ChunkShard(ChunkGeometry, GroupPlacement):
+    """ZeRO-3 (:class:`~zero_dtensor.geometry.ChunkGeometry`): gathered rank-major, reordered into parameters."""
 
     def gather_param(self, group: GroupLayout, param: ParamLayout, partition: torch.Tensor,
                      pg: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
@@ -445,26 +373,9 @@ class ChunkShard(GroupPlacement):
 
 
 @dataclass(frozen=True)
-class Replicated(GroupPlacement):
-    """Every rank holds the whole (averaged) flat buffer: ``BF16_Optimizer`` and ``keep_full_grads``."""
-
-    kind: str = "replicated"
-
-    @property
-    def is_sharded(self) -> bool:
-        return False
-
-    def dtensor_placement(self) -> Placement:
-        return Replicate()
-
-    def rank_range(self, group: GroupLayout, param: ParamLayout, rank: int) -> tuple[int, int]:
-        return 0, param.numel
-
-    def local_offset(self, group: GroupLayout, param: ParamLayout, rank: int) -> int:
-        return param.offset
-
-    def gathered_numel(self, group: GroupLayout) -> int:
-        return group.partition_numel
+class Replicated(ReplicatedGeometry, GroupPlacement):
+    """``BF16_Optimizer`` and ``keep_full_grads`` (:class:`~zero_dtensor.geometry.ReplicatedGeometry`): nothing to
+    gather."""
 
     def gather_param(self, group: GroupLayout, param: ParamLayout, partition: torch.Tensor,
                      pg: dist.ProcessGroup, device: torch.device) -> torch.Tensor:

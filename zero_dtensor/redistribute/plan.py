@@ -73,13 +73,14 @@ class TargetSlot:
     global_stride: tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class BucketPlan:
     """The selected parameters of the flat groups sharing one process group and one stored dtype.
 
     ``read`` moves stored fragments to targets (send slots: positions in ``groups``; receive slot 0: the output
     buffer of ``out_numel`` elements); ``write`` moves targets back (send slots: positions in ``params``, offsets
-    within each flattened target; receive slots: positions in ``groups``, offsets in the partitions).
+    within each flattened target; receive slots: positions in ``groups``, offsets in the partitions). Compared
+    (and hashed) by identity: a plan is cached, and its buckets key the views kept of output buffers.
     """
 
     groups: tuple[int, ...]

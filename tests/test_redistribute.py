@@ -131,6 +131,21 @@ def test_plans_move_every_element_exactly(model, kind, rnd) -> None:
         for r, (bk, recv) in enumerate(zip(buckets, recvs)):
             out = torch.full((bk.out_numel,), float("nan"), dtype=bk.dtype)
             exchange._unpack(recv, bk.read.recv_pieces, [out])
+            # the same output when this rank's own share is copied straight into place and the rest exchanged alone
+            (own_sent, own_received), (sent, received) = bk.read.own_pieces(), bk.read.peer_pieces()
+            send_counts, recv_counts = bk.read.peer_counts()
+            assert [n for *_, n in own_sent] == [n for *_, n in own_received]
+            assert sum(n for *_, n in own_sent) == bk.read.send_counts[r] == bk.read.recv_counts[r]
+            assert sorted(own_sent + sent) == sorted(bk.read.send_pieces)
+            assert sorted(own_received + received) == sorted(bk.read.recv_pieces)
+            assert sum(n for *_, n in sent) == sum(send_counts) and sum(n for *_, n in received) == sum(recv_counts)
+            bypass = torch.full((bk.out_numel,), float("nan"), dtype=bk.dtype)
+            for (s, so, n), (_, do, m) in zip(own_sent, own_received):
+                bypass.narrow(0, do, m).copy_(parts[r][bk.groups[s]].narrow(0, so, n))
+            skip = sum(bk.read.recv_counts[:r])  # the peers' data is what arrives around this rank's own
+            peers_only = torch.cat([recv[:skip], recv[skip + bk.read.recv_counts[r]:]])
+            exchange._unpack(peers_only, received, [bypass])
+            assert torch.equal(bypass.nan_to_num(7.5), out.nan_to_num(7.5)), r
             if bk.read.recv_in_order:  # _read then uses the receive buffer itself as the output
                 assert torch.equal(recv, out), r
             for slot in bk.params:

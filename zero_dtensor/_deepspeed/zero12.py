@@ -184,7 +184,7 @@ def _offload_consumed(opt: Any, partitions: tuple[torch.Tensor, ...]) -> bool:
     )
 
 
-def _group_layout(opt: Any, group: int, partition: torch.Tensor) -> GroupLayout:
+def _group_layout(opt: Any, group: int) -> GroupLayout:
     pg = opt.real_dp_process_group[group]
     return GroupLayout(
         index=group,
@@ -198,8 +198,8 @@ def _group_layout(opt: Any, group: int, partition: torch.Tensor) -> GroupLayout:
 def _build_layout(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]) -> tuple[FlatLayout, dict[str, Any]]:
     names = param_names(engine)
     groups, params, by_name = [], [], {}
-    for i, partition in enumerate(partitions):
-        groups.append(_group_layout(opt, i, partition))
+    for i in range(len(partitions)):
+        groups.append(_group_layout(opt, i))
         for param, offset in zip(opt.round_robin_bit16_groups[i], param_offsets(opt, i)):
             name = name_of(names, param)
             params.append(ParamLayout(name=name, shape=torch.Size(param.shape), group=i, offset=offset))

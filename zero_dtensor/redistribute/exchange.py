@@ -49,8 +49,9 @@ def read_targets(storage: FlatStorage, plan: Plan, dtype: torch.dtype | None
     one output buffer the caller owns.
 
     Per bucket: the pieces sent are packed with one ``torch.cat`` into a kept send buffer; one ``all_to_all_single``
-    receives straight into the output buffer where what arrives already is the targets in order (else into a kept
-    receive buffer, then one ``split_with_sizes_copy`` into the output); where nothing crosses ranks the pieces are
+    receives straight into the output buffer where what arrives already is the targets in order; else this rank's
+    own share is copied straight into place (one ``_foreach_copy_``) and the other ranks' travel alone, into a kept
+    receive buffer, then one ``split_with_sizes_copy`` into the output; where nothing crosses ranks the pieces are
     packed straight into the output. The output buffer is recycled: a new one only while every earlier result
     still holds its own (:meth:`~zero_dtensor.materialize.buffers.BufferPool.recycled_or_new`, which also keeps the
     per-target views). Memory: the output (``S/N`` for rows, the owned tensors for owners), plus the kept send and
@@ -69,13 +70,20 @@ def read_targets(storage: FlatStorage, plan: Plan, dtype: torch.dtype | None
             else:
                 send = _pack_into(_scratch("send", bucket, device), parts, read.send_pieces, device)
                 _unpack(send, read.recv_pieces, [out])
-        else:
+        elif direct:
             send = _pack_into(_scratch("send", bucket, device), parts, read.send_pieces, device)
-            recv = out if direct else _scratch("recv", bucket, device, sum(read.recv_counts))
-            collectives.all_to_all_into(recv, send, read.recv_counts, read.send_counts,
+            collectives.all_to_all_into(out, send, read.recv_counts, read.send_counts,
                                         storage.process_groups[bucket.groups[0]])
-            if not direct:
-                _unpack(recv, read.recv_pieces, [out])
+        else:  # this rank's own share copied straight into place; the others' packed, exchanged, unpacked
+            (own_sent, own_received), (sent, received) = read.own_pieces(), read.peer_pieces()
+            send_counts, recv_counts = read.peer_counts()
+            send = _pack_into(_scratch("send", bucket, device, sum(send_counts)), parts, sent, device)
+            recv = _scratch("recv", bucket, device, sum(recv_counts))
+            collectives.all_to_all_into(recv, send, recv_counts, send_counts, storage.process_groups[bucket.groups[0]])
+            if own_sent:
+                torch._foreach_copy_([out.narrow(0, o, n) for _, o, n in own_received],
+                                     [_on(parts[s], device).narrow(0, o, n) for s, o, n in own_sent])
+            _unpack(recv, received, [out])
         true = storage.to_true(out)
         if dtype is not None and true.dtype != dtype:
             true = true.to(dtype)
@@ -104,12 +112,16 @@ def _scratch(what: str, bucket: BucketPlan, device: torch.device, numel: int | N
     return BUFFERS.scratch(("redistribute " + what, bucket.dtype, device), n, bucket.dtype, device)
 
 
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t if t.device == device else t.to(device)
+
+
 def _pack_into(buffer: torch.Tensor, sources: Sequence[torch.Tensor], pieces: Sequence[Piece],
                device: torch.device) -> torch.Tensor:
     """The pieces of ``sources`` back to back in ``buffer`` (one ``torch.cat(out=)``; the sources moved to
     ``device`` first where they are elsewhere, e.g. a CPU-offloaded partition for a GPU collective)."""
     if pieces:
-        sources = [s if s.device == device else s.to(device) for s in sources]
+        sources = [_on(s, device) for s in sources]
         torch.cat([sources[s].narrow(0, o, n) for s, o, n in pieces], out=buffer)
     return buffer
 

@@ -45,6 +45,29 @@ class Transfer:
     recv_pieces: tuple[Piece, ...]
     rank: int
     recv_in_order: bool = False  # the receive buffer already is the destination slot 0, in order (no unpack)
+    send_piece_counts: tuple[int, ...] = ()  # per destination rank, how many of ``send_pieces`` go there
+    recv_piece_counts: tuple[int, ...] = ()  # per source rank, how many of ``recv_pieces`` come from there
+
+    def own_pieces(self) -> tuple[tuple[Piece, ...], tuple[Piece, ...]]:
+        """``(sent, received)``: the pieces this rank sends itself, where they are read and where they land (the
+        same elements, in the same order)."""
+        me = self.rank
+        s0, r0 = sum(self.send_piece_counts[:me]), sum(self.recv_piece_counts[:me])
+        return (self.send_pieces[s0:s0 + self.send_piece_counts[me]],
+                self.recv_pieces[r0:r0 + self.recv_piece_counts[me]])
+
+    def peer_pieces(self) -> tuple[tuple[Piece, ...], tuple[Piece, ...]]:
+        """``(sent, received)``: the pieces exchanged with the other ranks (this rank's own left out)."""
+        me = self.rank
+        s0, r0 = sum(self.send_piece_counts[:me]), sum(self.recv_piece_counts[:me])
+        s1, r1 = s0 + self.send_piece_counts[me], r0 + self.recv_piece_counts[me]
+        return (self.send_pieces[:s0] + self.send_pieces[s1:], self.recv_pieces[:r0] + self.recv_pieces[r1:])
+
+    def peer_counts(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(send counts, receive counts)`` with this rank's own share set to 0."""
+        me = self.rank
+        return (tuple(0 if r == me else n for r, n in enumerate(self.send_counts)),
+                tuple(0 if r == me else n for r, n in enumerate(self.recv_counts)))
 
     @property
     def sent_elements(self) -> int:
@@ -154,6 +177,8 @@ def _transfer(per_peer_send: list[list[Piece]], per_peer_recv: list[list[Piece]]
         recv_pieces=recv_pieces,
         rank=rank,
         recv_in_order=_in_order(recv_pieces),
+        send_piece_counts=tuple(map(len, per_peer_send)),
+        recv_piece_counts=tuple(map(len, per_peer_recv)),
     )
 
 

@@ -80,9 +80,9 @@ def read_targets(storage: FlatStorage, plan: Plan, dtype: torch.dtype | None
             send = _pack_into(_scratch("send", bucket, device, sum(send_counts)), parts, sent, device)
             recv = _scratch("recv", bucket, device, sum(recv_counts))
             collectives.all_to_all_into(recv, send, recv_counts, send_counts, storage.process_groups[bucket.groups[0]])
-            if own_sent:
+            if own_sent:  # (copy_ moves pieces of a partition kept elsewhere, e.g. offloaded to the CPU)
                 torch._foreach_copy_([out.narrow(0, o, n) for _, o, n in own_received],
-                                     [_on(parts[s], device).narrow(0, o, n) for s, o, n in own_sent])
+                                     [parts[s].narrow(0, o, n) for s, o, n in own_sent])
             _unpack(recv, received, [out])
         true = storage.to_true(out)
         if dtype is not None and true.dtype != dtype:
@@ -112,17 +112,16 @@ def _scratch(what: str, bucket: BucketPlan, device: torch.device, numel: int | N
     return BUFFERS.scratch(("redistribute " + what, bucket.dtype, device), n, bucket.dtype, device)
 
 
-def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return t if t.device == device else t.to(device)
-
-
 def _pack_into(buffer: torch.Tensor, sources: Sequence[torch.Tensor], pieces: Sequence[Piece],
                device: torch.device) -> torch.Tensor:
-    """The pieces of ``sources`` back to back in ``buffer`` (one ``torch.cat(out=)``; the sources moved to
-    ``device`` first where they are elsewhere, e.g. a CPU-offloaded partition for a GPU collective)."""
+    """The pieces of ``sources`` back to back in ``buffer`` (on ``device``): one ``torch.cat(out=)``; where the
+    sources are elsewhere (a CPU-offloaded partition for a GPU collective), one ``cat`` there, then one copy."""
     if pieces:
-        sources = [_on(s, device) for s in sources]
-        torch.cat([sources[s].narrow(0, o, n) for s, o, n in pieces], out=buffer)
+        views = [sources[s].narrow(0, o, n) for s, o, n in pieces]
+        if views[0].device == device:
+            torch.cat(views, out=buffer)
+        else:
+            buffer.copy_(torch.cat(views))
     return buffer
 
 

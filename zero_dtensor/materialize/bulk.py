@@ -9,7 +9,7 @@ number of tensor operations whatever the number of parameters. See ``ShardedGrad
 
 A large ZeRO-3 all_gather is *pipelined* (:func:`~zero_dtensor.materialize.strategy.pipelines`): two coalesced
 all_gathers issued at once, of each group's columns up to and from its cut
-(:meth:`~zero_dtensor.plan.GroupPlan.column_pieces`), each into its part of the group's region; once the first has
+(:attr:`~zero_dtensor.plan.GroupPlan.column_pieces`), each into its part of the group's region; once the first has
 arrived its part is reordered, while the second travels where the group runs collectives in issue order (NCCL; gloo
 runs the two at once, see :mod:`~zero_dtensor.materialize.strategy`). The steps (collectives, then what follows
 each) run in order at the end of a synchronous call or in ``PendingFullTensors.wait()``.

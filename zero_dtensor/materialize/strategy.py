@@ -30,7 +30,7 @@ zero-padded ``all_reduce``.
 
 A ZeRO-3 ``all_gather`` of ``PIPELINE_MIN_BYTES`` (16 MiB) or more is *pipelined* (:func:`pipelines`): it travels as
 two all_gathers issued at once, of the columns up to a parameter boundary near 3/4 of every partition and of the
-rest (:meth:`~zero_dtensor.plan.GroupPlan.column_pieces`), and each part is reordered into parameter order once it
+rest (:attr:`~zero_dtensor.plan.GroupPlan.column_pieces`), and each part is reordered into parameter order once it
 has arrived, in issue order. One collective more. Where the group runs collectives in issue order (NCCL: one
 communication stream) the second part travels while the first is reordered. Gloo runs the two at once on its worker
 threads: the smaller second part has then usually arrived before the first (25-27 of 30 calls, 2 ranks, 21 MiB) and

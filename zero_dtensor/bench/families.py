@@ -2,8 +2,8 @@
 families``): bulk reads against DeepSpeed's per-parameter ``safe_get_full_fp32_param`` /
 ``safe_get_full_optimizer_state`` loops and against one bare all_gather of the same fp32 partitions; the EMA update
 against a bare ``lerp_`` of the local partitions; ``to_dtensors`` / ``owned`` of the masters against one bare
-``all_to_all_single`` of the same split sizes (every bucket's, with buffers made once; these four rows are timed
-round-robin, so that each and its reference see the same machine load). Each of those rows gets
+``all_to_all_single`` of the same split sizes (every bucket's, with buffers made once). These six rows are timed
+round-robin, so that each and its reference see the same machine load. Each of those rows gets
 ``relative_to_reference`` ``{"to": row, "ratio": time ratio}`` (:func:`render` prints them).
 
 :func:`add_rows` runs on every rank inside :func:`zero_dtensor.bench.cli._bench_stage`, after the gradient rows (it
@@ -60,13 +60,13 @@ def add_rows(engine: Any, measure: Callable[..., None], rows: list[dict[str, Any
 
     ema = master.clone()
     ema_parts, master_parts = ema.local_partitions, master.local_partitions
-    measure("ema.lerp_(masters)", lambda: ema.lerp_(master, 0.001), repeat=args.repeat, bytes_per_rank=0.0,
-            baseline=None, note="0 comm", memory=lambda _: 0)
-    measure("ref: bare lerp_ of the partitions", lambda: [e.lerp_(m, 0.001) for e, m in zip(ema_parts, master_parts)],
-            repeat=args.repeat, bytes_per_rank=0.0, baseline=None, note="torch alone", memory=lambda _: 0)
+    timed: list[tuple[str, Callable[[], Any], str]] = [
+        ("ema.lerp_(masters)", lambda: ema.lerp_(master, 0.001), "0 comm"),
+        ("ref: bare lerp_ of the partitions", lambda: [e.lerp_(m, 0.001) for e, m in zip(ema_parts, master_parts)],
+         "torch alone"),
+    ]
 
     selected = list(master.layout.params)
-    timed: list[tuple[str, Callable[[], Any], str]] = []
     for row, call, target, assignment in (
             ("masters to_dtensors", master.to_dtensors, ROW_TARGET, None),
             ("masters owned", master.owned, OWNERS, owners(storage, selected))):
@@ -107,6 +107,8 @@ def _interleaved(timed: list[tuple[str, Callable[[], Any], str]], repeat: int, r
     import torch.distributed as dist
     from torch.distributed.tensor.debug import CommDebugMode
 
+    from .common import sync
+
     counts = []
     for _, call, _ in timed:
         call()  # warm-up
@@ -118,8 +120,10 @@ def _interleaved(timed: list[tuple[str, Callable[[], Any], str]], repeat: int, r
     for _ in range(repeat):
         for i, (_, call, _) in enumerate(timed):
             dist.barrier()
+            sync(device)
             t0 = time.perf_counter()
             result = call()
+            sync(device)
             times[i].append(time.perf_counter() - t0)
             del result
     for (row, _, note), mode, ts in zip(timed, counts, times):

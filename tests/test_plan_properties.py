@@ -86,7 +86,7 @@ def cases(draw):
             groups.append((flat // world, Packing.CONTIGUOUS, False))
     params = tuple(sorted(entries, key=lambda p: int(p.name[1:])))  # model order
     per_rank = [
-        FlatLayout(groups=tuple(GroupLayout(g, world, r, numel, torch.float64, packing, replicated=replicated)
+        FlatLayout(groups=tuple(GroupLayout(g, world, r, numel, packing, replicated=replicated)
                                 for g, (numel, packing, replicated) in enumerate(groups)),
                    params=params)
         for r in range(world)
@@ -243,8 +243,8 @@ def test_pipelined_column_pieces_reassemble_every_parameter(case) -> None:
     of the parameter-order buffer gives the same buffer as the whole ``(N, P)`` rows reordered at once; the pieces
     tile the columns, cut at a parameter boundary, and are two wherever one lies inside."""
     world, _, full = case
-    for g, gp, placement, _, rows in _chunked_groups(case, lambda placement, gp: placement.pipeline_pieces(gp) == ()):
-        pieces = placement.pipeline_pieces(gp)
+    for g, gp, placement, _, rows in _chunked_groups(case, lambda placement, gp: placement.pipeline_pieces(gp, 8) == ()):
+        pieces = placement.pipeline_pieces(gp, 8)
         P = g.partition_numel
         bounds = set(itertools.accumulate(gp.gathered.sizes))
         inside = {b for b in bounds if 0 < b < P}
@@ -288,10 +288,10 @@ def test_peer_rows_reassemble_every_parameter(case) -> None:
     rank order (what ``peer_partitions_by_all_to_all`` receives), through ``peers`` (``peer_rows``) fill the whole
     parameter-order buffer exactly as the ``(N, P)`` rows reordered at once; other placements have no peer rows."""
     world = case[0]
-    for g, gp, placement, parts, rows in _chunked_groups(case, lambda placement, gp: placement.peer_rows(gp) is None):
-        found = placement.peer_rows(gp)
+    for g, gp, placement, parts, rows in _chunked_groups(case, lambda placement, gp: placement.peer_rows(gp, 8) is None):
+        found = placement.peer_rows(gp, 8)
         if found is None:  # rows do not pay: the gather falls back to the rank-major rows
-            assert gp.own_column_rows is None or gp.peer_column_rows is None
+            assert gp.own_column_rows(8) is None or gp.peer_column_rows(8) is None
             continue
         own, peers = found
         P = g.partition_numel
@@ -313,7 +313,7 @@ def _chunked_case(world: int, shapes: list[tuple[int, ...]], extra: int = 0):
         chunk = math.ceil(size.numel() / world)
         entries.append(ParamLayout(f"p{i}", size, 0, offset, chunk_numel=chunk))
         offset += chunk
-    per_rank = [FlatLayout(groups=(GroupLayout(0, world, r, offset + extra, torch.float64, Packing.CHUNKED),),
+    per_rank = [FlatLayout(groups=(GroupLayout(0, world, r, offset + extra, Packing.CHUNKED),),
                            params=tuple(entries)) for r in range(world)]
     full, next_id = {}, 0
     for p in entries:
@@ -333,7 +333,7 @@ def test_pipelined_column_pieces_take_each_copy_path(world, shapes, extra, paths
     per run family, an ``index_select`` of rows, ``split_with_sizes_copy``."""
     case = _chunked_case(world, shapes, extra)
     for layout in case[1]:
-        pieces = plan_for(layout).groups[0].column_pieces
+        pieces = plan_for(layout).groups[0].column_pieces(8)  # float64
         kinds = tuple("split" if p.rows is None else ("families" if p.rows.families else "index") for p in pieces)
         assert kinds == paths
     test_pipelined_column_pieces_reassemble_every_parameter.hypothesis.inner_test(case)
@@ -349,5 +349,5 @@ def test_peer_rows_take_the_row_paths(world, shapes, extra) -> None:
     random ones mostly have rows too narrow to pay)."""
     case = _chunked_case(world, shapes, extra)
     for layout in case[1]:
-        assert placement_of(layout.groups[0]).peer_rows(plan_for(layout).groups[0]) is not None
+        assert placement_of(layout.groups[0]).peer_rows(plan_for(layout).groups[0], 8) is not None  # float64
     test_peer_rows_reassemble_every_parameter.hypothesis.inner_test(case)

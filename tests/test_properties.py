@@ -78,7 +78,7 @@ def layouts(draw):
     per_rank = [
         FlatLayout(
             groups=tuple(
-                GroupLayout(g, world, r, group_sizes[g], torch.float32, packing, replicated=kind == "replicated")
+                GroupLayout(g, world, r, group_sizes[g], packing, replicated=kind == "replicated")
                 for g in range(n_groups)
             ),
             params=tuple(params),

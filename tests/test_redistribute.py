@@ -65,9 +65,9 @@ def models(draw):
         sizes.append(flat if kind in ("zero3", "replicated") else flat // world)
     params.sort(key=lambda p: int(p.name[1:]))
     packing = Packing.CHUNKED if kind == "zero3" else Packing.CONTIGUOUS
-    per_rank = [FlatLayout(tuple(GroupLayout(g, world, r, sizes[g], dtypes[g], packing, kind == "replicated")
+    per_rank = [FlatLayout(tuple(GroupLayout(g, world, r, sizes[g], packing, kind == "replicated")
                                  for g in range(n_groups)), tuple(params)) for r in range(world)]
-    return world, kind, per_rank
+    return world, kind, per_rank, tuple(dtypes)
 
 
 def _truth(layout: FlatLayout, scale: float = 1.0) -> dict[str, torch.Tensor]:
@@ -75,8 +75,9 @@ def _truth(layout: FlatLayout, scale: float = 1.0) -> dict[str, torch.Tensor]:
             for i, p in enumerate(layout.params)}
 
 
-def _partitions(layout: FlatLayout, truth: dict[str, torch.Tensor], fill: float | None = None) -> list[torch.Tensor]:
-    parts = [torch.zeros(g.partition_numel, dtype=g.dtype) for g in layout.groups]
+def _partitions(layout: FlatLayout, dtypes: tuple[torch.dtype, ...], truth: dict[str, torch.Tensor],
+                fill: float | None = None) -> list[torch.Tensor]:
+    parts = [torch.zeros(g.partition_numel, dtype=dtypes[g.index]) for g in layout.groups]
     for p in layout.params:
         g = layout.groups[p.group]
         start, stop = p.rank_range(g, g.rank)
@@ -110,14 +111,14 @@ def _owners_of(layout: FlatLayout, names: tuple[str, ...], world: int) -> tuple[
 @settings(max_examples=150, deadline=None)
 @given(models(), st.sampled_from([rd.ROWS, rd.OWNERS]), st.randoms(use_true_random=False))
 def test_plans_move_every_element_exactly(model, kind, rnd) -> None:
-    world, _, layouts = model
+    world, _, layouts, dtypes = model
     names = tuple(p.name for p in layouts[0].params)
     names = tuple(rnd.sample(names, rnd.randint(1, len(names))))  # a selection, in any order
     owners = _owners_of(layouts[0], names, world) if kind == rd.OWNERS else ()
     keys = (0,) * len(layouts[0].groups)
-    plans = [rd_plan._plan(layout, names, keys, kind, owners) for layout in layouts]
+    plans = [rd_plan._plan(layout, names, keys, dtypes, kind, owners) for layout in layouts]
     truth = _truth(layouts[0])
-    parts = [_partitions(layout, truth) for layout in layouts]
+    parts = [_partitions(layout, dtypes, truth) for layout in layouts]
     owner_of = dict(zip(names, owners))
 
     # read: every rank ends with its rows (0-d: all of it) or its owned parameters, exactly
@@ -130,6 +131,21 @@ def test_plans_move_every_element_exactly(model, kind, rnd) -> None:
         for r, (bk, recv) in enumerate(zip(buckets, recvs)):
             out = torch.full((bk.out_numel,), float("nan"), dtype=bk.dtype)
             exchange._unpack(recv, bk.read.recv_pieces, [out])
+            # the same output when this rank's own share is copied straight into place and the rest exchanged alone
+            (own_sent, own_received), (sent, received) = bk.read.own_pieces(), bk.read.peer_pieces()
+            send_counts, recv_counts = bk.read.peer_counts()
+            assert [n for *_, n in own_sent] == [n for *_, n in own_received]
+            assert sum(n for *_, n in own_sent) == bk.read.send_counts[r] == bk.read.recv_counts[r]
+            assert sorted(own_sent + sent) == sorted(bk.read.send_pieces)
+            assert sorted(own_received + received) == sorted(bk.read.recv_pieces)
+            assert sum(n for *_, n in sent) == sum(send_counts) and sum(n for *_, n in received) == sum(recv_counts)
+            bypass = torch.full((bk.out_numel,), float("nan"), dtype=bk.dtype)
+            for (s, so, n), (_, do, m) in zip(own_sent, own_received):
+                bypass.narrow(0, do, m).copy_(parts[r][bk.groups[s]].narrow(0, so, n))
+            skip = sum(bk.read.recv_counts[:r])  # the peers' data is what arrives around this rank's own
+            peers_only = torch.cat([recv[:skip], recv[skip + bk.read.recv_counts[r]:]])
+            exchange._unpack(peers_only, received, [bypass])
+            assert torch.equal(bypass.nan_to_num(7.5), out.nan_to_num(7.5)), r
             if bk.read.recv_in_order:  # _read then uses the receive buffer itself as the output
                 assert torch.equal(recv, out), r
             for slot in bk.params:
@@ -150,7 +166,7 @@ def test_plans_move_every_element_exactly(model, kind, rnd) -> None:
 
     # write: new values from the targets land exactly where each rank stores them, nothing else changes
     new = _truth(layouts[0], scale=-2.0)
-    written = [_partitions(layout, truth, fill=float("nan")) for layout in layouts]
+    written = [_partitions(layout, dtypes, truth, fill=float("nan")) for layout in layouts]
     for b in range(len(plans[0].buckets)):
         buckets = [plan.buckets[b] for plan in plans]
         sends = []
@@ -171,7 +187,7 @@ def test_plans_move_every_element_exactly(model, kind, rnd) -> None:
             exchange._unpack(recv, bk.write.recv_pieces, [written[r][g] for g in bk.groups])
     selected = set(names)
     for r, layout in enumerate(layouts):
-        expected = _partitions(layout, {n: (new if n in selected else truth)[n] for n in truth})
+        expected = _partitions(layout, dtypes, {n: (new if n in selected else truth)[n] for n in truth})
         for n in truth:
             if n not in selected:  # unselected parameters keep the sentinel: never touched
                 p = layout.by_name[n]
@@ -192,7 +208,7 @@ def test_plans_move_every_element_exactly(model, kind, rnd) -> None:
 @given(st.lists(st.integers(0, 500), min_size=1, max_size=40), st.integers(1, 8))
 def test_balanced_owners_are_deterministic_and_balanced(sizes, world) -> None:
     params = tuple(ParamLayout(f"p{i}", torch.Size([n]), 0, 0) for i, n in enumerate(sizes))
-    layout = FlatLayout((GroupLayout(0, world, 0, 1, torch.float32, Packing.CONTIGUOUS),), params)
+    layout = FlatLayout((GroupLayout(0, world, 0, 1, Packing.CONTIGUOUS),), params)
     names = tuple(p.name for p in params)
     owners = assignment._balanced(layout, names, (0,))
     assert owners == assignment._balanced(FlatLayout(layout.groups, params), names, (0,))  # value, not identity

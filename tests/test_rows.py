@@ -150,7 +150,7 @@ def chunked_layouts(world: int, shapes: list[tuple[int, ...]], extra: int) -> li
         chunk = math.ceil(numel / world)
         entries.append(ParamLayout(f"p{i}", torch.Size(shape), 0, offset, chunk_numel=chunk))
         offset += chunk
-    return [FlatLayout(groups=(GroupLayout(0, world, r, offset + extra, torch.float32, Packing.CHUNKED),),
+    return [FlatLayout(groups=(GroupLayout(0, world, r, offset + extra, Packing.CHUNKED),),
                        params=tuple(entries)) for r in range(world)]
 
 
@@ -186,7 +186,7 @@ def check_reorder(layouts: list[FlatLayout]) -> bool:
     for k, p in enumerate(gp.params):
         start = sum(gp.param_order.sizes[: gp.param_order.piece[k]])
         assert torch.equal(total[start : start + p.numel], expected[start : start + p.numel]), p.name
-    return gp.column_rows is not None
+    return gp.column_rows(4) is not None  # float32 layouts
 
 
 wide_shapes = st.lists(st.one_of(st.tuples(st.integers(1, 6).map(lambda n: 64 * n)),
@@ -219,8 +219,8 @@ def test_repeated_layers_reorder_by_a_few_strided_copies(world, layer, layers, e
         layouts = chunked_layouts(world, layer * n, extra)
         assert check_reorder(layouts)
         gp = plan_for(layouts[0]).groups[0]
-        assert gp.column_rows.families is not None and gp.own_column_rows.families is not None
-        counts.add((len(gp.column_rows.families), len(gp.own_column_rows.families)))
+        assert gp.column_rows(4).families is not None and gp.own_column_rows(4).families is not None
+        counts.add((len(gp.column_rows(4).families), len(gp.own_column_rows(4).families)))
     assert len(counts) == 1
     gathered, own = counts.pop()
     assert gathered <= len(layer) + 1 and own <= len(layer) + 1

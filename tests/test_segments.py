@@ -255,7 +255,7 @@ def layouts(draw) -> tuple[FlatLayout, list[ParamLayout]]:
     groups = []
     for g in range(n_groups):
         flat = offsets[g] + (-offsets[g]) % world + world * draw(st.integers(0, 20))
-        groups.append(GroupLayout(g, world, rank, flat // world, torch.float32, Packing.CONTIGUOUS))
+        groups.append(GroupLayout(g, world, rank, flat // world, Packing.CONTIGUOUS))
     return FlatLayout(groups=tuple(groups), params=tuple(params)), params
 
 

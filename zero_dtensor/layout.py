@@ -39,13 +39,14 @@ class Packing(enum.Enum):
 
 @dataclass(frozen=True)
 class GroupLayout:
-    """One flat buffer (of any family), as seen from every rank of its process group."""
+    """One flat buffer (of any family), as seen from every rank of its process group: geometry only. The dtype is
+    the family's (its storage's partitions): families of the same geometry (gradients, masters, every optimizer-state
+    key, clones in another dtype) share one layout and therefore one cached plan."""
 
     index: int
     world_size: int
     rank: int
     partition_numel: int
-    dtype: torch.dtype
     packing: Packing
     replicated: bool = False
 

@@ -1,8 +1,9 @@
-"""How a flat group's gradient is spread over the ranks of its process group, and what that costs to gather.
+"""How a flat group's buffer (of any family) is assembled from the ranks of its process group, and what that costs.
 
-One placement kind per way DeepSpeed stores a group. Each answers, for a whole group at once, which elements each
-rank holds, how the group's full buffer is assembled (which collective, how many bytes), and how an assembled
-buffer is cut into parameters. Nothing outside this module branches on the kind of a group.
+One placement kind per way DeepSpeed stores a group: its geometry (which elements each rank holds) is
+:mod:`zero_dtensor.geometry`'s; each kind here adds, for a whole group at once, how the group's full buffer is
+assembled (which collective, how many bytes) and how an assembled buffer is cut into parameters. Nothing outside
+this module and :mod:`zero_dtensor.geometry` branches on the kind of a group.
 
 ``N`` ranks, ``P`` elements per rank's partition, ``S`` the bytes of the group's padded flat buffer (``N·P``
 elements, stored dtype; ``P`` elements for a replicated group):
@@ -60,10 +61,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
 
 from .collectives import all_gather_into, all_gather_single, all_reduce_sum_work, on_comm_device
+from .geometry import ChunkGeometry, GroupGeometry, RaggedGeometry, ReplicatedGeometry
 from .tiling import Tiling, tiling
 from .views import ViewCache
 
@@ -84,48 +84,9 @@ class Allocator(Protocol):
 
 
 @dataclass(frozen=True)
-class GroupPlacement:
-    """The geometry of one kind of flat group (see the module docstring)."""
-
-    #: a short name for messages and benchmarks
-    kind: str = ""
-
-    @property
-    def is_sharded(self) -> bool:
-        """Whether assembling the full buffer needs a collective."""
-        return True
-
-    @property
-    def param_order_gather(self) -> bool:
-        """Whether an all_gather of the partitions lands in parameter order (else rows must be reordered)."""
-        return True
-
-    def dtensor_placement(self) -> Placement:
-        """The placement of the group's flat ``DTensor``."""
-        return Shard(0)
-
-    def rank_range(self, group: GroupLayout, param: ParamLayout, rank: int) -> tuple[int, int]:
-        """``(start, stop)`` of the elements of the flattened ``param`` that ``rank`` holds."""
-        raise NotImplementedError
-
-    def local_offset(self, group: GroupLayout, param: ParamLayout, rank: int) -> int:
-        """Where the fragment of :meth:`rank_range` starts inside ``rank``'s partition."""
-        raise NotImplementedError
-
-    def span(self, param: ParamLayout) -> tuple[int, int]:
-        """``[start, stop)`` ``param`` occupies in the axis the group is laid out along: the global flat buffer
-        (ragged, replicated) or every rank's partition (chunked)."""
-        return param.offset, param.offset + param.numel
-
-    def gathered_numel(self, group: GroupLayout) -> int:
-        """Elements of the group's assembled buffer."""
-        return group.flat_numel
-
-    @property
-    def exact_param_shards(self) -> bool:
-        """Whether one parameter's pieces form an exact per-parameter DTensor (``Shard(0)`` of the flattened
-        parameter, or ``Replicate``)."""
-        return True
+class GroupPlacement(GroupGeometry):
+    """One kind of flat group: its geometry (:mod:`zero_dtensor.geometry`) and how its buffer is assembled (see
+    the module docstring)."""
 
     def gather_param(self, group: GroupLayout, param: ParamLayout, partition: torch.Tensor,
                      pg: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
@@ -153,15 +114,15 @@ class GroupPlacement:
         """Elements of the extra buffer :meth:`to_param_order` needs after an all_gather (0: none)."""
         return 0
 
-    def peer_rows(self, plan: GroupPlan) -> tuple[RowMap, RowMap] | None:
-        """Where an all_gather needs a reorder: the row copies that put this rank's partition, and the other ranks'
+    def peer_rows(self, plan: GroupPlan, element_size: int) -> tuple[RowMap, RowMap] | None:
+        """Where an all_gather of ``element_size``-byte elements needs a reorder: the row copies that put this rank's partition, and the other ranks'
         received back to back (:func:`~zero_dtensor.collectives.peer_partitions_by_all_to_all`), each straight
         into its rows of parameter order (``area`` of :meth:`to_param_order`), so that this rank's own partition
         is never copied into the gathered rows first; ``None`` where no reorder is needed or rows do not pay."""
         return None
 
-    def pipeline_pieces(self, plan: GroupPlan) -> tuple[ColumnPiece, ...]:
-        """The column ranges of the partitions that a pipelined all_gather gathers as collectives of their own,
+    def pipeline_pieces(self, plan: GroupPlan, element_size: int) -> tuple[ColumnPiece, ...]:
+        """The column ranges (``element_size``-byte elements) of the partitions that a pipelined all_gather gathers as collectives of their own,
         each reordered by :meth:`to_param_order` once it has arrived (while the next travels, where the process
         group runs collectives in issue order); empty where an all_gather needs no reorder (then nothing is worth
         pipelining)."""
@@ -199,24 +160,8 @@ class GroupPlacement:
 
 
 @dataclass(frozen=True)
-class RaggedShard(GroupPlacement):
-    """ZeRO-1/2: parameters back to back in a zero-padded flat buffer of ``N·P`` elements; rank ``r`` owns
-    ``[r·P, (r+1)·P)``. A parameter's pieces are ragged: never describe one as a per-parameter ``Shard(0)``."""
-
-    kind: str = "ragged"
-
-    def rank_range(self, group: GroupLayout, param: ParamLayout, rank: int) -> tuple[int, int]:
-        lo, hi = rank * group.partition_numel, (rank + 1) * group.partition_numel
-        start = min(max(lo - param.offset, 0), param.numel)
-        return start, max(min(hi - param.offset, param.numel), start)
-
-    def local_offset(self, group: GroupLayout, param: ParamLayout, rank: int) -> int:
-        start, stop = self.rank_range(group, param, rank)
-        return 0 if start == stop else param.offset + start - rank * group.partition_numel
-
-    @property
-    def exact_param_shards(self) -> bool:
-        return False
+class RaggedShard(RaggedGeometry, GroupPlacement):
+    """ZeRO-1/2 (:class:`~zero_dtensor.geometry.RaggedGeometry`): gathered in parameter order."""
 
     def gather_param(self, group: GroupLayout, param: ParamLayout, partition: torch.Tensor,
                      pg: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
@@ -302,25 +247,8 @@ class RaggedShard(GroupPlacement):
 
 
 @dataclass(frozen=True)
-class ChunkShard(GroupPlacement):
-    """ZeRO-3: each parameter split like ``torch.chunk(flat_param, N)`` into chunks of ``chunk_numel`` elements,
-    each stored at the same ``offset`` in every rank's partition (zero-padded at the end of the parameter)."""
-
-    kind: str = "chunked"
-
-    @property
-    def param_order_gather(self) -> bool:
-        return False
-
-    def rank_range(self, group: GroupLayout, param: ParamLayout, rank: int) -> tuple[int, int]:
-        start = min(rank * param.chunk_numel, param.numel)
-        return start, min(start + param.chunk_numel, param.numel)
-
-    def local_offset(self, group: GroupLayout, param: ParamLayout, rank: int) -> int:
-        return param.offset
-
-    def span(self, param: ParamLayout) -> tuple[int, int]:
-        return param.offset, param.offset + param.chunk_numel
+class ChunkShard(ChunkGeometry, GroupPlacement):
+    """ZeRO-3 (:class:`~zero_dtensor.geometry.ChunkGeometry`): gathered rank-major, reordered into parameters."""
 
     def gather_param(self, group: GroupLayout, param: ParamLayout, partition: torch.Tensor,
                      pg: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
@@ -333,11 +261,11 @@ class ChunkShard(GroupPlacement):
     def fill_for_reduce(self, region: torch.Tensor, group: GroupLayout, plan: GroupPlan, partition: torch.Tensor,
                         pieces: tuple[torch.Tensor, ...] | None, cache: ViewCache | None = None) -> None:
         """Rank ``r``'s chunk of parameter ``p`` goes to row ``r`` of ``p``'s ``(N, chunk)`` block: one zero fill,
-        then one row copy of the whole partition (:attr:`~zero_dtensor.plan.GroupPlan.own_column_rows`; the
+        then one row copy of the whole partition (:meth:`~zero_dtensor.plan.GroupPlan.own_column_rows`; the
         chunks' padding lands in the blocks' padding, which no result shows), or, where rows do not pay
         (:func:`~zero_dtensor.rows.row_map`), one ``_foreach_copy_`` of the fragments."""
         region.zero_()
-        rows = plan.own_column_rows
+        rows = plan.own_column_rows(partition.element_size())
         if rows is not None:
             rows.copy(partition, region)
             return
@@ -363,7 +291,7 @@ class ChunkShard(GroupPlacement):
         copy per block elsewhere)."""
         assert area is not None
         N = group.world_size
-        piece = plan.whole_columns if piece is None else piece
+        piece = plan.whole_columns(gathered.element_size()) if piece is None else piece
         if piece.rows is not None:
             piece.rows.copy(gathered, area)
             return area
@@ -378,15 +306,15 @@ class ChunkShard(GroupPlacement):
     def reorder_area(self, group: GroupLayout) -> int:
         return group.flat_numel
 
-    def peer_rows(self, plan: GroupPlan) -> tuple[RowMap, RowMap] | None:
-        """:attr:`~zero_dtensor.plan.GroupPlan.own_column_rows` and
-        :attr:`~zero_dtensor.plan.GroupPlan.peer_column_rows` (both or ``None``)."""
-        own, peers = plan.own_column_rows, plan.peer_column_rows
+    def peer_rows(self, plan: GroupPlan, element_size: int) -> tuple[RowMap, RowMap] | None:
+        """:meth:`~zero_dtensor.plan.GroupPlan.own_column_rows` and
+        :meth:`~zero_dtensor.plan.GroupPlan.peer_column_rows` (both or ``None``)."""
+        own, peers = plan.own_column_rows(element_size), plan.peer_column_rows(element_size)
         return None if own is None or peers is None else (own, peers)
 
-    def pipeline_pieces(self, plan: GroupPlan) -> tuple[ColumnPiece, ...]:
-        """:attr:`~zero_dtensor.plan.GroupPlan.column_pieces`: two, cut at a parameter boundary."""
-        return plan.column_pieces
+    def pipeline_pieces(self, plan: GroupPlan, element_size: int) -> tuple[ColumnPiece, ...]:
+        """:meth:`~zero_dtensor.plan.GroupPlan.column_pieces`: two, cut at a parameter boundary."""
+        return plan.column_pieces(element_size)
 
     def window_order_tiling(self, group: GroupLayout, params: tuple[ParamLayout, ...], start: int,
                             width: int) -> Tiling:
@@ -445,26 +373,9 @@ class ChunkShard(GroupPlacement):
 
 
 @dataclass(frozen=True)
-class Replicated(GroupPlacement):
-    """Every rank holds the whole (averaged) flat buffer: ``BF16_Optimizer`` and ``keep_full_grads``."""
-
-    kind: str = "replicated"
-
-    @property
-    def is_sharded(self) -> bool:
-        return False
-
-    def dtensor_placement(self) -> Placement:
-        return Replicate()
-
-    def rank_range(self, group: GroupLayout, param: ParamLayout, rank: int) -> tuple[int, int]:
-        return 0, param.numel
-
-    def local_offset(self, group: GroupLayout, param: ParamLayout, rank: int) -> int:
-        return param.offset
-
-    def gathered_numel(self, group: GroupLayout) -> int:
-        return group.partition_numel
+class Replicated(ReplicatedGeometry, GroupPlacement):
+    """``BF16_Optimizer`` and ``keep_full_grads`` (:class:`~zero_dtensor.geometry.ReplicatedGeometry`): nothing to
+    gather."""
 
     def gather_param(self, group: GroupLayout, param: ParamLayout, partition: torch.Tensor,
                      pg: dist.ProcessGroup, device: torch.device) -> torch.Tensor:

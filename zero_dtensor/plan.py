@@ -16,10 +16,10 @@ import itertools
 import operator
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TypeVar
 
-import torch
 
 from .layout import FlatLayout, GroupLayout, ParamLayout
 from .rows import RowMap, row_map
@@ -28,13 +28,15 @@ from .tiling import Tiling, tiling
 
 __all__ = ["PIPELINE_FIRST_SHARE", "AllParams", "ColumnPiece", "FlatPlan", "GroupPlan", "Tiling", "plan_for", "tiling"]
 
-#: A pipelined ZeRO-3 all_gather (:attr:`GroupPlan.column_pieces`) gathers the columns up to the parameter
+#: A pipelined ZeRO-3 all_gather (:meth:`GroupPlan.column_pieces`) gathers the columns up to the parameter
 #: boundary nearest this share of the partition and the rest as two collectives. Where a process group runs its
 #: collectives in issue order (NCCL: one stream), the rest travels while the first part is reordered; reordering
 #: costs about a third of gathering the same bytes on gloo (a memory-bound copy against a loopback transfer), so at
 #: 3/4 the second part's transfer would last as long as the first part's reorder. (Gloo itself runs the two at once
 #: on its worker threads: see :mod:`zero_dtensor.materialize.strategy`.)
 PIPELINE_FIRST_SHARE = 0.75
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, eq=False)
@@ -67,6 +69,7 @@ class GroupPlan:
     local: Tiling  # this rank's partition: fragments and padding
     gathered: Tiling  # ragged / replicated: the assembled flat buffer; chunked: the columns of its (N, P) rows
     param_order: Tiling  # a parameter-order buffer: ragged/replicated as ``gathered``; chunked: N·chunk each
+    _rows: dict[tuple[str, int], object] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def index(self) -> int:
@@ -112,58 +115,63 @@ class GroupPlan:
         """Indices (buffer order) of the parameters with a non-empty fragment on this rank."""
         return tuple(k for k, n in enumerate(self.frag_len) if n)
 
-    @cached_property
-    def column_rows(self) -> RowMap | None:
+    # --- chunked groups' row copies: geometry, judged for elements of one size (the family's dtype) ---------------
+    def column_rows(self, element_size: int) -> RowMap | None:
         """Chunked groups: the ``(N, P)`` rows of an all_gather (flattened) to parameter order, every piece of
         :attr:`gathered` (gaps too) as its ``(N, width)`` block, as one row copy (:mod:`zero_dtensor.rows`);
-        ``None`` for other groups or where rows do not pay (:func:`~zero_dtensor.rows.row_map`)."""
-        if self.group.placement.param_order_gather:
-            return None
-        return self._columns(range(self.group.world_size))
+        ``None`` for other groups or where rows do not pay for ``element_size``-byte elements
+        (:func:`~zero_dtensor.rows.row_map`). Cached per element size: families of any dtype share the plan."""
+        return self._memo(("all", element_size), lambda: self._columns(range(self.group.world_size), element_size))
 
-    @cached_property
-    def whole_columns(self) -> ColumnPiece:
-        """Chunked groups: every column as one :class:`ColumnPiece` (the rows of :attr:`column_rows`)."""
-        return ColumnPiece(0, self.group.partition_numel, self.gathered.sizes, self.column_rows)
+    def whole_columns(self, element_size: int) -> ColumnPiece:
+        """Chunked groups: every column as one :class:`ColumnPiece` (the rows of :meth:`column_rows`)."""
+        return self._memo(("whole", element_size), lambda: ColumnPiece(
+            0, self.group.partition_numel, self.gathered.sizes, self.column_rows(element_size)))
 
-    @cached_property
-    def column_pieces(self) -> tuple[ColumnPiece, ...]:
+    def column_pieces(self, element_size: int) -> tuple[ColumnPiece, ...]:
         """Chunked groups: the columns cut in two at the boundary of :attr:`gathered`'s pieces nearest
-        :data:`PIPELINE_FIRST_SHARE` of ``P``, for an all_gather in two steps (:attr:`whole_columns` alone when no
+        :data:`PIPELINE_FIRST_SHARE` of ``P``, for an all_gather in two steps (:meth:`whole_columns` alone when no
         boundary lies inside)."""
+        return self._memo(("pieces", element_size), lambda: self._column_pieces(element_size))
+
+    def _column_pieces(self, element_size: int) -> tuple[ColumnPiece, ...]:
         P = self.group.partition_numel
         target = PIPELINE_FIRST_SHARE * P
         bounds = list(itertools.accumulate(self.gathered.sizes))[:-1]
         inside = [(abs(b - target), i + 1, b) for i, b in enumerate(bounds) if 0 < b < P]
         if not inside:
-            return (self.whole_columns,)
+            return (self.whole_columns(element_size),)
         _, split, cut = min(inside)
         sizes = self.gathered.sizes
         every = range(self.group.world_size)
-        return (ColumnPiece(0, cut, sizes[:split], self._columns(every, 0, cut)),
-                ColumnPiece(cut, P, sizes[split:], self._columns(every, cut, P)))
+        return (ColumnPiece(0, cut, sizes[:split], self._columns(every, element_size, 0, cut)),
+                ColumnPiece(cut, P, sizes[split:], self._columns(every, element_size, cut, P)))
 
-    @cached_property
-    def own_column_rows(self) -> RowMap | None:
+    def own_column_rows(self, element_size: int) -> RowMap | None:
         """Chunked groups: this rank's partition to its rows of the parameter-order blocks (the rest of the
-        destination untouched), as one row copy; ``None`` as for :attr:`column_rows`."""
-        if self.group.placement.param_order_gather:
-            return None
-        return self._columns((self.group.rank,))
+        destination untouched), as one row copy; ``None`` as for :meth:`column_rows`."""
+        return self._memo(("own", element_size), lambda: self._columns((self.group.rank,), element_size))
 
-    @cached_property
-    def peer_column_rows(self) -> RowMap | None:
+    def peer_column_rows(self, element_size: int) -> RowMap | None:
         """Chunked groups: the other ranks' partitions, back to back in rank order (``(N-1)·P`` elements, what
         :func:`~zero_dtensor.collectives.peer_partitions_by_all_to_all` receives), to their rows of the
-        parameter-order blocks (this rank's rows untouched), as one row copy; ``None`` as for :attr:`column_rows`."""
-        if self.group.placement.param_order_gather:
-            return None
-        return self._columns(tuple(r for r in range(self.group.world_size) if r != self.group.rank))
+        parameter-order blocks (this rank's rows untouched), as one row copy; ``None`` as for :meth:`column_rows`."""
+        peers = tuple(r for r in range(self.group.world_size) if r != self.group.rank)
+        return self._memo(("peers", element_size), lambda: self._columns(peers, element_size))
 
-    def _columns(self, ranks: Sequence[int], lo: int = 0, hi: int | None = None) -> RowMap | None:
+    def _memo(self, key: tuple[str, int], build: Callable[[], T]) -> T:
+        if key not in self._rows:
+            self._rows[key] = build()
+        return self._rows[key]
+
+    def _columns(self, ranks: Sequence[int], element_size: int, lo: int = 0, hi: int | None = None
+                 ) -> RowMap | None:
         """The row copy of columns ``[lo, hi)`` (parameter boundaries; default all) of the partitions of ``ranks``,
         held back to back in that order (``len(ranks)·(hi - lo)`` elements: every rank's for an all_gather, one
-        rank's, the other ranks'), into their rows of the ``N·(hi - lo)`` parameter-order elements."""
+        rank's, the other ranks'), into their rows of the ``N·(hi - lo)`` parameter-order elements; ``None`` for
+        groups gathered in parameter order."""
+        if self.group.placement.param_order_gather:
+            return None
         N = self.group.world_size
         hi = self.group.partition_numel if hi is None else hi
         W = hi - lo
@@ -179,8 +187,7 @@ class GroupPlan:
                     lengths.append(width)
                     padding.append(i in gaps)
             start += width
-        esize = torch.empty((), dtype=self.group.dtype).element_size()
-        return row_map(src, dst, lengths, len(ranks) * W, N * W, esize, padding)
+        return row_map(src, dst, lengths, len(ranks) * W, N * W, element_size, padding)
 
     @cached_property
     def local_segments(self) -> SegmentPlan:

@@ -13,7 +13,8 @@ ranks, or that one rank refuses (an unknown name, a bad ``out=`` entry or ``dtyp
 before anything is sent. The work is done by modules that take the internal state explicitly:
 :mod:`~zero_dtensor.materialize` (full tensors), :mod:`~zero_dtensor.transforms` (elementwise, clone),
 :mod:`~zero_dtensor.reductions` (norms, dots, stats, clipping), :mod:`~zero_dtensor.redistribute`; the methods are
-grouped by concept: this module (mapping, views, materialization, writes), :mod:`~zero_dtensor.tensor_math`
+grouped by concept: this module (mapping, materialization, writes), :mod:`~zero_dtensor.param_view` (one
+parameter's view), :mod:`~zero_dtensor.tensor_math`
 (transforms and reductions), :mod:`~zero_dtensor.tensor_owners` (DTensors and whole tensors on owners).
 """
 
@@ -34,114 +35,13 @@ from .layout import FlatLayout, ParamLayout
 from .materialize import bulk as _bulk
 from .materialize import stream as _stream
 from .materialize.results import PendingFullTensors
+from .param_view import ParamView
 from .state import FlatState, ParamSelection, Selection, check_dtype, short_names
 from .storage import FlatStorage
 from .tensor_math import TensorMath
 from .tensor_owners import TensorOwners
 
 __all__ = ["ParamView", "ShardedTensors", "check_dtype"]
-
-
-class ParamView:
-    """The tensor of one parameter: its local fragment on this rank and, on request, the full tensor.
-
-    For ZeRO-1/2 the fragments are ragged (a parameter straddles ranks at arbitrary offsets), so a parameter is *not*
-    a DTensor; for ZeRO-3 (``torch.chunk`` pieces) and replicated groups :meth:`as_dtensor` gives an exact one.
-    """
-
-    __slots__ = ("_owner", "_param")
-
-    def __init__(self, owner: ShardedTensors, param: ParamLayout) -> None:
-        self._owner = owner
-        self._param = param
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}({self.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
-            f"local_range={self.local_range}, group={self._param.group})"
-        )
-
-    @property
-    def name(self) -> str:
-        return self._param.name
-
-    @property
-    def shape(self) -> torch.Size:
-        return self._param.shape
-
-    @property
-    def numel(self) -> int:
-        return self._param.numel
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The dtype DeepSpeed stores this family in (gradients: the gradient-accumulation dtype; masters and optimizer
-        state: float32)."""
-        return self._owner.layout.groups[self._param.group].dtype
-
-    @property
-    def group(self) -> int:
-        """Index of the flat group (``ShardedTensors.groups``) holding this parameter."""
-        return self._param.group
-
-    @property
-    def local_range(self) -> tuple[int, int]:
-        """``(start, stop)`` of this rank's fragment within the flattened parameter (``start == stop``: none)."""
-        start, stop, _ = self._owner._state.plan.fragments[self.name]
-        return start, stop
-
-    def to_local(self) -> torch.Tensor:
-        """This rank's fragment, 1-D, ``local_range`` long: a **live view** of the stored memory.
-
-        Writes to it change what ``engine.step()`` uses; it changes when the tensor does. Under
-        ``keep_full_grads`` (gradients) the view is of the kept full buffer, whose slice DeepSpeed owns is copied into
-        DeepSpeed's partition at the start of ``engine.step()`` (and after every write through the API).
-        No communication. Under fp16 loss scaling the stored values are ``true values × loss_scale``.
-        """
-        state = self._owner._state
-        state.check_current()
-        return state.fragment(self._param).view(-1)  # a new view: the cached fragment object stays internal
-
-    def full_tensor(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The full (true, unscaled) tensor, shape ``self.shape``: a snapshot in memory the caller owns.
-        **Collective**: call on every rank of the group.
-
-        Communication (the placement's, :mod:`zero_dtensor.placement`): none for a replicated group; ZeRO-3: one
-        ``all_gather`` of the ``ceil(numel/N)`` chunks (``(N-1)/N·numel`` elements received per rank); ZeRO-1/2: one
-        sum ``all_reduce`` of a zero-padded ``numel``-element buffer in the stored dtype (exact: every element has
-        one non-zero contributor). To gather many parameters use :meth:`ShardedTensors.full_tensors` (one collective
-        per group).
-        """
-        state = self._owner._state
-        state.check_current()
-        what = f"{type(self).__name__}.full_tensor"
-        with Refusal() as refusal:
-            check_dtype(dtype, what)
-        storage = state.storage
-        param = self._param
-        pg = storage.process_groups[param.group]
-        communicates = state.group(param.group).placement.is_sharded
-        agree(what, (self.name, str(dtype)), [pg] if communicates else [], storage.device,
-              refused=refusal.error)
-        group = state.group(param.group)
-        full = group.placement.gather_param(group, param, storage.partitions[param.group], pg, storage.device)
-        return state.finish(full.view(param.shape), dtype)
-
-    def as_dtensor(self) -> DTensor:
-        """This tensor as an exact DTensor of shape ``(numel,)`` aliasing DeepSpeed's storage (a live view). No
-        communication.
-
-        ``Shard(0)`` for ZeRO-3 (``torch.chunk`` pieces), ``Replicate()`` for replicated groups. ZeRO-1/2 pieces are
-        ragged, which DTensor cannot describe: use :meth:`to_local`, :meth:`full_tensor` or ``tensors.groups``.
-        """
-        group = self._owner._state.group(self._param.group)
-        if not group.placement.exact_param_shards:
-            raise TypeError(
-                f"{self.name!r}: ZeRO-1/2 stores a parameter in ragged pieces that a Shard(0) DTensor would describe "
-                "wrongly; use .groups[...] (an exact Shard(0) DTensor per flat group), to_local() or full_tensor()"
-            )
-        return self._owner._dtensor(self.to_local(), self._param.group, (self.numel,))
-
 
 
 class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from typing import Any, Union
 
 import torch
@@ -371,13 +370,8 @@ def clone_storage(state: FlatState, dtype: torch.dtype | None) -> FlatStorage:
     """A copy of this rank's partitions with the same layout (one copy per group), valid across steps."""
     storage = state.storage
     partitions = tuple(p.detach().to(dtype=dtype or p.dtype, copy=True) for p in storage.partitions)
-    if all(part.dtype == g.dtype for g, part in zip(storage.layout.groups, partitions)):
-        layout = storage.layout  # the same plan serves the clone
-    else:
-        groups = tuple(replace(g, dtype=part.dtype) for g, part in zip(storage.layout.groups, partitions))
-        layout = replace(storage.layout, groups=groups)
     return FlatStorage(
-        layout=layout,
+        layout=storage.layout,  # geometry only: the same plan serves the clone, in any dtype
         partitions=partitions,
         process_groups=storage.process_groups,
         loss_scale=storage.loss_scale,

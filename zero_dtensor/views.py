@@ -62,6 +62,15 @@ class ViewCache:
             self._held += len(views)
         return views
 
+    @property
+    def entries(self) -> int:
+        """How many keys the cache holds views for."""
+        return len(self._views)
+
+    def holds(self, key: object) -> bool:
+        """Whether views are cached under ``key``."""
+        return key in self._views
+
     def split(self, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
         """``buffer.split_with_sizes(sizes)``, cached."""
         return self.get(("split", sizes), lambda b: b.split_with_sizes(list(sizes)))

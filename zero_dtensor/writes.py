@@ -214,7 +214,8 @@ def set_full_(state: FlatState, checked: CheckedValues) -> None:
         direct: list[tuple[GroupPlan, list[ParamLayout], list[torch.Tensor]]] = []
         for g, ps, names, vs in checked.request.grouped(checked.values):
             plan = state.plan.groups[g]
-            write = _row_write(plan, names) if len(vs) > 1 else None
+            write = (_row_write(plan, names, state.storage.partitions[g].element_size()) if len(vs) > 1
+                     else None)
             buffer = write.stage(vs, checked.dtypes, checked.exact) if write is not None else None
             if write is not None and buffer is not None:
                 staged.append((write, buffer))
@@ -355,7 +356,7 @@ def _shaped_fragments(state: FlatState, plan: GroupPlan) -> list[torch.Tensor]:
     return [pieces[plan.local.piece[k]].view(plan.params[k].shape) for k in plan.whole_local]
 
 
-_ROW_WRITES: OrderedDict[tuple[GroupPlan, tuple[str, ...]], _RowWrite | None] = OrderedDict()
+_ROW_WRITES: OrderedDict[tuple[GroupPlan, tuple[str, ...], int], _RowWrite | None] = OrderedDict()
 _ROW_WRITES_KEPT = 16
 #: a request with more distinct trailing shapes than this is written by the per-parameter path
 MAX_SHAPE_CLASSES = 16
@@ -364,21 +365,22 @@ MAX_SHAPE_CLASSES = 16
 STAGE_BELOW = 4096
 
 
-def _row_write(plan: GroupPlan, names: tuple[str, ...]) -> _RowWrite | None:
-    """The cached staging plan of ``names`` (request order) in ``plan``'s group, or ``None`` where the group's
+def _row_write(plan: GroupPlan, names: tuple[str, ...], element_size: int) -> _RowWrite | None:
+    """The cached staging plan of ``names`` (request order) in ``plan``'s group (its partition of
+    ``element_size``-byte elements), or ``None`` where the group's
     pieces are too narrow or too long for rows, the parameters are :data:`STAGE_BELOW` elements or more on average,
     or the request has over :data:`MAX_SHAPE_CLASSES` trailing shapes."""
-    key = (plan, names)
+    key = (plan, names, element_size)
     if key in _ROW_WRITES:
         _ROW_WRITES.move_to_end(key)
         return _ROW_WRITES[key]
-    found = _ROW_WRITES[key] = _build_row_write(plan, names)
+    found = _ROW_WRITES[key] = _build_row_write(plan, names, element_size)
     if len(_ROW_WRITES) > _ROW_WRITES_KEPT:
         _ROW_WRITES.popitem(last=False)
     return found
 
 
-def _build_row_write(plan: GroupPlan, names: tuple[str, ...]) -> _RowWrite | None:
+def _build_row_write(plan: GroupPlan, names: tuple[str, ...], element_size: int) -> _RowWrite | None:
     positions = plan.positions
     ks = [positions[n] for n in names]
     mine = [i for i, k in enumerate(ks) if plan.frag_len[k]]  # request entries this rank holds part of
@@ -401,8 +403,7 @@ def _build_row_write(plan: GroupPlan, names: tuple[str, ...]) -> _RowWrite | Non
     src = [staged_at[i] + plan.frag_start[ks[i]] for i in mine]
     dst = [plan.frag_offset[ks[i]] for i in mine]
     lengths = [plan.frag_len[ks[i]] for i in mine]
-    esize = torch.empty((), dtype=plan.group.dtype).element_size()
-    rows = row_map(src, dst, lengths, at, plan.group.partition_numel, esize)
+    rows = row_map(src, dst, lengths, at, plan.group.partition_numel, element_size)
     if rows is None:
         return None
     held = set(mine)

@@ -16,9 +16,10 @@ from .common import (DTYPES, EngineCase, build_engine, count_comms, fill_value, 
 def _expected_flat(grads: zd.ShardedGrads, group_index: int, refs: dict[str, torch.Tensor]) -> torch.Tensor:
     """The group's padded global flat buffer, assembled from DeepSpeed's per-parameter full gradients."""
     group = grads.layout.groups[group_index]
-    flat = torch.zeros(group.flat_numel, dtype=group.dtype)
+    dtype = grads.local_partitions[group_index].dtype
+    flat = torch.zeros(group.flat_numel, dtype=dtype)
     for p in grads.layout.params_of(group_index):
-        values = refs[p.name].reshape(-1).to(group.dtype)
+        values = refs[p.name].reshape(-1).to(dtype)
         if group.packing is Packing.CHUNKED:
             view = flat.view(group.world_size, group.partition_numel)
             for r in range(group.world_size):

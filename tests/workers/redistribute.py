@@ -124,6 +124,23 @@ def check_reads(case: EngineCase) -> dict:
     for name, t in everything.items():
         assert t.dtype == torch.float32 and torch.equal(t, full[name].float()), name
 
+    # output memory is recycled only once nothing refers to it: results still held keep their values while later
+    # calls (of this family or another of the same geometry) read other values, whatever is dropped in between
+    doubled = grads.clone()
+    doubled.mul_(2)
+    for _ in range(3):
+        again, again_owned = doubled.to_dtensors(), doubled.owned()
+        for name in grads.names:
+            assert torch.equal(again[name].to_local(), dts[name].to_local() * 2), name
+            assert torch.equal(dts[name].full_tensor(), full[name]), name
+        for name, t in again_owned.items():
+            assert torch.equal(t, mine[name] * 2) and torch.equal(mine[name], full[name]), name
+        kept_local = {n: d.to_local() for n, d in again.items()}  # a local shard alone keeps its memory too
+        del again, again_owned
+        _ = grads.to_dtensors(), grads.owned()
+        assert all(torch.equal(kept_local[n], dts[n].to_local() * 2) for n in grads.names)
+    del doubled, kept_local
+
     # snapshots: engine.step() changes none of them
     if deepspeed_step_broken(case.stage):
         return {"a2a": a2a, "owned": len(mine)}

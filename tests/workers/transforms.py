@@ -313,7 +313,7 @@ def _row_step_matches_deepspeed(st: _State, failed_before: list[str]) -> None:
     ws = dist.get_world_size()
     theirs = build_engine(st.case)
     forward_backward(theirs)
-    stored = st.grads.layout.groups[0].dtype
+    stored = st.grads._state.storage.partitions[0].dtype  # the stored dtype (the view is stale after the step)
     for name, p in theirs.module.named_parameters():
         value = safe_get_full_grad(p).to(stored)
         assert torch.equal(value, st.initial[name]), name
@@ -395,7 +395,7 @@ def check_stats_nonfinite(grads: zd.ShardedGrads, ref: dict, one: int) -> None:
 
 def check_torch_clip_agreement(grads: zd.ShardedGrads, ref: dict) -> None:
     """Our clip_grad_norm_ agrees with torch.nn.utils.clip_grad_norm_ over holders whose .grad are grads.groups."""
-    is_fp32 = grads.layout.groups[0].dtype == torch.float32
+    is_fp32 = grads[grads.names[0]].dtype == torch.float32
     rtol = 1e-5 if is_fp32 else 2e-2  # torch takes bf16 norms in bf16
     mine, theirs = grads.clone(), grads.clone()
     total_ref = ref_norm(torch.cat([t.double().reshape(-1) for t in ref.values()]), 2)
@@ -533,7 +533,8 @@ def check_fp16(case: EngineCase) -> dict:
         assert_equal(full(grads), {n: t.float() / scale for n, t in stored.items()}, "fp16 elementwise")
     # a clone stored in fp32 with the same scale: add_ converts between dtypes, not scales
     fp32_snap = snap.clone(dtype=torch.float32)
-    assert fp32_snap.layout.groups[0].dtype == torch.float32 and fp32_snap.loss_scale == scale
+    assert fp32_snap.local_partitions[0].dtype == torch.float32 and fp32_snap.loss_scale == scale
+    assert fp32_snap.layout is snap.layout  # geometry only: the clone shares the layout and its plan
     grads.add_(fp32_snap, alpha=0.3)
     stored = {n: t.add_(initial_stored[n].float() * 0.3) for n, t in stored.items()}
     applied.append(lambda n, t: t.add_(initial_stored[n].float() * 0.3))

@@ -227,5 +227,6 @@ def check_row_reorder(case: EngineCase) -> dict[str, bool]:
         again = grads.full_tensors(out=full, strategy=strategy)
         for name, value in values.items():
             assert torch.equal(again[name], value.to(again[name].dtype)), (strategy, "out=", name)
-    return {"rows": all(p.column_rows is not None and p.own_column_rows is not None for p in plans),
-            "peer_rows": all(p.group.placement.peer_rows(p) is not None for p in plans)}
+    esize = grads.local_partitions[0].element_size()
+    return {"rows": all(p.column_rows(esize) is not None and p.own_column_rows(esize) is not None for p in plans),
+            "peer_rows": all(p.group.placement.peer_rows(p, esize) is not None for p in plans)}

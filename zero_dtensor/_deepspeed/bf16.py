@@ -45,8 +45,7 @@ def _build_layout(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]) -
     for i, (group_params, flat) in enumerate(zip(opt.bf16_groups, partitions)):
         pg = opt.real_dp_process_group[i]
         groups.append(
-            GroupLayout(i, world_size_of(pg), rank_in(pg), flat.numel(), flat.dtype,
-                        Packing.CONTIGUOUS, replicated=True)
+            GroupLayout(i, world_size_of(pg), rank_in(pg), flat.numel(), Packing.CONTIGUOUS, replicated=True)
         )
         offset = 0
         for param in group_params:

@@ -96,7 +96,8 @@ class _Masters:
     #: per flat group, DeepSpeed's master tensor (the inner optimizer's parameter; the key of its state)
     tensors: tuple[torch.Tensor, ...]
     process_groups: tuple[dist.ProcessGroup, ...]
-    #: the layout of per-group partitions like ``tensors`` (sizes; the dtypes of the partitions given)
+    #: the layout of per-group partitions like ``tensors`` (geometry only: one per engine geometry, shared by
+    #: every family of that geometry and so is its plan)
     layout: Callable[[tuple[torch.Tensor, ...]], FlatLayout]
     #: the torch optimizers whose ``state`` may hold a master's state (ZeRO-3 partial offload: two)
     optimizers: tuple[Any, ...]
@@ -180,11 +181,11 @@ def _bf16(engine: Any, opt: Any) -> _Masters:
 
     def layout(parts: tuple[torch.Tensor, ...]) -> FlatLayout:
         def build() -> FlatLayout:
-            groups = tuple(GroupLayout(g.index, g.world_size, g.rank, part.numel(), part.dtype, Packing.CONTIGUOUS)
+            groups = tuple(GroupLayout(g.index, g.world_size, g.rank, part.numel(), Packing.CONTIGUOUS)
                            for g, part in zip(grad_layout.groups, parts))
             return FlatLayout(groups=groups, params=grad_layout.params)
 
-        return cached_layout(opt, ("bf16 sharded", grad_layout, tuple(p.dtype for p in parts)), build)
+        return cached_layout(opt, ("bf16 sharded", grad_layout), build)
 
     return _Masters(
         describe=describe,

@@ -184,14 +184,13 @@ def _offload_consumed(opt: Any, partitions: tuple[torch.Tensor, ...]) -> bool:
     )
 
 
-def _group_layout(opt: Any, group: int, partition: torch.Tensor) -> GroupLayout:
+def _group_layout(opt: Any, group: int) -> GroupLayout:
     pg = opt.real_dp_process_group[group]
     return GroupLayout(
         index=group,
         world_size=world_size_of(pg),
         rank=rank_in(pg),
         partition_numel=int(opt.partition_size[group]),
-        dtype=partition.dtype,
         packing=Packing.CONTIGUOUS,
     )
 
@@ -199,8 +198,8 @@ def _group_layout(opt: Any, group: int, partition: torch.Tensor) -> GroupLayout:
 def _build_layout(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]) -> tuple[FlatLayout, dict[str, Any]]:
     names = param_names(engine)
     groups, params, by_name = [], [], {}
-    for i, partition in enumerate(partitions):
-        groups.append(_group_layout(opt, i, partition))
+    for i in range(len(partitions)):
+        groups.append(_group_layout(opt, i))
         for param, offset in zip(opt.round_robin_bit16_groups[i], param_offsets(opt, i)):
             name = name_of(names, param)
             params.append(ParamLayout(name=name, shape=torch.Size(param.shape), group=i, offset=offset))
@@ -211,9 +210,9 @@ def _build_layout(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]) -
 def layout_for(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]) -> tuple[FlatLayout, dict[str, Any]]:
     """The layout of flat groups holding ``partitions`` (one 1-D tensor per param group, ``opt.partition_size[i]``
     elements: the gradient, or the fp32 masters and optimizer state, which share its geometry), and the parameters
-    by name; built once per optimizer, partition sizes and dtypes, and reused. No communication."""
-    key = (tuple(p.numel() for p in partitions), tuple(p.dtype for p in partitions),
-           tuple(len(g) for g in opt.round_robin_bit16_groups))
+    by name; built once per optimizer and partition sizes (geometry only: every family of any dtype shares it, and
+    so its plan), and reused. No communication."""
+    key = (tuple(p.numel() for p in partitions), tuple(len(g) for g in opt.round_robin_bit16_groups))
     return cached_layout(opt, key, lambda: _build_layout(engine, opt, partitions))
 
 
@@ -303,11 +302,11 @@ def _replicated(sharded: FlatStorage, capture: Any) -> FlatStorage:
     fulls = [c.buffer for c in caches]
 
     def build() -> FlatLayout:
-        groups = tuple(GroupLayout(g.index, g.world_size, g.rank, g.flat_numel, full.dtype, Packing.CONTIGUOUS,
-                                   replicated=True) for g, full in zip(layout.groups, fulls))
+        groups = tuple(GroupLayout(g.index, g.world_size, g.rank, g.flat_numel, Packing.CONTIGUOUS, replicated=True)
+                       for g in layout.groups)
         return FlatLayout(groups=groups, params=layout.params)
 
-    new_layout = cached_layout(capture.opt, ("keep_full_grads", layout, tuple(f.dtype for f in fulls)), build)
+    new_layout = cached_layout(capture.opt, ("keep_full_grads", layout), build)
 
     versions = [full._version for full in fulls]  # bumped by any in-place write through any view of a buffer
 

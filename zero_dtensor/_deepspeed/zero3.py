@@ -103,7 +103,7 @@ def _build_layout(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]
     world, rank = world_size_of(pg), rank_in(pg)
     groups, params, by_name = [], [], {}
     for sg, (group_params, partition) in enumerate(zip(opt.fp16_groups, partitions)):
-        groups.append(GroupLayout(sg, world, rank, partition.numel(), partition.dtype, Packing.CHUNKED))
+        groups.append(GroupLayout(sg, world, rank, partition.numel(), Packing.CHUNKED))
         offset = 0
         for param in group_params:
             name = name_of(names, param)
@@ -118,9 +118,9 @@ def layout_for(engine: Any, opt: Any, partitions: tuple[torch.Tensor, ...]
                ) -> tuple[FlatLayout, dict[str, Any], dist.ProcessGroup]:
     """The layout of sub-groups holding ``partitions`` (one 1-D tensor per sub-group, its chunks back to back: the
     gradient, or the fp32 masters and optimizer state, which share its geometry), the parameters by name and the
-    partition group; built once per optimizer, partition sizes and dtypes, and reused. No communication."""
-    key = (tuple(p.numel() for p in partitions), tuple(p.dtype for p in partitions),
-           tuple(len(g) for g in opt.fp16_groups))
+    partition group; built once per optimizer and partition sizes (geometry only: every family of any dtype shares
+    it, and so its plan), and reused. No communication."""
+    key = (tuple(p.numel() for p in partitions), tuple(len(g) for g in opt.fp16_groups))
     return cached_layout(opt, key, lambda: _build_layout(engine, opt, partitions))
 
 

@@ -319,7 +319,7 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
     if getattr(args, "rows", "all") == "families":  # the masters and the optimizer state (takes a step)
         from .families import add_rows as add_family_rows
 
-        add_family_rows(engine, measure, rows, args=args, ring_bytes=_ring_bytes)
+        add_family_rows(engine, measure, rows, args=args, ring_bytes=_ring_bytes, stage=stage)
 
     by = {r["row"]: r for r in rows}
     bare_rows = {kind: by.get("floor: bare all_gather" if kind == "all_gather" else f"ref: bare {kind} gather")

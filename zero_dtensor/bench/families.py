@@ -2,8 +2,9 @@
 families``): bulk reads against DeepSpeed's per-parameter ``safe_get_full_fp32_param`` /
 ``safe_get_full_optimizer_state`` loops and against one bare all_gather of the same fp32 partitions; the EMA update
 against a bare ``lerp_`` of the local partitions; ``to_dtensors`` / ``owned`` of the masters against one bare
-``all_to_all_single`` of the same split sizes. Each of those rows gets ``relative_to_reference`` ``{"to": row,
-"ratio": time ratio}`` (:func:`render` prints them).
+``all_to_all_single`` of the same split sizes (every bucket's, with buffers made once). These six rows are timed
+round-robin, so that each and its reference see the same machine load. Each of those rows gets
+``relative_to_reference`` ``{"to": row, "ratio": time ratio}`` (:func:`render` prints them).
 
 :func:`add_rows` runs on every rank inside :func:`zero_dtensor.bench.cli._bench_stage`, after the gradient rows (it
 takes one optimizer step, which creates the optimizer state).
@@ -20,7 +21,7 @@ ROWS = ("ds fp32 get loop", "masters full_tensors", "masters floor: bare all_gat
 
 
 def add_rows(engine: Any, measure: Callable[..., None], rows: list[dict[str, Any]], *, args: Any,
-             ring_bytes: Callable[[str, float, int], float]) -> None:
+             ring_bytes: Callable[[str, float, int], float], stage: int | None = None) -> None:
     """Measure :data:`ROWS` (the engine takes one step first), then give each a ``relative`` entry."""
     import torch
     import torch.distributed as dist
@@ -59,26 +60,29 @@ def add_rows(engine: Any, measure: Callable[..., None], rows: list[dict[str, Any
 
     ema = master.clone()
     ema_parts, master_parts = ema.local_partitions, master.local_partitions
-    measure("ema.lerp_(masters)", lambda: ema.lerp_(master, 0.001), repeat=args.repeat, bytes_per_rank=0.0,
-            baseline=None, note="0 comm", memory=lambda _: 0)
-    measure("ref: bare lerp_ of the partitions", lambda: [e.lerp_(m, 0.001) for e, m in zip(ema_parts, master_parts)],
-            repeat=args.repeat, bytes_per_rank=0.0, baseline=None, note="torch alone", memory=lambda _: 0)
+    timed: list[tuple[str, Callable[[], Any], str]] = [
+        ("ema.lerp_(masters)", lambda: ema.lerp_(master, 0.001), "0 comm"),
+        ("ref: bare lerp_ of the partitions", lambda: [e.lerp_(m, 0.001) for e, m in zip(ema_parts, master_parts)],
+         "torch alone"),
+    ]
 
     selected = list(master.layout.params)
     for row, call, target, assignment in (
             ("masters to_dtensors", master.to_dtensors, ROW_TARGET, None),
             ("masters owned", master.owned, OWNERS, owners(storage, selected))):
-        measure(row, call, repeat=args.repeat, bytes_per_rank=0.0, baseline=None, note="one all_to_all",
-                memory=lambda _: 0)
-        bucket = plan_for(storage, selected, target, assignment).buckets[0]
-        pg = storage.process_groups[bucket.groups[0]]
-        send = torch.empty(sum(bucket.read.send_counts), dtype=bucket.dtype)
-        recv = torch.empty(sum(bucket.read.recv_counts), dtype=bucket.dtype)
+        timed.append((row, call, "one all_to_all"))
+        plan = plan_for(storage, selected, target, assignment)
+        refs = []
+        for bucket in plan.buckets:  # every bucket's exchange: the same split sizes and dtype, buffers made once
+            pg = storage.process_groups[bucket.groups[0]]
+            send = torch.empty(sum(bucket.read.send_counts), dtype=bucket.dtype, device=parts[0].device)
+            recv = torch.empty(sum(bucket.read.recv_counts), dtype=bucket.dtype, device=parts[0].device)
+            refs.append(lambda r=recv, s=send, b=bucket, g=pg: all_to_all_into(r, s, b.read.recv_counts,
+                                                                               b.read.send_counts, g))
         name = "to_dtensors" if target == ROW_TARGET else "owned"
-        measure(f"ref: bare all_to_all_single ({name} splits)",
-                lambda r=recv, s=send, b=bucket, g=pg: all_to_all_into(r, s, b.read.recv_counts, b.read.send_counts, g),
-                repeat=args.repeat, bytes_per_rank=0.0, baseline=None, note="the same split sizes",
-                memory=lambda _: 0)
+        timed.append((f"ref: bare all_to_all_single ({name} splits)", lambda fs=refs: [f() for f in fs],
+                      "the same split sizes"))
+    _interleaved(timed, args.repeat, rows, engine.device, stage)
 
     by = {r["row"]: r for r in rows}
     for row, reference in (("masters full_tensors", "masters floor: bare all_gather"),
@@ -89,6 +93,47 @@ def add_rows(engine: Any, measure: Callable[..., None], rows: list[dict[str, Any
         if row in by and reference in by and by[reference]["median_s"] > 0:
             ratio = by[row]["median_s"] / by[reference]["median_s"]
             by[row]["relative_to_reference"] = {"to": reference, "ratio": ratio}
+
+
+def _interleaved(timed: list[tuple[str, Callable[[], Any], str]], repeat: int, rows: list[dict[str, Any]],
+                 device: Any, stage: int | None) -> None:
+    """Time ``timed`` (row, call, note) round-robin, ``repeat`` rounds after one warm-up round, each call starting at
+    a barrier; a repetition takes as long as its slowest rank. Round-robin so that a row and its reference see the
+    same machine load (a shared machine drifts over seconds). Appends one row each, as ``measure`` does."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from .common import sync
+
+    counts = []
+    for _, call, _ in timed:
+        call()  # warm-up
+        with CommDebugMode() as mode:
+            result = call()
+        del result
+        counts.append(mode)
+    times: list[list[float]] = [[] for _ in timed]
+    for _ in range(repeat):
+        for i, (_, call, _) in enumerate(timed):
+            dist.barrier()
+            sync(device)
+            t0 = time.perf_counter()
+            result = call()
+            sync(device)
+            times[i].append(time.perf_counter() - t0)
+            del result
+    for (row, _, note), mode, ts in zip(timed, counts, times):
+        t = torch.tensor(ts, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        ts = t.cpu().tolist()
+        ops = {str(k).split(".")[-1].strip("_") or str(k): v for k, v in mode.get_comm_counts().items()}
+        rows.append({"stage": stage, "row": row, "median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts),
+                     "repeat": repeat, "collectives": int(mode.get_total_counts()), "collective_ops": ops,
+                     "bytes_per_rank": 0.0, "memory_bytes": 0, "baseline": None, "note": note + ", interleaved"})
 
 
 def render(results: dict[str, Any], console: Any) -> None:

@@ -31,7 +31,7 @@ def request_names(state: FlatState, params: list[ParamLayout]) -> tuple[str, ...
 def target_dtype(state: FlatState, p: ParamLayout, dtype: torch.dtype | None) -> torch.dtype:
     if dtype is not None:
         return dtype
-    return torch.float32 if state.loss_scale != 1.0 else state.group(p.group).dtype
+    return torch.float32 if state.loss_scale != 1.0 else state.storage.partitions[p.group].dtype
 
 
 def converted(state: FlatState, g: int, order: torch.Tensor, want: torch.dtype, buffers: Buffers,

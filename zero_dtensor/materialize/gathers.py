@@ -86,7 +86,7 @@ def gather_by_peers(state: FlatState, t: Transfer, regions: Regions, async_op: b
     for g, part in zip(t.groups, t.partitions):
         group = state.group(g)
         region, area = regions[g]
-        rows = group.placement.peer_rows(state.plan.groups[g]) if area is not None else None
+        rows = group.placement.peer_rows(state.plan.groups[g], part.element_size()) if area is not None else None
         if rows is None or area is None:
             if by_send_recv:
                 _add(gather_exchanges(region, part, t.pg), sends, recvs)

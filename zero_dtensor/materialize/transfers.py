@@ -84,7 +84,8 @@ def _transfers(state: FlatState, group_indices: Sequence[int]) -> list[Transfer]
 
 
 def pipeline_pieces(state: FlatState, g: int) -> tuple[ColumnPiece, ...]:
-    return state.group(g).placement.pipeline_pieces(state.plan.groups[g])
+    element_size = state.storage.partitions[g].element_size()
+    return state.group(g).placement.pipeline_pieces(state.plan.groups[g], element_size)
 
 
 # --- buffers -----------------------------------------------------------------------------------------------------

@@ -26,11 +26,13 @@ def to_dtensors(storage: FlatStorage, selected: Sequence[ParamLayout], *, dtype:
     stored pieces already are the rows), about ``(N-1)/N · S/N`` bytes sent and received per rank."""
     plan = plan_for(storage, selected, ROWS)
     result: dict[str, DTensor] = {}
-    for bucket, buffer in read_targets(storage, plan, dtype):
-        mesh = collectives.mesh_for(storage.process_groups[bucket.groups[0]], buffer.device.type)
-        for slot in bucket.params:
-            local = buffer.narrow(0, slot.start, slot.numel).view(slot.shape)
-            result[slot.name] = build_dtensor(local, mesh, Replicate() if slot.replicate else Shard(0), slot)
+    shard, replicate = Shard(0), Replicate()
+    for bucket, views in read_targets(storage, plan, dtype):
+        if not views:
+            continue
+        mesh = collectives.mesh_for(storage.process_groups[bucket.groups[0]], views[0].device.type)
+        for slot, local in zip(bucket.params, views):
+            result[slot.name] = build_dtensor(local, mesh, replicate if slot.replicate else shard, slot)
     return {p.name: result[p.name] for p in selected}
 
 
@@ -67,10 +69,10 @@ def owned(storage: FlatStorage, selected: Sequence[ParamLayout], assignment: Map
 
 def _owned_views(storage: FlatStorage, plan: Plan, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     result = {}
-    for bucket, buffer in read_targets(storage, plan, dtype):
-        for slot in bucket.params:
+    for bucket, views in read_targets(storage, plan, dtype):
+        for slot, view in zip(bucket.params, views):
             if slot.present:
-                result[slot.name] = buffer.narrow(0, slot.start, slot.numel).view(slot.shape)
+                result[slot.name] = view
     return {n: result[n] for n in plan.names if n in result}
 
 

@@ -95,6 +95,7 @@ def check_full(storage: FlatStorage, what: str, param: ParamLayout, value: Any) 
 
 
 _SPECS: dict[tuple, tuple[Any, Any]] = {}
+_NEW = DTensor.__new__
 
 
 def _spec(mesh: Any, placement: Any, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> Any:
@@ -116,10 +117,12 @@ def _spec(mesh: Any, placement: Any, shape: tuple[int, ...], stride: tuple[int, 
 def build_dtensor(local: torch.Tensor, mesh: Any, placement: Any, slot: TargetSlot) -> DTensor:
     """What ``DTensor.from_local(local, mesh, [placement], run_check=False, shape=..., stride=...)`` builds, without
     its per-call overhead (about 60 µs: a new spec and an autograd node per parameter): a cached spec and the
-    no-autograd constructor FSDP2 uses (``_from_local_no_grad``); ``from_local`` where that is unavailable."""
+    no-autograd constructor FSDP2 uses (``_from_local_no_grad``), called as ``DTensor.__new__`` alone (its
+    ``__init__`` does nothing in eager mode but its tracing decorators cost about as much as the construction);
+    ``from_local`` where that is unavailable."""
     try:
         spec = _spec(mesh, placement, slot.global_shape, slot.global_stride, local.dtype)
-        return DTensor(local, spec, requires_grad=False)
+        return _NEW(DTensor, local, spec, requires_grad=False)
     except (ImportError, TypeError, AttributeError):  # a torch without these internals: the public constructor
         return DTensor.from_local(local, mesh, [placement], run_check=False, shape=torch.Size(slot.global_shape),
                                   stride=slot.global_stride)

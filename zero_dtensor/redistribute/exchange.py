@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from .. import collectives
+from ..materialize.buffers import BUFFERS
 from ..storage import FlatStorage
 from .plan import BucketPlan, Piece, Plan, Transfer
 
@@ -42,21 +43,86 @@ def _comm_device(storage: FlatStorage, bucket: BucketPlan) -> torch.device:
                                    storage.device)
 
 
-def read_targets(storage: FlatStorage, plan: Plan, dtype: torch.dtype | None) -> list[tuple[BucketPlan, torch.Tensor]]:
-    """Per bucket, the output buffer (true units, ``dtype``): every target of this rank back to back."""
+def read_targets(storage: FlatStorage, plan: Plan, dtype: torch.dtype | None
+                 ) -> list[tuple[BucketPlan, tuple[torch.Tensor, ...]]]:
+    """Per bucket, every target of this rank (true units, ``dtype``) as a view shaped like its slot, all views of
+    one output buffer the caller owns.
+
+    Per bucket: the pieces sent are packed with one ``torch.cat`` into a kept send buffer; one ``all_to_all_single``
+    receives straight into the output buffer where what arrives already is the targets in order; else this rank's
+    own share is copied straight into place (one ``_foreach_copy_``) and the other ranks' travel alone, into a kept
+    receive buffer, then one ``split_with_sizes_copy`` into the output; where nothing crosses ranks the pieces are
+    packed straight into the output. The output buffer is recycled: a new one only while every earlier result
+    still holds its own (:meth:`~zero_dtensor.materialize.buffers.BufferPool.recycled_or_new`, which also keeps the
+    per-target views). Memory: the output (``S/N`` for rows, the owned tensors for owners), plus the kept send and
+    receive buffers (about ``S/N`` each, kept for later calls)."""
     results = []
     for bucket in plan.buckets:
         parts = [storage.partitions[g] for g in bucket.groups]
-        send = _pack(parts, bucket.read.send_pieces, bucket.dtype, parts[0].device).to(_comm_device(storage, bucket))
-        recv = _exchange(send, bucket.read, storage, bucket)  # a new tensor either way: never DeepSpeed's memory
-        if bucket.read.recv_in_order and recv.numel() == bucket.out_numel:
-            out = recv
+        device = _comm_device(storage, bucket)
+        read = bucket.read
+        out = BUFFERS.recycled_or_new(("redistribute", bucket.out_numel, bucket.dtype, device), bucket.out_numel,
+                                      bucket.dtype, device)
+        direct = read.recv_in_order and sum(read.recv_counts) == bucket.out_numel
+        if not read.communicates:  # nothing crosses ranks: what is sent is what is received
+            if direct:
+                _pack_into(out, parts, read.send_pieces, device)
+            else:
+                send = _pack_into(_scratch("send", bucket, device), parts, read.send_pieces, device)
+                _unpack(send, read.recv_pieces, [out])
+        elif direct:
+            send = _pack_into(_scratch("send", bucket, device), parts, read.send_pieces, device)
+            collectives.all_to_all_into(out, send, read.recv_counts, read.send_counts,
+                                        storage.process_groups[bucket.groups[0]])
+        else:  # this rank's own share copied straight into place; the others' packed, exchanged, unpacked
+            (own_sent, own_received), (sent, received) = read.own_pieces(), read.peer_pieces()
+            send_counts, recv_counts = read.peer_counts()
+            send = _pack_into(_scratch("send", bucket, device, sum(send_counts)), parts, sent, device)
+            recv = _scratch("recv", bucket, device, sum(recv_counts))
+            collectives.all_to_all_into(recv, send, recv_counts, send_counts, storage.process_groups[bucket.groups[0]])
+            if own_sent:  # (copy_ moves pieces of a partition kept elsewhere, e.g. offloaded to the CPU)
+                torch._foreach_copy_([out.narrow(0, o, n) for _, o, n in own_received],
+                                     [parts[s].narrow(0, o, n) for s, o, n in own_sent])
+            _unpack(recv, received, [out])
+        true = storage.to_true(out)
+        if dtype is not None and true.dtype != dtype:
+            true = true.to(dtype)
+        cache = BUFFERS.view_cache(out) if true is out else None
+        if cache is not None and (cache.holds(("targets", bucket)) or cache.entries < KEPT_VIEW_SETS):
+            views = cache.get(("targets", bucket), lambda b: _slot_views(b, bucket))
         else:
-            out = torch.empty(bucket.out_numel, dtype=recv.dtype, device=recv.device)
-            _unpack(recv, bucket.read.recv_pieces, [out])
-        out = storage.to_true(out)
-        results.append((bucket, out if dtype is None or out.dtype == dtype else out.to(dtype)))
+            views = _slot_views(true, bucket)
+        results.append((bucket, views))
     return results
+
+
+#: a recycled output buffer keeps the target views of at most this many bucket plans (selections)
+KEPT_VIEW_SETS = 8
+
+
+def _slot_views(buffer: torch.Tensor, bucket: BucketPlan) -> tuple[torch.Tensor, ...]:
+    """Every target of ``bucket`` as a view of ``buffer`` (its ``out_numel`` elements), shaped like its slot."""
+    return tuple(buffer.narrow(0, slot.start, slot.numel).view(slot.shape) for slot in bucket.params)
+
+
+def _scratch(what: str, bucket: BucketPlan, device: torch.device, numel: int | None = None) -> torch.Tensor:
+    """A kept 1-D buffer for one call (:meth:`~zero_dtensor.materialize.buffers.BufferPool.scratch`): ``what`` is
+    ``"send"`` (the packed pieces) or ``"recv"`` (``numel`` elements)."""
+    n = sum(bucket.read.send_counts) if numel is None else numel
+    return BUFFERS.scratch(("redistribute " + what, bucket.dtype, device), n, bucket.dtype, device)
+
+
+def _pack_into(buffer: torch.Tensor, sources: Sequence[torch.Tensor], pieces: Sequence[Piece],
+               device: torch.device) -> torch.Tensor:
+    """The pieces of ``sources`` back to back in ``buffer`` (on ``device``): one ``torch.cat(out=)``; where the
+    sources are elsewhere (a CPU-offloaded partition for a GPU collective), one ``cat`` there, then one copy."""
+    if pieces:
+        views = [sources[s].narrow(0, o, n) for s, o, n in pieces]
+        if views[0].device == device:
+            torch.cat(views, out=buffer)
+        else:
+            buffer.copy_(torch.cat(views))
+    return buffer
 
 
 def write_targets(storage: FlatStorage, plan: Plan, values: Mapping[str, torch.Tensor], *,

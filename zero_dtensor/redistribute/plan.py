@@ -45,6 +45,29 @@ class Transfer:
     recv_pieces: tuple[Piece, ...]
     rank: int
     recv_in_order: bool = False  # the receive buffer already is the destination slot 0, in order (no unpack)
+    send_piece_counts: tuple[int, ...] = ()  # per destination rank, how many of ``send_pieces`` go there
+    recv_piece_counts: tuple[int, ...] = ()  # per source rank, how many of ``recv_pieces`` come from there
+
+    def own_pieces(self) -> tuple[tuple[Piece, ...], tuple[Piece, ...]]:
+        """``(sent, received)``: the pieces this rank sends itself, where they are read and where they land (the
+        same elements, in the same order)."""
+        me = self.rank
+        s0, r0 = sum(self.send_piece_counts[:me]), sum(self.recv_piece_counts[:me])
+        return (self.send_pieces[s0:s0 + self.send_piece_counts[me]],
+                self.recv_pieces[r0:r0 + self.recv_piece_counts[me]])
+
+    def peer_pieces(self) -> tuple[tuple[Piece, ...], tuple[Piece, ...]]:
+        """``(sent, received)``: the pieces exchanged with the other ranks (this rank's own left out)."""
+        me = self.rank
+        s0, r0 = sum(self.send_piece_counts[:me]), sum(self.recv_piece_counts[:me])
+        s1, r1 = s0 + self.send_piece_counts[me], r0 + self.recv_piece_counts[me]
+        return (self.send_pieces[:s0] + self.send_pieces[s1:], self.recv_pieces[:r0] + self.recv_pieces[r1:])
+
+    def peer_counts(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(send counts, receive counts)`` with this rank's own share set to 0."""
+        me = self.rank
+        return (tuple(0 if r == me else n for r, n in enumerate(self.send_counts)),
+                tuple(0 if r == me else n for r, n in enumerate(self.recv_counts)))
 
     @property
     def sent_elements(self) -> int:
@@ -73,13 +96,14 @@ class TargetSlot:
     global_stride: tuple[int, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class BucketPlan:
     """The selected parameters of the flat groups sharing one process group and one stored dtype.
 
     ``read`` moves stored fragments to targets (send slots: positions in ``groups``; receive slot 0: the output
     buffer of ``out_numel`` elements); ``write`` moves targets back (send slots: positions in ``params``, offsets
-    within each flattened target; receive slots: positions in ``groups``, offsets in the partitions).
+    within each flattened target; receive slots: positions in ``groups``, offsets in the partitions). Compared
+    (and hashed) by identity: a plan is cached, and its buckets key the views kept of output buffers.
     """
 
     groups: tuple[int, ...]
@@ -153,6 +177,8 @@ def _transfer(per_peer_send: list[list[Piece]], per_peer_recv: list[list[Piece]]
         recv_pieces=recv_pieces,
         rank=rank,
         recv_in_order=_in_order(recv_pieces),
+        send_piece_counts=tuple(map(len, per_peer_send)),
+        recv_piece_counts=tuple(map(len, per_peer_recv)),
     )
 
 
@@ -167,7 +193,7 @@ def _in_order(pieces: Sequence[Piece]) -> bool:
 
 
 def _bucket(layout: FlatLayout, groups: tuple[int, ...], params: list[ParamLayout], kind: str,
-            owner_of: Mapping[str, int]) -> BucketPlan:
+            owner_of: Mapping[str, int], dtype: torch.dtype) -> BucketPlan:
     first = layout.groups[groups[0]]
     world, me = first.world_size, first.rank
     slot_of_group = {g: i for i, g in enumerate(groups)}
@@ -212,7 +238,7 @@ def _bucket(layout: FlatLayout, groups: tuple[int, ...], params: list[ParamLayou
         write_cross = write_cross or _crosses(target, target_full, stored)
         out += tb - ta
     multi = world > 1
-    return BucketPlan(groups, first.dtype, world, me, tuple(slots), out,
+    return BucketPlan(groups, dtype, world, me, tuple(slots), out,
                       _transfer(read_send, read_recv, multi and read_cross, me),
                       _transfer(write_send, write_recv, multi and write_cross, me))
 
@@ -223,19 +249,19 @@ def _row_count(rows: int, world: int, rank: int) -> int:
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
-def _plan(layout: FlatLayout, names: tuple[str, ...], pg_keys: tuple[int, ...], kind: str,
-          owners: tuple[int, ...]) -> Plan:
+def _plan(layout: FlatLayout, names: tuple[str, ...], pg_keys: tuple[int, ...], dtypes: tuple[torch.dtype, ...],
+          kind: str, owners: tuple[int, ...]) -> Plan:
     owner_of = dict(zip(names, owners)) if kind == OWNERS else {}
     buckets: dict[tuple[int, torch.dtype], tuple[list[int], list[ParamLayout]]] = {}
     for g in layout.groups:  # bucket order: first flat group of each (process group, dtype)
-        groups, _ = buckets.setdefault((pg_keys[g.index], g.dtype), ([], []))
+        groups, _ = buckets.setdefault((pg_keys[g.index], dtypes[g.index]), ([], []))
         groups.append(g.index)
-    bucket_of = {g.index: buckets[(pg_keys[g.index], g.dtype)] for g in layout.groups}
+    bucket_of = {g.index: buckets[(pg_keys[g.index], dtypes[g.index])] for g in layout.groups}
     for name in names:
         p = layout.by_name[name]
         bucket_of[p.group][1].append(p)
-    built = tuple(_bucket(layout, tuple(groups), params, kind, owner_of)
-                  for groups, params in buckets.values() if params)
+    built = tuple(_bucket(layout, tuple(groups), params, kind, owner_of, dtype)
+                  for (_, dtype), (groups, params) in buckets.items() if params)
     return Plan(kind, names, built)
 
 
@@ -262,4 +288,5 @@ def plan_for(storage: FlatStorage, selected: Sequence[ParamLayout], kind: str = 
         ranks = ()
     else:
         raise ValueError(f"unknown target {kind!r}; use 'rows' or 'owners'")
-    return _plan(storage.layout, names, process_group_keys(storage), kind, ranks)
+    dtypes = tuple(p.dtype for p in storage.partitions)  # the family's: the layout is geometry only
+    return _plan(storage.layout, names, process_group_keys(storage), dtypes, kind, ranks)

@@ -807,7 +807,7 @@ def time_stage(stage: int, hidden: int, layers: int, repeat: int, ds_repeat: int
     rows.append(measure("stats()", stage, lambda: grads.stats(), repeat, device))
     facts = {
         "optimizer": type(engine.optimizer).__name__, "params": sum(p.numel for p in grads.layout.params),
-        "tensors": len(grads.layout.params), "stored_dtype": str(grads.layout.groups[0].dtype),
+        "tensors": len(grads.layout.params), "stored_dtype": str(grads.local_partitions[0].dtype),
         "stored_bytes": sum(t.numel() * t.element_size() for t in grads.local_partitions),
     }
     by = {r["row"]: r for r in rows}

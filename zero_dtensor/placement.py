@@ -51,6 +51,10 @@ placement        ``all_reduce`` (zero-padded sum)      ``all_gather``
                                                        second ``N·W`` buffer
 ``Replicated``   nothing: one local copy of ``W``      nothing: one local copy of ``W``
 ===============  ====================================  ============================================
+
+``send_recv`` (one batch of point-to-point ops per window; the default on gloo): ``RaggedShard`` receives every
+other rank's share of the window straight into its place (no padding, no stitching, no zero fill), ``ChunkShard``
+receives the ``W`` columns of every other rank into its row, then reorders as ``all_gather`` does.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.distributed as dist
 
-from .collectives import all_gather_into, all_gather_single, all_reduce_sum_work, on_comm_device
+from .collectives import all_gather_into, all_gather_single, all_reduce_sum_work, on_comm_device, send_recv
 from .geometry import ChunkGeometry, GroupGeometry, RaggedGeometry, ReplicatedGeometry
 from .tiling import Tiling, tiling
 from .views import ViewCache
@@ -190,9 +194,9 @@ class RaggedShard(RaggedGeometry, GroupPlacement):
         return [(max(start, r * P), max(min(stop, (r + 1) * P), max(start, r * P))) for r in range(group.world_size)]
 
     def window_elements(self, group: GroupLayout, strategy: str, start: int, stop: int) -> int:
-        """``all_reduce``: the window; ``all_gather``: the receive buffer ``N·m`` plus a padded send buffer or a
-        stitching temporary (``m``: the largest rank's share of the window)."""
-        if strategy == "all_reduce":
+        """``all_reduce`` and ``send_recv``: the window; ``all_gather``: the receive buffer ``N·m`` plus a padded
+        send buffer or a stitching temporary (``m``: the largest rank's share of the window)."""
+        if strategy in ("all_reduce", "send_recv"):
             return stop - start
         m = max(hi - lo for lo, hi in self._overlaps(group, start, stop))
         return (group.world_size + 1) * m
@@ -202,11 +206,32 @@ class RaggedShard(RaggedGeometry, GroupPlacement):
                         alloc: Allocator) -> torch.Tensor:
         """The global window ``[start, stop)``. ``all_reduce``: one sum all_reduce of the zero-padded window
         (``2(N-1)/N·W`` elements per rank); ``all_gather``: one all_gather of each rank's share padded to the
-        largest, ``m`` (``(N-1)·m`` received), stitched in place."""
+        largest, ``m`` (``(N-1)·m`` received), stitched in place; ``send_recv``: one batch of point-to-point ops,
+        every other rank's share received straight into its place of the window (about ``(N-1)/N·W`` received; this
+        rank's share, sent as it is to every rank that does not hold the whole window, copied locally)."""
         part = on_comm_device(partition, pg, device)
         if strategy == "all_reduce":
             return self._window_by_all_reduce(group, part, pg, start, stop, alloc)
+        if strategy == "send_recv":
+            return self._window_by_send_recv(group, part, pg, start, stop, alloc)
         return self._window_by_all_gather(group, part, pg, start, stop, alloc)
+
+    def _window_by_send_recv(self, group: GroupLayout, part: torch.Tensor, pg: dist.ProcessGroup, start: int,
+                             stop: int, alloc: Allocator) -> torch.Tensor:
+        rank, P = group.rank, group.partition_numel
+        overlaps = self._overlaps(group, start, stop)
+        buf = alloc(stop - start, part.dtype, part.device)
+        lo, hi = overlaps[rank]
+        peers = [r for r in range(group.world_size) if r != rank]
+        mine = part.narrow(0, lo - rank * P, hi - lo) if hi > lo else None
+        sends = [(mine, r) for r in peers] if mine is not None else []
+        recvs = [(buf.narrow(0, a - start, b - a), r) for r, (a, b) in enumerate(overlaps) if r != rank and b > a]
+        works = send_recv(sends, recvs, pg, async_op=True)
+        if mine is not None:
+            buf.narrow(0, lo - start, hi - lo).copy_(mine)
+        for work in works:
+            work.wait()
+        return buf
 
     def _window_by_all_reduce(self, group: GroupLayout, part: torch.Tensor, pg: dist.ProcessGroup, start: int,
                               stop: int, alloc: Allocator) -> torch.Tensor:
@@ -325,7 +350,7 @@ class ChunkShard(ChunkGeometry, GroupPlacement):
 
     def window_elements(self, group: GroupLayout, strategy: str, start: int, stop: int) -> int:
         """The ``(N, W)`` rows (``all_reduce``: written in parameter order), plus their reordered copy
-        (``all_gather``)."""
+        (``all_gather``, ``send_recv``)."""
         return group.world_size * (stop - start) * (1 if strategy == "all_reduce" else 2)
 
     def assemble_window(self, group: GroupLayout, plan: GroupPlan, partition: torch.Tensor, pg: dist.ProcessGroup,
@@ -334,13 +359,15 @@ class ChunkShard(ChunkGeometry, GroupPlacement):
         """Columns ``[start, stop)`` of every rank's partition, as each parameter's ``(N, chunk)`` block back to
         back. ``all_reduce``: one sum all_reduce of ``N·W`` elements, each rank's chunks written straight into
         parameter order (``2(N-1)·W`` elements per rank); ``all_gather``: one all_gather of the ``W`` columns
-        (``(N-1)·W`` received), reordered by one ``split_with_sizes_copy`` into a second ``N·W`` buffer."""
+        (``(N-1)·W`` received), reordered by one ``split_with_sizes_copy`` into a second ``N·W`` buffer;
+        ``send_recv``: the same rows by one batch of point-to-point ops (the ``W`` columns sent as they are, every
+        other rank's received into its row, this rank's copied locally), reordered the same way."""
         part = on_comm_device(partition, pg, device)
         width = stop - start
         columns = tiling([(p.offset - start, p.chunk_numel) for p in params], width)
         if strategy == "all_reduce":
             return self._window_by_all_reduce(group, plan, part, pg, params, columns, width, alloc)
-        return self._window_by_all_gather(group, part, pg, columns, start, width, alloc)
+        return self._window_by_all_gather(group, part, pg, columns, start, width, alloc, strategy == "send_recv")
 
     def _window_by_all_reduce(self, group: GroupLayout, plan: GroupPlan, part: torch.Tensor, pg: dist.ProcessGroup,
                               params: tuple[ParamLayout, ...], columns: Tiling, width: int,
@@ -360,10 +387,19 @@ class ChunkShard(ChunkGeometry, GroupPlacement):
         return order
 
     def _window_by_all_gather(self, group: GroupLayout, part: torch.Tensor, pg: dist.ProcessGroup, columns: Tiling,
-                              start: int, width: int, alloc: Allocator) -> torch.Tensor:
-        world = group.world_size
+                              start: int, width: int, alloc: Allocator, by_send_recv: bool = False) -> torch.Tensor:
+        world, rank = group.world_size, group.rank
         gathered = alloc(world * width, part.dtype, part.device)
-        all_gather_into([gathered], [part.narrow(0, start, width)], pg)
+        columns_here = part.narrow(0, start, width)
+        if by_send_recv:
+            peers = [r for r in range(world) if r != rank]
+            works = send_recv([(columns_here, r) for r in peers],
+                              [(gathered.narrow(0, r * width, width), r) for r in peers], pg, async_op=True)
+            gathered.narrow(0, rank * width, width).copy_(columns_here)
+            for work in works:
+                work.wait()
+        else:
+            all_gather_into([gathered], [columns_here], pg)
         order = alloc(world * width, part.dtype, part.device)
         blocks = order.split_with_sizes([world * s for s in columns.sizes])
         torch.split_with_sizes_copy(gathered.view(world, width), list(columns.sizes), dim=1,

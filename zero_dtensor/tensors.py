@@ -244,12 +244,14 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         at most ``bucket_bytes`` of buffers allocated here (stored dtype); a parameter larger than that gets a
         window of its own. First the rank agreement (one small all_gather per process group, once per call;
         it carries any rank's refusal of the arguments, which then raises on every rank), then one collective per
-        window, nothing for replicated groups (one local copy per window): ZeRO-1/2
-        ``all_reduce`` (the default on gloo and NCCL): the window ``[a, b)`` of the global flat buffer,
-        zero-filled, each rank writing its overlap, ``2(N-1)/N·W`` bytes per rank; ``all_gather``: each rank's
-        overlap padded to the largest one (``m``), ``(N-1)·m`` bytes received per rank. ZeRO-3 ``all_gather`` (NCCL
-        default): the window's chunk range of every rank's partition, ``(N-1)/N·W``, then one reordering copy;
-        ``all_reduce`` (gloo default): a zero-filled parameter-order buffer, ``2(N-1)/N·W``.
+        window, nothing for replicated groups (one local copy per window). On gloo the default is ``send_recv``
+        (one batch of point-to-point ops per window): ZeRO-1/2 every other rank's overlap of the window ``[a, b)``
+        received straight into its place, about ``(N-1)/N·W`` bytes per rank; ZeRO-3 the window's chunk range of
+        every rank's partition received into rows, then one reordering copy. Elsewhere: ZeRO-1/2 ``all_reduce``
+        (the default): the window zero-filled, each rank writing its overlap, ``2(N-1)/N·W`` bytes per rank;
+        ``all_gather``: each rank's overlap padded to the largest one (``m``), ``(N-1)·m`` bytes received per rank.
+        ZeRO-3 ``all_gather`` (the default): the chunk range of every rank's partition, ``(N-1)/N·W``, then one
+        reordering copy; ``all_reduce``: a zero-filled parameter-order buffer, ``2(N-1)/N·W``.
 
         Peak extra memory: one window (plus the local shard DeepSpeed already holds), provided the caller drops
         each tensor before asking for the next window. Yielded tensors are **snapshots** (views of their window's

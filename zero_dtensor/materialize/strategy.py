@@ -295,14 +295,15 @@ def resolve(strategy: str, group: dist.ProcessGroup, device: torch.device, dtype
 
 
 def stream_strategy(strategy: str, group: dist.ProcessGroup, param_order_gather: bool) -> str:
-    """What ``iter_full`` uses per window: the explicit or pinned strategy (``all_to_all`` and ``send_recv``
-    windows travel by all_gather: a window is small and gathered into scratch), else all_reduce on gloo and for
-    parameter-order (ZeRO-1/2) windows (no stitching), all_gather for ZeRO-3 windows elsewhere."""
+    """What ``iter_full`` uses per window: the explicit or pinned strategy (``all_to_all`` windows travel by
+    all_gather: a window is small and gathered into scratch), else ``send_recv`` on gloo (every peer's share
+    received in place: the fewest bytes, no padding, no zero fill, and gloo's cheapest gather), all_reduce for
+    parameter-order (ZeRO-1/2) windows elsewhere (no stitching), all_gather for ZeRO-3 windows elsewhere."""
     chosen = explicit(strategy)
-    if chosen in ("all_to_all", "send_recv"):
+    if chosen == "all_to_all":
         return "all_gather"
     if chosen != "auto":
         return chosen
     if backend_of(group) == "gloo":
-        return "all_reduce"
+        return "send_recv"
     return "all_reduce" if param_order_gather else "all_gather"

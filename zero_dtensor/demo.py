@@ -12,12 +12,15 @@ import torch
 
 
 def _count(fn: Any) -> tuple[Any, int]:
-    """Run ``fn`` under CommDebugMode; return its result and the number of collectives it issued."""
+    """Run ``fn`` under CommDebugMode; return its result and the number of collectives it issued (a batch of
+    point-to-point ops, which CommDebugMode does not see, counted as one)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
-    with CommDebugMode() as mode:
+    from .collectives import counting_p2p
+
+    with CommDebugMode() as mode, counting_p2p() as p2p:
         result = fn()
-    return result, mode.get_total_counts()
+    return result, mode.get_total_counts() + p2p.batches
 
 
 def _rank_main(stage: int) -> list[tuple[str, int, str]]:

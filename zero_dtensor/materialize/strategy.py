@@ -52,6 +52,7 @@ latency-bound: one collective, reordered after it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -191,27 +192,23 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype
         if reordered is not None:
             reordered.copy_(full)
 
-    def gather_by_all_to_all() -> None:
-        if reordered is None:
-            all_gather_by_all_to_all(full, part, group)
-            return
-        peers = full.narrow(0, 0, (world - 1) * per_rank)
-        works = peer_partitions_by_all_to_all(peers, part, group, async_op=True)
-        reordered.narrow(0, (world - 1) * per_rank, per_rank).copy_(part)
-        for work in works:
-            work.wait()
-        reordered.narrow(0, 0, (world - 1) * per_rank).copy_(peers)
+    def gather_from_peers(whole: Callable[..., Any], peers_only: Callable[..., Any]) -> Callable[[], None]:
+        """The all_to_all or send_recv gather as full_tensors issues it: rank after rank (``whole``), or, where it
+        reorders, the peers' partitions back to back (``peers_only``) while this rank's own is copied."""
+        def run() -> None:
+            if reordered is None:
+                whole(full, part, group)
+                return
+            peers = full.narrow(0, 0, (world - 1) * per_rank)
+            works = peers_only(peers, part, group, async_op=True)
+            reordered.narrow(0, (world - 1) * per_rank, per_rank).copy_(part)
+            for work in works:
+                work.wait()
+            reordered.narrow(0, 0, (world - 1) * per_rank).copy_(peers)
+        return run
 
-    def gather_by_send_recv() -> None:
-        if reordered is None:
-            all_gather_by_send_recv(full, part, group)
-            return
-        peers = full.narrow(0, 0, (world - 1) * per_rank)
-        works = peer_partitions_by_send_recv(peers, part, group, async_op=True)
-        reordered.narrow(0, (world - 1) * per_rank, per_rank).copy_(part)
-        for work in works:
-            work.wait()
-        reordered.narrow(0, 0, (world - 1) * per_rank).copy_(peers)
+    gather_by_all_to_all = gather_from_peers(all_gather_by_all_to_all, peer_partitions_by_all_to_all)
+    gather_by_send_recv = gather_from_peers(all_gather_by_send_recv, peer_partitions_by_send_recv)
 
     def reduce() -> None:
         full.zero_()

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .common import engine_config, run_ranks, sync
+from .common import engine_config, run_ranks, timed_call
 from .floors import CANDIDATES, bare_gathers, beside, cheapest
 from .table import render
 from .sweep import main as sweep_main
@@ -168,14 +168,7 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
     rows: list[dict[str, Any]] = []
 
     def timed(fn: Callable[[], Any]) -> float:
-        dist.barrier()
-        sync(device)
-        t0 = time.perf_counter()
-        result = fn()
-        sync(device)
-        elapsed = time.perf_counter() - t0
-        del result
-        return elapsed
+        return timed_call(fn, device)
 
     def slowest(times: list[float]) -> list[float]:
         t = torch.tensor(times, dtype=torch.float64, device=device)

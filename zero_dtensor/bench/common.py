@@ -1,7 +1,7 @@
 """What the benchmark's entry points share: the engine config, starting the ranks, syncing a device, byte units.
 
 :mod:`zero_dtensor.bench.cli` (the per-call benchmark) and :mod:`zero_dtensor.bench.sweep` (the tensor-count sweep)
-both import from here; neither imports the other's helpers. Nothing here is timed.
+both import from here; neither imports the other's helpers. :func:`timed_call` is how both time one call.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["engine_config", "fmt_bytes", "run_ranks", "sync"]
+__all__ = ["engine_config", "fmt_bytes", "run_ranks", "sync", "timed_call"]
 
 
 def sync(device: Any) -> None:
@@ -20,6 +20,23 @@ def sync(device: Any) -> None:
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def timed_call(fn: Callable[[], Any], device: Any) -> float:
+    """Seconds of one call of ``fn`` on this rank, started at a barrier with ``device`` idle, its queued work waited
+    for; the result is dropped before returning."""
+    import time
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    sync(device)
+    t0 = time.perf_counter()
+    result = fn()
+    sync(device)
+    elapsed = time.perf_counter() - t0
+    del result
+    return elapsed
 
 
 def fmt_bytes(n: float | None) -> str:

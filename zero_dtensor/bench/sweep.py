@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .common import engine_config, fmt_bytes, run_ranks, sync
+from .common import engine_config, fmt_bytes, run_ranks, timed_call
 from .floors import bare_gathers, beside
 
 __all__ = ["ROWS", "main", "sweep_model"]
@@ -124,14 +124,7 @@ def _sweep_stage(args: argparse.Namespace, stage: int, tensors: int, progress: C
         rows.append(row)
 
     def timed(fn: Callable[[], Any]) -> float:
-        dist.barrier()
-        sync(device)
-        t0 = time.perf_counter()
-        result = fn()
-        sync(device)
-        elapsed = time.perf_counter() - t0
-        del result
-        return elapsed
+        return timed_call(fn, device)
 
     # the floor: one bare all_gather of the same bytes into preallocated buffers. Its inputs are copies of the
     # partitions: holding the partitions themselves would keep the adapter's kept buffers busy.

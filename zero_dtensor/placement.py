@@ -66,7 +66,14 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.distributed as dist
 
-from .collectives import all_gather_into, all_gather_single, all_reduce_sum_work, on_comm_device, send_recv
+from .collectives import (
+    all_gather_by_send_recv,
+    all_gather_into,
+    all_gather_single,
+    all_reduce_sum_work,
+    on_comm_device,
+    send_recv,
+)
 from .geometry import ChunkGeometry, GroupGeometry, RaggedGeometry, ReplicatedGeometry
 from .tiling import Tiling, tiling
 from .views import ViewCache
@@ -388,16 +395,11 @@ class ChunkShard(ChunkGeometry, GroupPlacement):
 
     def _window_by_all_gather(self, group: GroupLayout, part: torch.Tensor, pg: dist.ProcessGroup, columns: Tiling,
                               start: int, width: int, alloc: Allocator, by_send_recv: bool = False) -> torch.Tensor:
-        world, rank = group.world_size, group.rank
+        world = group.world_size
         gathered = alloc(world * width, part.dtype, part.device)
         columns_here = part.narrow(0, start, width)
         if by_send_recv:
-            peers = [r for r in range(world) if r != rank]
-            works = send_recv([(columns_here, r) for r in peers],
-                              [(gathered.narrow(0, r * width, width), r) for r in peers], pg, async_op=True)
-            gathered.narrow(0, rank * width, width).copy_(columns_here)
-            for work in works:
-                work.wait()
+            all_gather_by_send_recv(gathered, columns_here, pg)
         else:
             all_gather_into([gathered], [columns_here], pg)
         order = alloc(world * width, part.dtype, part.device)

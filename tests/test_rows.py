@@ -404,3 +404,60 @@ def test_staging_scratch_is_kept_while_free() -> None:
     assert pool.scratch(("k",), 500, torch.float32, cpu).numel() == 500
     pool.release()
     assert not pool._scratch
+
+
+def test_recycled_buffer_waits_for_a_backend_reference_not_for_a_callers_view(monkeypatch) -> None:
+    """``BufferPool.recycled_or_new`` with every slot taken: a kept buffer that only something outside Python's
+    view objects still refers to (as gloo's worker thread does a moment after a synchronous collective) is waited
+    for and handed out again; one that never settles (a caller keeps a view of its own) is waited for once, then
+    passed over at once until it is free."""
+    import threading
+
+    from zero_dtensor.materialize import buffers
+
+    monkeypatch.setattr(buffers, "SETTLE_S", 5.0)
+    pool = buffers.BufferPool()
+    cpu = torch.device("cpu")
+    held = pool.recycled_or_new(("k",), 64, torch.float32, cpu)
+    backend = pool.recycled_or_new(("k",), 64, torch.float32, cpu)  # both slots taken
+    ptr = backend.data_ptr()
+    backend_ref = [backend[:]]  # the backend's reference: a tensor on the storage that is none of the pool's views
+    del backend
+    threading.Timer(0.05, backend_ref.clear).start()
+    assert pool.recycled_or_new(("k",), 64, torch.float32, cpu).data_ptr() == ptr  # waited, not a new one
+
+    monkeypatch.setattr(buffers, "SETTLE_S", 0.02)
+    sleeps = []
+    monkeypatch.setattr(buffers.time, "sleep", lambda s: sleeps.append(s))  # the settle loop's waits, counted
+    pool = buffers.BufferPool()
+    kept = [pool.recycled_or_new(("k",), 64, torch.float32, cpu) for _ in range(2)]
+    mine = kept[1][:8]  # the caller keeps a view of a result it dropped
+    del kept[1]
+    waited = []
+    for _ in range(3):
+        sleeps.clear()
+        assert pool.recycled_or_new(("k",), 64, torch.float32, cpu).data_ptr() != mine.data_ptr()
+        waited.append(bool(sleeps))
+    assert waited == [True, False, False]
+    del mine
+    again = pool.recycled_or_new(("k",), 64, torch.float32, cpu)  # free again: handed out, no wait
+    assert not sleeps and again.untyped_storage().data_ptr() in {t.buffer.untyped_storage().data_ptr()
+                                                                  for t in pool._recycled[("k",)]}
+    del held
+
+
+def test_transient_buffer_is_reused_whatever_refers_to_it() -> None:
+    """``BufferPool.transient`` (an exchange's send and receive buffers, used within one call): the kept buffer is
+    handed out again while something else still refers to its memory (a backend thread), grows when asked for
+    more, and ``release`` frees it."""
+    from zero_dtensor.materialize.buffers import BufferPool
+
+    pool = BufferPool()
+    cpu = torch.device("cpu")
+    first = pool.transient(("k",), 100, torch.float32, cpu)
+    lingering = first[:]  # what a backend thread would hold
+    assert pool.transient(("k",), 60, torch.float32, cpu).data_ptr() == first.data_ptr()
+    assert pool.transient(("k",), 200, torch.float32, cpu).numel() == 200  # larger: a new one, kept instead
+    assert pool.transient(("k",), 100, torch.float32, cpu).data_ptr() != lingering.data_ptr()
+    pool.release()
+    assert not pool._transient

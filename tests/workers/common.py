@@ -281,6 +281,23 @@ def count_comms() -> Iterator[CommCounts]:
 
 
 @contextlib.contextmanager
+def patient_recycling(seconds: float = 10.0) -> Iterator[None]:
+    """A recycled buffer that only gloo's worker thread still refers to after a synchronous collective is waited
+    for up to ``seconds`` (50 ms in the library, then a new buffer): what a call allocates, counted inside the
+    block, does not depend on how busy the machine is."""
+    try:
+        from zero_dtensor.materialize import buffers
+    except ImportError:  # a version without the shared allocator (the benchmark's old-code runs)
+        yield
+        return
+    previous, buffers.SETTLE_S = buffers.SETTLE_S, seconds
+    try:
+        yield
+    finally:
+        buffers.SETTLE_S = previous
+
+
+@contextlib.contextmanager
 def pipelining(on: bool = True) -> Iterator[None]:
     """ZeRO-3 all_gathers pipelined whatever their size (``on``; else as the library decides): the test models are
     far below ``PIPELINE_MIN_BYTES``."""

@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import zero_dtensor as zd
 
-from .common import ds_config, make_engine, pipelining
+from .common import ds_config, make_engine, patient_recycling, pipelining
 
 SIZES = (4, 32)  # Linear(7, 5) layers: 8 and 64 parameters
 IN, OUT = 7, 5
@@ -238,7 +238,7 @@ def settle(timeout: float = 0.1) -> None:
 
 def _measure(fn: Callable[[], Any]) -> dict[str, Any]:
     settle()
-    with CommDebugMode() as comm:
+    with patient_recycling(), CommDebugMode() as comm:
         with OpCounter() as counter:
             result = fn()
     del result

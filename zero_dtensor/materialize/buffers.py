@@ -13,7 +13,8 @@ per-parameter views cut from it (:class:`~zero_dtensor.views.ViewCache`), so a l
 view objects (made once, not every call): the buffer counts as free only when no result, no view of it and none
 of those view objects is referred to from outside the pool. ``BUFFERS.recycle = False``
 turns this off; :func:`release_workspace` frees what is kept. ``set_full_`` stages small values in one kept
-scratch buffer per flat group, device and dtype (:meth:`BufferPool.scratch`), freed the same way.
+scratch buffer per flat group, device and dtype (:meth:`BufferPool.scratch`), and an exchange its send and receive
+buffers (:meth:`BufferPool.transient`), freed the same way.
 """
 
 from __future__ import annotations
@@ -54,8 +55,11 @@ class BufferPool:
         #: lets go of a finished collective's views a moment late) still finds a free one
         self.slots = 2
         self._by_storage: dict[int, ViewCache] = {}
+        #: kept buffers (``id`` of their cache) that did not settle within :data:`SETTLE_S` once
+        self._stuck: set[int] = set()
         self.workspace: dict[tuple[Any, ...], torch.Tensor] = {}
         self._scratch: dict[tuple[Any, ...], ViewCache] = {}
+        self._transient: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def alloc(self, numel: int, dtype: torch.dtype, device: torch.device, *, zero: bool = False) -> torch.Tensor:
         nbytes = int(numel) * torch.empty((), dtype=dtype).element_size()
@@ -83,15 +87,15 @@ class BufferPool:
         kept = self._recycled.setdefault(key, [])
         for cache in reversed(kept):  # the most recently handed out first: the result the caller just dropped
             if cache.is_idle(check_objects=True):
+                self._stuck.discard(id(cache))
                 kept.remove(cache)
                 kept.append(cache)
                 return cache.buffer.view(-1)
-        if self.recycle and len(kept) < self.slots:
-            settled = self._settled(kept)
-            if settled is not None:
-                kept.remove(settled)
-                kept.append(settled)
-                return settled.buffer.view(-1)
+        settled = self._settled(kept) if self.recycle else None
+        if settled is not None:
+            kept.remove(settled)
+            kept.append(settled)
+            return settled.buffer.view(-1)
         buf = self.alloc(numel, dtype, device)
         if self.recycle and len(kept) < self.slots:
             cache = ViewCache(buf)
@@ -100,17 +104,21 @@ class BufferPool:
         return buf.view(-1)
 
     def _settled(self, kept: list[ViewCache]) -> ViewCache | None:
-        """Before a new buffer is kept for a structure: a kept one whose views nobody holds, once the backend's
-        worker thread has let go of the storage (a synchronous gloo collective returns when its work completed; the
-        thread drops its reference a moment later). Waits up to :data:`SETTLE_S`, at most :attr:`slots` times per
-        structure; ``None`` if none settles."""
-        waiting = [cache for cache in kept if cache.views_free()]
+        """Before a new buffer is allocated for a structure: a kept one whose views nobody holds, once the
+        backend's worker thread has let go of the storage (a synchronous gloo collective returns when its work
+        completed; the thread drops its reference a moment later, later still on a busy machine). Waits up to
+        :data:`SETTLE_S` (only when such a buffer exists: a result the caller holds is never waited for);
+        ``None`` if none settles."""
+        waiting = [cache for cache in kept if id(cache) not in self._stuck and cache.views_free()]
         deadline = time.monotonic() + SETTLE_S
         while waiting and time.monotonic() < deadline:
             time.sleep(0.0005)
             for cache in waiting:
                 if cache.is_idle(check_objects=True):
                     return cache
+        # something other than a backend thread holds these (a caller's own view of a result): not waited for
+        # again until they are seen free
+        self._stuck.update(map(id, waiting))
         return None
 
     def scratch(self, key: tuple[Any, ...], numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -125,6 +133,21 @@ class BufferPool:
         if self.recycle:
             self._scratch[key] = ViewCache(buf)
         return buf.view(-1)  # a view: while the caller holds it, the kept buffer is not idle
+
+    def transient(self, key: tuple[Any, ...], numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A kept 1-D buffer of ``numel`` elements that only the calling function uses, for synchronous
+        collectives and local copies, and lets go of before it returns (an exchange's packed send and its receive
+        buffer): the one kept under ``key`` whenever it is large enough, whatever else still refers to its memory.
+        A synchronous collective is done with its buffers when it returns (gloo's worker thread drops its
+        reference a moment later, NCCL orders any later use on its stream), so waiting for that reference would
+        only allocate anew on a busy machine. Never hand it out, nor give it to an asynchronous collective. Kept
+        with the workspace: :func:`release_workspace` frees it."""
+        kept = self._transient.get(key)
+        if kept is None or kept.numel() < numel or kept.dtype != dtype or kept.device != device:
+            kept = self.alloc(numel, dtype, device)
+            if self.recycle:
+                self._transient[key] = kept
+        return kept.narrow(0, 0, numel)
 
     def view_cache(self, t: torch.Tensor) -> ViewCache | None:
         """The view cache of the recycled buffer ``t`` is a view of (its per-parameter cuts are made once), or None
@@ -142,8 +165,10 @@ class BufferPool:
     def release(self) -> None:
         self.workspace.clear()
         self._scratch.clear()
+        self._transient.clear()
         self._recycled.clear()
         self._by_storage.clear()
+        self._stuck.clear()
 
 
 BUFFERS = BufferPool()

@@ -106,10 +106,10 @@ def _slot_views(buffer: torch.Tensor, bucket: BucketPlan) -> tuple[torch.Tensor,
 
 
 def _scratch(what: str, bucket: BucketPlan, device: torch.device, numel: int | None = None) -> torch.Tensor:
-    """A kept 1-D buffer for one call (:meth:`~zero_dtensor.materialize.buffers.BufferPool.scratch`): ``what`` is
-    ``"send"`` (the packed pieces) or ``"recv"`` (``numel`` elements)."""
+    """A kept 1-D buffer used within one call (:meth:`~zero_dtensor.materialize.buffers.BufferPool.transient`):
+    ``what`` is ``"send"`` (the packed pieces) or ``"recv"`` (``numel`` elements)."""
     n = sum(bucket.read.send_counts) if numel is None else numel
-    return BUFFERS.scratch(("redistribute " + what, bucket.dtype, device), n, bucket.dtype, device)
+    return BUFFERS.transient(("redistribute " + what, bucket.dtype, device), n, bucket.dtype, device)
 
 
 def _pack_into(buffer: torch.Tensor, sources: Sequence[torch.Tensor], pieces: Sequence[Piece],

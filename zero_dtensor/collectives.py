@@ -291,7 +291,8 @@ def send_recv(sends: Sequence[Exchange], recvs: Sequence[Exchange], group: dist.
     """**One** batch of point-to-point ops over ``group`` (``dist.batch_isend_irecv``: coalesced on NCCL, posted
     one by one on gloo): every ``(tensor, peer)`` of ``recvs`` received, every one of ``sends`` sent. Every rank
     of the group must post the matching batch (the same order of ops per pair of ranks). Bytes: what is listed.
-    Returns the pending works when async; else waits for them."""
+    Returns the pending works when async (one per op where the backend gives one, gloo: the receives first, in
+    the order listed; else fewer); else waits for them."""
     ops = [dist.P2POp(dist.irecv, t, group=group, group_peer=peer) for t, peer in recvs]
     ops += [dist.P2POp(dist.isend, t, group=group, group_peer=peer) for t, peer in sends]
     if not ops:  # one rank: nothing to exchange

@@ -125,6 +125,13 @@ class GroupPlacement(GroupGeometry):
         """Elements of the extra buffer :meth:`to_param_order` needs after an all_gather (0: none)."""
         return 0
 
+    def rank_to_param_order(self, row: torch.Tensor, rank: int, group: GroupLayout, plan: GroupPlan,
+                            area: torch.Tensor, cache: ViewCache | None = None) -> None:
+        """What :meth:`to_param_order` does for one rank's row of the gathered rows: its partition (``row``) into
+        its place in ``area``, so that a peer's partition is put in order as soon as it has arrived. Only
+        placements that reorder (:meth:`reorder_area` non-zero) implement it."""
+        raise NotImplementedError(f"{type(self).__name__} gathers in parameter order: nothing to reorder")
+
     def peer_rows(self, plan: GroupPlan, element_size: int) -> tuple[RowMap, RowMap] | None:
         """Where an all_gather of ``element_size``-byte elements needs a reorder: the row copies that put this rank's partition, and the other ranks'
         received back to back (:func:`~zero_dtensor.collectives.peer_partitions_by_all_to_all`), each straight
@@ -334,6 +341,24 @@ class ChunkShard(ChunkGeometry, GroupPlacement):
         blocks = _views(cache, ("columns", plan, area.storage_offset(), piece.lo, piece.hi), area, build)
         torch.split_with_sizes_copy(gathered.view(N, piece.width), list(piece.sizes), dim=1, out=list(blocks))
         return area
+
+    def rank_to_param_order(self, row: torch.Tensor, rank: int, group: GroupLayout, plan: GroupPlan,
+                            area: torch.Tensor, cache: ViewCache | None = None) -> None:
+        """Rank ``rank``'s partition (``P`` elements: its chunk of every parameter) into row ``rank`` of every
+        parameter's ``(N, chunk)`` block in ``area``: one row copy
+        (:meth:`~zero_dtensor.plan.GroupPlan.rank_column_rows`), or, where rows do not pay, one
+        ``split_with_sizes_copy`` into the blocks' rows (contiguous pieces). ``P`` elements copied."""
+        rows = plan.rank_column_rows(rank, row.element_size())
+        if rows is not None:
+            rows.copy(row, area)
+            return
+        N, sizes = group.world_size, plan.gathered.sizes
+
+        def build(_: torch.Tensor) -> list[torch.Tensor]:
+            return [b.view(N, -1)[rank] for b in area.split_with_sizes([N * s for s in sizes])]
+
+        targets = _views(cache, ("rank rows", plan, area.storage_offset(), rank), area, build)
+        torch.split_with_sizes_copy(row, list(sizes), out=list(targets))
 
     def reorder_area(self, group: GroupLayout) -> int:
         return group.flat_numel

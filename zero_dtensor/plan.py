@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TypeVar
+from typing import Any, TypeVar
 
 
 from .layout import FlatLayout, GroupLayout, ParamLayout
@@ -69,7 +69,7 @@ class GroupPlan:
     local: Tiling  # this rank's partition: fragments and padding
     gathered: Tiling  # ragged / replicated: the assembled flat buffer; chunked: the columns of its (N, P) rows
     param_order: Tiling  # a parameter-order buffer: ragged/replicated as ``gathered``; chunked: N·chunk each
-    _rows: dict[tuple[str, int], object] = field(default_factory=dict, init=False, repr=False)
+    _rows: dict[tuple[Any, ...], object] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def index(self) -> int:
@@ -159,7 +159,14 @@ class GroupPlan:
         peers = tuple(r for r in range(self.group.world_size) if r != self.group.rank)
         return self._memo(("peers", element_size), lambda: self._columns(peers, element_size))
 
-    def _memo(self, key: tuple[str, int], build: Callable[[], T]) -> T:
+    def rank_column_rows(self, rank: int, element_size: int) -> RowMap | None:
+        """Chunked groups: rank ``rank``'s partition (``P`` elements) to its rows of the parameter-order blocks (the
+        rest of the destination untouched), as one row copy; ``None`` as for :meth:`column_rows`."""
+        if rank == self.group.rank:
+            return self.own_column_rows(element_size)
+        return self._memo(("rank", rank, element_size), lambda: self._columns((rank,), element_size))
+
+    def _memo(self, key: tuple[Any, ...], build: Callable[[], T]) -> T:
         if key not in self._rows:
             self._rows[key] = build()
         return self._rows[key]

@@ -146,7 +146,7 @@ def full_tensors(
         elif t.pipelined:
             steps += pipelined_gather(state, t, regions, narrow, result)
         elif dst is None and t.strategy in ("all_to_all", "send_recv"):
-            steps.append(gather_by_peers(state, t, regions, async_op, t.strategy == "send_recv"))
+            steps += gather_by_peers(state, t, regions, result, async_op, t.strategy == "send_recv")
         elif dst is None:
             outs = [regions[g][0] for g in t.groups]
             steps.append((all_gather_into(outs, t.partitions, t.pg, async_op=async_op), None))

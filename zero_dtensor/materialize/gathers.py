@@ -21,15 +21,18 @@ from ..collectives import (
     peer_partitions_by_all_to_all,
     rank_in,
     send_recv,
+    world_size_of,
 )
 from ..plan import ColumnPiece
 from ..state import FlatState
+from ..views import ViewCache
 from .buffers import BUFFERS
 from .transfers import Transfer, pipeline_pieces, view_cache
 
 __all__ = ["fill_for_reduce", "gather_by_peers", "pipelined_gather", "send_only"]
 
 Regions = dict[int, tuple[torch.Tensor, torch.Tensor | None]]  # group -> (assembled, reorder area)
+Step = tuple[list[Any], Callable[[], None] | None]  # pending works, and what runs once they are done
 
 
 def fill_for_reduce(state: FlatState, t: Transfer, buf: torch.Tensor) -> None:
@@ -66,21 +69,20 @@ def pipelined_gather(state: FlatState, t: Transfer, regions: Regions, narrow: Ca
     return steps
 
 
-def gather_by_peers(state: FlatState, t: Transfer, regions: Regions, async_op: bool,
-                    by_send_recv: bool = False) -> tuple[list[Any], Callable[[], None] | None]:
-    """Every group of the transfer gathered from its peers, and the step that follows: by one ``all_to_all_single``
-    per flat group (it has no coalesced form), or, ``by_send_recv``, by **one** batch of point-to-point ops for the
-    whole transfer (:func:`~zero_dtensor.collectives.send_recv`: ``2(N-1)`` per flat group, each partition sent as
-    it is and every peer's received straight into its place; no copy of ``S``, no scratch). Where the placement
-    reorders through rows (:meth:`~zero_dtensor.placement.GroupPlacement.peer_rows`: ZeRO-3), the other ranks'
-    partitions are received back to back into the group's region (issued asynchronously even for a synchronous
-    call: the step awaits them) while this rank's partition is copied into its rows of parameter order, and copied
-    into theirs once they have arrived: ``S`` copied in all, not ``S/N`` into the gathered rows and then ``S``.
-    Elsewhere the group is gathered rank after rank (by send_recv: this rank's row copied locally while the peers'
-    travel) and reordered as an all_gather is. The regions of the first kind then hold their areas."""
+def gather_by_peers(state: FlatState, t: Transfer, regions: Regions, result: MutableMapping[str, torch.Tensor],
+                    async_op: bool, by_send_recv: bool = False) -> list[Step]:
+    """Every group of the transfer gathered from its peers, and the steps that follow: by point-to-point ops
+    (``by_send_recv``: :func:`_gather_by_send_recv`), or by one ``all_to_all_single`` per flat group (it has no
+    coalesced form). Where the placement reorders through rows
+    (:meth:`~zero_dtensor.placement.GroupPlacement.peer_rows`: ZeRO-3), the all_to_all receives the other ranks'
+    partitions back to back into the group's region (issued asynchronously even for a synchronous call: the step
+    awaits them) while this rank's partition is copied into its rows of parameter order, and copies them into
+    theirs once they have arrived: ``S`` copied in all, not ``S/N`` into the gathered rows and then ``S``.
+    Elsewhere the group is gathered rank after rank and reordered as an all_gather is. The regions of the first
+    kind then hold their areas."""
+    if by_send_recv:
+        return _gather_by_send_recv(state, t, regions, result)
     works: list[Any] = []
-    sends: list[Exchange] = []
-    recvs: list[Exchange] = []
     local: list[Callable[[], Any]] = []  # this rank's own partitions into place, once the peers' are under way
     after: list[tuple[Any, torch.Tensor, torch.Tensor]] = []  # (peer row copy, received, area)
     for g, part in zip(t.groups, t.partitions):
@@ -88,34 +90,78 @@ def gather_by_peers(state: FlatState, t: Transfer, regions: Regions, async_op: b
         region, area = regions[g]
         rows = group.placement.peer_rows(state.plan.groups[g], part.element_size()) if area is not None else None
         if rows is None or area is None:
-            if by_send_recv:
-                _add(gather_exchanges(region, part, t.pg), sends, recvs)
-                own_row = region.narrow(0, rank_in(t.pg) * part.numel(), part.numel())
-                local.append(lambda own_row=own_row, part=part: own_row.copy_(part))
-            else:
-                works += all_gather_by_all_to_all(region, part, t.pg, async_op=async_op)
+            works += all_gather_by_all_to_all(region, part, t.pg, async_op=async_op)
             continue
         own, peers = rows
         received = region.narrow(0, 0, (group.world_size - 1) * group.partition_numel)
-        if by_send_recv:
-            _add(gather_exchanges(received, part, t.pg, peers_only=True), sends, recvs)
-        else:
-            works += peer_partitions_by_all_to_all(received, part, t.pg, async_op=True)  # awaited by the step
+        works += peer_partitions_by_all_to_all(received, part, t.pg, async_op=True)  # awaited by the step
         # while it travels (both only read the partition)
         local.append(lambda own=own, part=part, area=area: own.copy(part, area))
         after.append((peers, received, area))
         regions[g] = (area, None)
-    if by_send_recv:
-        works += send_recv(sends, recvs, t.pg, async_op=True)  # awaited by the step
     for copy in local:
         copy()
     if not after:
-        return works, None
+        return [(works, None)]
 
     def reorder() -> None:
         for peers, received, area in after:
             peers.copy(received, area)
-    return works, reorder
+    return [(works, reorder)]
+
+
+def _gather_by_send_recv(state: FlatState, t: Transfer, regions: Regions,
+                         result: MutableMapping[str, torch.Tensor]) -> list[Step]:
+    """The whole transfer by **one** batch of point-to-point ops (:func:`~zero_dtensor.collectives.send_recv`:
+    ``2(N-1)`` per flat group): each partition sent as it is, every peer's received straight into its row of the
+    group's region, no copy of ``S``, no scratch; issued asynchronously even for a synchronous call (the steps
+    await them). Where no reorder is needed (ZeRO-1/2), this rank's row is copied locally while the peers' travel.
+    Where the placement reorders (ZeRO-3), this rank's partition goes straight into its place in parameter order
+    while the peers' travel, and each peer's into its place as soon as it has arrived, while the later ones still
+    travel (where the backend returns one work per op, gloo; else once all have): ``S`` copied in all, ``(N-1)/N``
+    of it overlapping the transfer; the regions of that kind then hold their areas."""
+    me = rank_in(t.pg)
+    sends: list[Exchange] = []
+    recvs: list[Exchange] = []
+    local: list[Callable[[], Any]] = []  # this rank's own partitions into place, once the peers' are under way
+    placing: list[tuple[int, torch.Tensor, torch.Tensor, ViewCache | None]] = []  # (group, its rows, area, cache)
+    for g, part in zip(t.groups, t.partitions):
+        region, area = regions[g]
+        _add(gather_exchanges(region, part, t.pg), sends, recvs)
+        if area is None:
+            own_row = region.narrow(0, me * part.numel(), part.numel())
+            local.append(lambda own_row=own_row, part=part: own_row.copy_(part))
+            continue
+        cache = view_cache(result, area)
+        group, plan = state.group(g), state.plan.groups[g]
+        local.append(lambda part=part, group=group, plan=plan, area=area, cache=cache:
+                     group.placement.rank_to_param_order(part, me, group, plan, area, cache))
+        placing.append((g, region, area, cache))
+        regions[g] = (area, None)
+    works = send_recv(sends, recvs, t.pg, async_op=True)
+    for copy in local:
+        copy()
+    peers = [r for r in range(world_size_of(t.pg)) if r != me]
+
+    def place(peer: int) -> None:
+        for g, rows, area, cache in placing:
+            group = state.group(g)
+            n = group.partition_numel
+            group.placement.rank_to_param_order(rows.narrow(0, peer * n, n), peer, group, state.plan.groups[g],
+                                                area, cache)
+
+    if not placing:
+        return [(works, None)]
+    if len(works) != len(sends) + len(recvs):  # one work for the batch (NCCL coalesces): place after it
+        def place_all() -> None:
+            for peer in peers:
+                place(peer)
+        return [(works, place_all)]
+    # one work per op, receives first in the order listed: per group, the peers in rank order
+    per_peer = [[works[k * len(peers) + i] for k in range(len(t.groups))] for i in range(len(peers))]
+    steps: list[Step] = [(arrived, lambda peer=peer: place(peer)) for peer, arrived in zip(peers, per_peer)]
+    steps.append((works[len(recvs):], None))  # the sends
+    return steps
 
 
 def _add(exchanges: tuple[list[Exchange], list[Exchange]], sends: list[Exchange], recvs: list[Exchange]) -> None:

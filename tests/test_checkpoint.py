@@ -131,8 +131,9 @@ def test_state_dict_format(ranks) -> None:
 def test_collectives_counted(ranks, tmp_path) -> None:
     """What the docstrings promise, counted with CommDebugMode at 2 ranks on an 8-tensor ZeRO-2 and a 34-tensor
     ZeRO-3 engine: ``get_state_dict`` none; ``set_state_dict`` one agreement + the working weights' refresh;
-    ``save`` only DCP's object collectives (no tensor data), as many for either model; ``load`` two agreements,
-    the refresh and DCP's object collectives, as many for either model."""
+    ``save`` only DCP's object collectives (no tensor data), as many for either model; ``load`` three agreements
+    (before reading, after it, before writing) and the refresh, nothing else (each rank plans its own reads: no DCP
+    collective)."""
     small, deep = ranks(2).run(ck.collective_counts, str(tmp_path), [EngineCase(stage=2),
                                                                      EngineCase(stage=3, model="deep")])[0]
     tensor_op = "c10d._allgather_base_"  # the agreements and the refresh; DCP moves only pickled objects
@@ -140,11 +141,11 @@ def test_collectives_counted(ranks, tmp_path) -> None:
         assert found["get_state_dict"] == 0, found
         assert found["set_state_dict"] == 1 + found["sync"], found
         assert tensor_op not in found["save"], found
-        assert found["load"][tensor_op] == 2 + found["sync"], found
+        assert found["load"][tensor_op] == 3 + found["sync"], found
     assert deep["sync"] == 34 and small["sync"] == 1  # ZeRO-3: every (persistent) parameter; ZeRO-2: one group
     assert small["save"] == deep["save"] and sum(small["save"].values()) == 9  # "about 9 at 2 ranks"
-    dcp_load = {k: v for k, v in small["load"].items() if k != tensor_op}
-    assert dcp_load == {k: v for k, v in deep["load"].items() if k != tensor_op} and sum(dcp_load.values()) == 7
+    for found in (small, deep):
+        assert {k: v for k, v in found["load"].items() if k != tensor_op} == {}, found["load"]
 
 
 def test_load_at_one_rank(ranks, saved) -> None:

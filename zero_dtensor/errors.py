@@ -79,5 +79,6 @@ class IncompleteCheckpointError(RuntimeError):
 
 
 class CheckpointReadError(RuntimeError):
-    """DCP failed to read the checkpoint (a missing or damaged data file); ``__cause__`` is DCP's
-    ``CheckpointException``. The data was read into staging buffers, so the engine is unchanged."""
+    """DCP failed to read the checkpoint (a missing or damaged data file) on some rank; raised on every rank,
+    ``__cause__`` is the read's own error where it failed, :class:`RankFailedError` elsewhere. The data was read
+    into staging buffers, so the engine is unchanged."""

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
+from ..dtensor_new import new_dtensor
 from ..layout import contiguous_stride
 
 __all__ = ["Box", "boxes", "box_dtensor", "local_boxes"]
@@ -86,10 +87,10 @@ def box_dtensor(fragment: torch.Tensor, shape: torch.Size | tuple[int, ...], sta
     """This rank's fragment (elements ``[start, start + fragment.numel())`` of the flattened tensor) as a DTensor
     of the global ``shape`` over a ``LocalShardsWrapper`` of box views (a DCP container: its ``Shard(0)`` placement
     does not describe the pieces, so use it for checkpointing only). ``None`` for an empty fragment: the rank then
-    omits the entry. Zero-copy; ``fragment`` must be on ``mesh``'s device type."""
+    omits the entry. Zero-copy (:func:`~zero_dtensor.dtensor_new.new_dtensor`: no autograd node, a cached spec);
+    ``fragment`` must be on ``mesh``'s device type."""
     if fragment.numel() == 0:
         return None
     found = boxes(tuple(shape), start, start + fragment.numel())
     wrapper = LocalShardsWrapper(local_boxes(fragment, found), [b.offsets for b in found])
-    return DTensor.from_local(wrapper, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
-                              stride=contiguous_stride(tuple(shape)))
+    return new_dtensor(wrapper, mesh, Shard(0), tuple(shape), contiguous_stride(tuple(shape)))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import io
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -123,6 +124,27 @@ class _CheckedReader(FileSystemReader):
         return self._checked
 
 
+def _read(staged: dict[str, Any], path: str, metadata: Metadata, target: Target) -> None:
+    """``dcp.load`` of this rank's pieces into ``staged``, planned by each rank on its own (``no_dist``: every
+    rank already holds the checked metadata, and a load plan needs no coordination: DCP's default global load plan
+    is the local plans unchanged), then one agreement on the outcome: a failed read raises
+    :class:`CheckpointReadError` on every rank. Instead of DCP's gather and scatter of every rank's pickled plan
+    (thousands of read items) and its all_gather of the read results, one all_gather of 2 int64 per rank."""
+    error: BaseException | None = None
+    try:
+        with warnings.catch_warnings():  # no_dist warns that it assumes a single process: here it is each rank's
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(staged, storage_reader=_CheckedReader(path, metadata), no_dist=True,
+                     planner=CachingLoadPlanner(allow_partial_load=False))
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any failed read must reach every rank
+        error = exc  # (DCP's CheckpointException is a BaseException)
+    try:
+        agree_outcome("checkpoint.load", error, [target.process_group], target.masters.device,
+                      consequence="The engine is unchanged on every rank.")
+    except (Exception, CheckpointException) as exc:
+        raise CheckpointReadError(f"reading checkpoint {path!r} failed ({exc}); the engine is unchanged") from exc
+
+
 def read_metadata(path: str | os.PathLike) -> Metadata:
     """The checkpoint's DCP metadata; :class:`IncompleteCheckpointError` where there is none (a save that did not
     finish). No communication."""
@@ -204,8 +226,8 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
     hyperparameters, frozen weights, step counters, the lr scheduler and the loss scaler written, and the working
     weights made the cast masters (:func:`~zero_dtensor.checkpoint.state_dict.set_state_dict`).
 
-    **Communication**: the agreement (an all_gather of 2 int64 per rank, twice), DCP's small object collectives,
-    then ZeRO-1/2 one all_gather per param group (ZeRO-3: per persistent parameter) to refresh the working weights.
+    **Communication**: three agreements (an all_gather of 2 int64 per rank each: before reading, after it, before
+    writing; each rank plans and reads its own pieces, no DCP collective), then ZeRO-1/2 one all_gather per param group (ZeRO-3: per persistent parameter) to refresh the working weights.
     Each rank reads only the bytes its pieces overlap. **Memory**: one staging copy of this rank's partition (its
     masters and optimizer state, and the frozen parameters it holds) until the load returns, plus one saved piece
     at a time as DCP reads it (at most one parameter's fp32 elements: a saved piece is part of one parameter). The
@@ -227,12 +249,7 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
                   consequence="Nothing was loaded into the engine on any rank.")
     assert metadata is not None
     staged = _staging(engine, target, metadata)
-    try:
-        dcp.load(staged, storage_reader=_CheckedReader(os.fspath(path), metadata),
-                 process_group=target.process_group, planner=CachingLoadPlanner(allow_partial_load=False))
-    except CheckpointException as exc:
-        raise CheckpointReadError(f"reading checkpoint {os.fspath(path)!r} failed ({exc}); the engine is "
-                                  "unchanged") from exc
+    _read(staged, os.fspath(path), metadata, target)
     set_state_dict(engine, staged["model"], staged["optim"])
     extras: Mapping[str, Any] = {k: _unblob(v) for k, v in staged.get("zero_dtensor", {}).items()}
     if "engine" in extras:

@@ -10,6 +10,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import collectives
+from ..dtensor_new import new_dtensor
 from ..layout import ParamLayout
 from ..storage import FlatStorage
 from .plan import TargetSlot
@@ -94,35 +95,7 @@ def check_full(storage: FlatStorage, what: str, param: ParamLayout, value: Any) 
     return value
 
 
-_SPECS: dict[tuple, tuple[Any, Any]] = {}
-_NEW = DTensor.__new__
-
-
-def _spec(mesh: Any, placement: Any, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype) -> Any:
-    """A cached ``DTensorSpec``, keyed on the mesh *object* (meshes over the same ranks compare equal even when their
-    process groups differ, e.g. a second engine's)."""
-    key = (id(mesh), placement, shape, stride, dtype)
-    hit = _SPECS.get(key)
-    if hit is not None and hit[0] is mesh:
-        return hit[1]
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
-    if len(_SPECS) > 8192:
-        _SPECS.clear()
-    spec = DTensorSpec(mesh, (placement,), tensor_meta=TensorMeta(torch.Size(shape), stride, dtype))
-    _SPECS[key] = (mesh, spec)
-    return spec
-
-
 def build_dtensor(local: torch.Tensor, mesh: Any, placement: Any, slot: TargetSlot) -> DTensor:
-    """What ``DTensor.from_local(local, mesh, [placement], run_check=False, shape=..., stride=...)`` builds, without
-    its per-call overhead (about 60 µs: a new spec and an autograd node per parameter): a cached spec and the
-    no-autograd constructor FSDP2 uses (``_from_local_no_grad``), called as ``DTensor.__new__`` alone (its
-    ``__init__`` does nothing in eager mode but its tracing decorators cost about as much as the construction);
-    ``from_local`` where that is unavailable."""
-    try:
-        spec = _spec(mesh, placement, slot.global_shape, slot.global_stride, local.dtype)
-        return _NEW(DTensor, local, spec, requires_grad=False)
-    except (ImportError, TypeError, AttributeError):  # a torch without these internals: the public constructor
-        return DTensor.from_local(local, mesh, [placement], run_check=False, shape=torch.Size(slot.global_shape),
-                                  stride=slot.global_stride)
+    """``local`` as the DTensor of ``slot``'s global shape and stride (:func:`~zero_dtensor.dtensor_new.new_dtensor`:
+    a cached spec, no autograd node)."""
+    return new_dtensor(local, mesh, placement, slot.global_shape, slot.global_stride)

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.tensor import DTensor
 
 from .._deepspeed import checkpointing as ds
 from ..agreement import agree_outcome
@@ -68,6 +69,13 @@ def _unblob(value: Any) -> Any:
     return value
 
 
+def _sharded_only(entries: Mapping[str, Any]) -> dict[str, Any]:
+    """The DTensor entries of ``entries`` (what this rank holds a piece of). The others hold the same value on
+    every rank: written from the lowest rank only, they are neither planned, pickled and gathered for every rank nor
+    deduplicated by DCP's coordinator afterwards."""
+    return {k: v for k, v in entries.items() if isinstance(v, DTensor)}
+
+
 def _engine_extras(engine: Any, client_state: Any) -> dict[str, io.BytesIO]:
     return {"engine": _blob(ds.engine_counters(engine)), "lr_scheduler": _blob(ds.lr_scheduler_state(engine)),
             "loss_scaler": _blob(ds.loss_scaler_state(engine)), "client_state": _blob(client_state)}
@@ -77,7 +85,8 @@ def save(engine: Any, path: str | os.PathLike, *, async_: bool = False, client_s
          sync_files: bool = True) -> Any:
     """Write ``engine``'s state into the DCP checkpoint directory ``path`` (module docstring); every rank of the
     data-parallel group must call it. Each rank writes only the pieces it holds (masters, optimizer state, its
-    ZeRO-3 chunks of frozen parameters; replicated values once, from the lowest rank); the engine is not changed.
+    ZeRO-3 chunks of frozen parameters; replicated values once: only the lowest rank passes them to DCP); the
+    engine is not changed.
     ``client_state``: any picklable object, saved as rank 0 passes it. A ``.metadata`` left by an earlier checkpoint
     in ``path`` is removed first, so a save that does not finish never looks finished.
 
@@ -96,9 +105,12 @@ def save(engine: Any, path: str | os.PathLike, *, async_: bool = False, client_s
     model = model_dict(target, target.masters.partitions, {f.name: f.local for f in target.frozen})
     optim = optim_dict(target, state_partitions(engine, target), current_steps(engine, target),
                        hyperparameters_by_name(engine, target))
-    state = {"model": model, "optim": optim, "zero_dtensor": _engine_extras(engine, client_state)}
+    state: dict[str, Any] = {"model": model, "optim": optim, "zero_dtensor": _engine_extras(engine, client_state)}
     path = os.fspath(path)
-    if rank_in(target.process_group) == 0 and os.path.exists(os.path.join(path, METADATA)):
+    first = rank_in(target.process_group) == 0
+    if not first:  # replicated values (steps, hyperparameters, extras, replicated frozen weights): rank 0 writes them
+        state = {"model": _sharded_only(model), "optim": _sharded_only(optim)}
+    if first and os.path.exists(os.path.join(path, METADATA)):
         os.remove(os.path.join(path, METADATA))
     planner = CachingSavePlanner(dedup_save_to_lowest_rank=True)
     writer = FileSystemWriter(path, sync_files=sync_files)

@@ -183,18 +183,20 @@ def release_workspace() -> None:
 
 class AllocationRecorder:
     """Records every buffer the pool allocates and the peak of live bytes (a buffer is live until its storage is
-    freed). With ``budget``, an allocation that would exceed it first waits up to 50 ms: a synchronous gloo
-    collective returns once its work completed, but the backend's worker thread may hold the previous bucket's
-    buffer a moment longer. Allocations made inside torch or the backend are *not* seen."""
+    freed). With ``budget``, an allocation that would exceed it first waits up to ``wait_s`` (50 ms) for live
+    bytes to drop: a synchronous gloo collective returns once its work completed, but the backend's worker thread
+    may hold the previous bucket's buffer a moment longer (longer still on a busy machine). Allocations made inside
+    torch or the backend are *not* seen."""
 
-    def __init__(self, budget: int | None = None) -> None:
+    def __init__(self, budget: int | None = None, wait_s: float = 0.05) -> None:
         self.budget = budget
+        self.wait_s = wait_s
         self.live = 0
         self.peak = 0
         self.sizes: list[int] = []
 
     def before(self, nbytes: int) -> None:
-        deadline = time.monotonic() + 0.05
+        deadline = time.monotonic() + self.wait_s
         while self.budget is not None and self.live + nbytes > self.budget and time.monotonic() < deadline:
             time.sleep(0.001)
 

@@ -105,10 +105,11 @@ def save(engine: Any, path: str | os.PathLike, *, async_: bool = False, client_s
     model = model_dict(target, target.masters.partitions, {f.name: f.local for f in target.frozen})
     optim = optim_dict(target, state_partitions(engine, target), current_steps(engine, target),
                        hyperparameters_by_name(engine, target))
-    state: dict[str, Any] = {"model": model, "optim": optim, "zero_dtensor": _engine_extras(engine, client_state)}
     path = os.fspath(path)
     first = rank_in(target.process_group) == 0
-    if not first:  # replicated values (steps, hyperparameters, extras, replicated frozen weights): rank 0 writes them
+    if first:
+        state = {"model": model, "optim": optim, "zero_dtensor": _engine_extras(engine, client_state)}
+    else:  # replicated values (steps, hyperparameters, extras, replicated frozen weights): rank 0 writes them
         state = {"model": _sharded_only(model), "optim": _sharded_only(optim)}
     if first and os.path.exists(os.path.join(path, METADATA)):
         os.remove(os.path.join(path, METADATA))
@@ -239,7 +240,8 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
     weights made the cast masters (:func:`~zero_dtensor.checkpoint.state_dict.set_state_dict`).
 
     **Communication**: three agreements (an all_gather of 2 int64 per rank each: before reading, after it, before
-    writing; each rank plans and reads its own pieces, no DCP collective), then ZeRO-1/2 one all_gather per param group (ZeRO-3: per persistent parameter) to refresh the working weights.
+    writing; each rank plans and reads its own pieces, no DCP collective), then ZeRO-1/2 one all_gather per param
+    group (ZeRO-3: per persistent parameter) to refresh the working weights.
     Each rank reads only the bytes its pieces overlap. **Memory**: one staging copy of this rank's partition (its
     masters and optimizer state, and the frozen parameters it holds) until the load returns, plus one saved piece
     at a time as DCP reads it (at most one parameter's fp32 elements: a saved piece is part of one parameter). The

@@ -9,7 +9,9 @@ from workers import agreement
 from workers.common import EngineCase
 from workers.rows import RowResults, assert_row, slug
 
-SETTING_CASES = [EngineCase(2), EngineCase(3), EngineCase(1, "bf16", world=3), EngineCase(3, "bf16", world=3)]
+# 4 ranks: the agreement is an all_reduce there (zero_dtensor.collectives.compares_by_all_reduce), a gather below
+SETTING_CASES = [EngineCase(2), EngineCase(3), EngineCase(1, "bf16", world=3), EngineCase(3, "bf16", world=3),
+                 EngineCase(2, world=4)]
 _SETTING_RESULTS = RowResults()
 
 
@@ -20,7 +22,7 @@ def test_setting_on_one_rank_raises_on_every_rank(ranks, case: EngineCase, row: 
     assert_row(_SETTING_RESULTS.get(ranks, case.world, agreement.mismatched_settings, case, timeout=120.0), row)
 
 
-EDGE_CASES = [EngineCase(1), EngineCase(2, "bf16"), EngineCase(3, world=3)]
+EDGE_CASES = [EngineCase(1), EngineCase(2, "bf16"), EngineCase(3, world=3), EngineCase(3, world=4)]
 _EDGE_RESULTS = RowResults()
 
 

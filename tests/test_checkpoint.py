@@ -8,11 +8,13 @@ The saves run once per module (``saved``); the loads compare with the values the
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 import pytest
 
 from workers import checkpoint as ck
 from workers.common import EngineCase
+from zero_dtensor.collectives import GLOO_REDUCE_FROM
 
 SAVES_2 = [
     ("z2-fp32", EngineCase(stage=2), 2),
@@ -136,16 +138,16 @@ def test_collectives_counted(ranks, tmp_path) -> None:
     collective)."""
     small, deep = ranks(2).run(ck.collective_counts, str(tmp_path), [EngineCase(stage=2),
                                                                      EngineCase(stage=3, model="deep")])[0]
-    tensor_op = "c10d._allgather_base_"  # the agreements and the refresh; DCP moves only pickled objects
+    # at 2 gloo ranks an agreement is one small all_gather (zero_dtensor.collectives.compares_by_all_reduce)
+    agreement_op = "c10d.allreduce_" if 2 >= GLOO_REDUCE_FROM else "c10d._allgather_base_"
+    refresh_op = "c10d._allgather_base_"  # DCP moves only pickled objects
     for found in (small, deep):
         assert found["get_state_dict"] == 0, found
         assert found["set_state_dict"] == 1 + found["sync"], found
-        assert tensor_op not in found["save"], found
-        assert found["load"][tensor_op] == 3 + found["sync"], found
+        assert refresh_op not in found["save"] and agreement_op not in found["save"], found
+        assert Counter(found["load"]) == Counter({agreement_op: 3}) + Counter({refresh_op: found["sync"]}), found
     assert deep["sync"] == 34 and small["sync"] == 1  # ZeRO-3: every (persistent) parameter; ZeRO-2: one group
     assert small["save"] == deep["save"] and sum(small["save"].values()) == 9  # "about 9 at 2 ranks"
-    for found in (small, deep):
-        assert {k: v for k, v in found["load"].items() if k != tensor_op} == {}, found["load"]
 
 
 def test_load_at_one_rank(ranks, saved) -> None:

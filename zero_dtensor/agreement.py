@@ -7,9 +7,14 @@ zero_dtensor therefore runs in three steps:
 
 1. **validate** this rank's arguments inside a :class:`Refusal` block, which keeps the first ``TypeError`` /
    ``ValueError`` / ``KeyError`` instead of raising it;
-2. **agree** (:func:`agree`): one ``all_gather`` per distinct multi-rank process group the call communicates on of
-   ``[hash, error code, payload…]`` int64 (``N·8·(2+len(payload))`` bytes received per rank; DeepSpeed models have
-   one process group, so one small collective). The hash covers what the call will actually do: its arguments as
+2. **agree** (:func:`agree`): one small collective per distinct multi-rank process group the call communicates on
+   (DeepSpeed models have one process group, so one in all): an ``all_gather`` of ``[hash, error code]`` int64
+   (``N·16`` bytes received per rank), or, where that is cheaper
+   (:func:`~zero_dtensor.collectives.compares_by_all_reduce`: NCCL, gloo from 4 ranks on), an ``all_reduce`` (MAX)
+   of ``[hash, -hash, error code, -error code]`` (every hash is equal where the largest hash is minus the largest
+   negation; some rank refused where the largest code is not 0, every rank where the smallest is not). A call that
+   needs every rank's values (``set_owned_``'s ``payload``) always gathers ``[hash, error code, payload…]``
+   (``N·8·(2+len(payload))`` bytes received per rank). The hash covers what the call will actually do: its arguments as
    the call resolved them (the selection, dtype, ``out=`` shapes, the gather strategy each transfer will use, or
    that it will calibrate) and :func:`zero_dtensor.settings.fingerprint` (the pinned strategy, the environment
    variables, debug mode). Where every rank agrees and none refused, the call runs; otherwise one
@@ -21,7 +26,8 @@ zero_dtensor therefore runs in three steps:
 Calls that communicate nothing (replicated groups, one rank) agree on nothing and raise their refusal locally. A
 call whose outcome depends on a user function that runs between its collectives (``map_full_``, ``on_grads``)
 reports the function's failure with its next collective: ``map_full_`` carries one error code per peer inside its
-write exchange; ``on_grads`` agrees with :func:`agree_outcome` (one all_gather of ``[hash, code]``). Either way the
+write exchange; ``on_grads`` agrees with :func:`agree_outcome` (the same small collective on ``[hash, code]``; where it reduced
+and some rank failed, one all_gather of the codes more, to name it). Either way the
 failing rank re-raises its own exception and every other rank raises
 :class:`~zero_dtensor.errors.RankFailedError` (or a subclass) naming it; nothing is written.
 
@@ -46,13 +52,21 @@ import contextlib
 import datetime
 import hashlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from . import settings
-from .collectives import all_gather_objects, gather_int_rows_within, group_ranks, world_size_of, world_timeout
+from .collectives import (
+    all_gather_objects,
+    compares_by_all_reduce,
+    gather_int_rows_within,
+    group_ranks,
+    max_int_values_within,
+    world_size_of,
+    world_timeout,
+)
 from .errors import RankDisagreementError, RankFailedError
 
 __all__ = [
@@ -159,10 +173,11 @@ def agree(what: str, signature: Any, groups: Iterable[dist.ProcessGroup], device
     passes all of them: their first must be the others' first). ``payload(group)``: extra int64 values to gather
     with the agreement (the same length on every rank), returned as ``{id(group): one row per group rank}``.
 
-    **Collective**: per distinct multi-rank group one ``all_gather`` of ``2 + len(payload)`` int64 per rank, waited
-    on for at most :func:`wait_timeout`; where a rank differs or refused, one ``all_gather_object`` more, then every
-    rank raises (where every rank refused, each raises its own error without it). No group: no communication
-    (``refused`` raises on this rank).
+    **Collective**: per distinct multi-rank group one ``all_gather`` of ``2 + len(payload)`` int64 per rank, or,
+    without ``payload`` where :func:`~zero_dtensor.collectives.compares_by_all_reduce`, one ``all_reduce`` (MAX) of
+    4 int64 (its returned rows are then empty lists); waited on for at most :func:`wait_timeout`; where a rank
+    differs or refused, one ``all_gather_object`` more, then every rank raises (where every rank refused, each
+    raises its own error without it). No group: no communication (``refused`` raises on this rank).
     """
     _check_not_local(what)
     fingerprint = settings.fingerprint()
@@ -170,11 +185,16 @@ def agree(what: str, signature: Any, groups: Iterable[dist.ProcessGroup], device
     mine = [_hash(text), error_code(refused)]
     gathered: dict[int, list[list[int]]] = {}
     for group in distinct_groups(groups):
-        rows = _gather(what, [*mine, *(payload(group) if payload is not None else ())], group, device)
-        if len({row[0] for row in rows}) == 1 and not any(row[1] for row in rows):
+        rows: list[list[int]] = []
+        if payload is None and compares_by_all_reduce(group):
+            same, any_refused, all_refused = _max_check(what, mine[0], mine[1], group, device)
+        else:
+            rows = _gather(what, [*mine, *(payload(group) if payload is not None else ())], group, device)
+            same, any_refused, all_refused = _row_check(rows)
+        if same and not any_refused:
             gathered[id(group)] = rows
             continue
-        if refused is not None and all(row[1] for row in rows):  # every rank refused: each raises its own
+        if refused is not None and all_refused:  # every rank refused: each raises its own
             refused.add_note(f"zero_dtensor: {what} raised on every rank (every rank refused the arguments); "
                              "nothing was communicated or written")
             raise refused
@@ -193,14 +213,36 @@ def agree(what: str, signature: Any, groups: Iterable[dist.ProcessGroup], device
     return gathered
 
 
+_HASH_BITS = (1 << 62) - 1  # a hash and its negation both fit an int64
+
+
+def _max_check(what: str, hashed: int, code: int, group: dist.ProcessGroup,
+               device: torch.device) -> tuple[bool, bool, bool]:
+    """``(every rank's hash equal, some rank's code set, every rank's code set)`` from one all_reduce (MAX) of
+    ``[hash, -hash, code, -code]`` int64."""
+    h = hashed & _HASH_BITS
+    top = max_int_values_within([h, -h, code, -code], group, device, wait_timeout())
+    if top is None:
+        _raise_absent(what)
+    return top[0] == -top[1], top[2] != 0, top[3] != 0
+
+
+def _row_check(rows: list[list[int]]) -> tuple[bool, bool, bool]:
+    """:func:`_max_check`'s answer from gathered ``[hash, code, …]`` rows."""
+    return len({row[0] for row in rows}) == 1, any(row[1] for row in rows), all(row[1] for row in rows)
+
+
+def _raise_absent(what: str) -> NoReturn:
+    raise RankDisagreementError(
+        f"zero_dtensor: {what}: not every rank of the data-parallel group reached this collective call within "
+        f"{wait_timeout()} (some rank skipped it, or is stuck elsewhere). Call it on every rank, in the same order; "
+        "the process group is unusable now: end the job.")
+
+
 def _gather(what: str, values: list[int], group: dist.ProcessGroup, device: torch.device) -> list[list[int]]:
-    timeout = wait_timeout()
-    rows = gather_int_rows_within(values, group, device, timeout)
+    rows = gather_int_rows_within(values, group, device, wait_timeout())
     if rows is None:
-        raise RankDisagreementError(
-            f"zero_dtensor: {what}: not every rank of the data-parallel group reached this collective call within "
-            f"{timeout} (some rank skipped it, or is stuck elsewhere). Call it on every rank, in the same order; "
-            "the process group is unusable now: end the job.")
+        _raise_absent(what)
     return rows
 
 
@@ -252,12 +294,19 @@ def raise_outcome(what: str, error: BaseException | None, failed: Sequence[tuple
 def agree_outcome(what: str, error: BaseException | None, groups: Iterable[dist.ProcessGroup],
                   device: torch.device, **kwargs: Any) -> None:
     """Every rank learns whether a user function failed on any rank, and raises if one did (:func:`raise_outcome`,
-    ``kwargs`` passed on). **Collective**: per distinct multi-rank group one ``all_gather`` of 2 int64 per rank."""
+    ``kwargs`` passed on). **Collective**: per distinct multi-rank group one ``all_gather`` of 2 int64 per rank, or
+    where :func:`~zero_dtensor.collectives.compares_by_all_reduce` one ``all_reduce`` (MAX) of 4 int64 and, only
+    where some rank failed, one ``all_gather`` of 2 int64 per rank more (which ranks)."""
     code = error_code(error)
     failed: dict[int, int] = {}
     for group in distinct_groups(groups):
-        rows = _gather(what, [_hash(what), code], group, device)
-        if len({row[0] for row in rows}) != 1:
+        if compares_by_all_reduce(group):
+            same, any_failed, _ = _max_check(what, _hash(what), code, group, device)
+            rows = _gather(what, [_hash(what), code], group, device) if same and any_failed else []
+        else:
+            rows = _gather(what, [_hash(what), code], group, device)
+            same = _row_check(rows)[0]
+        if not same:
             raise RankDisagreementError(f"zero_dtensor: {what}: ranks reached different collective calls here")
         failed.update({r: row[1] for r, row in zip(group_ranks(group), rows) if row[1]})
     raise_outcome(what, error, sorted(failed.items()), **kwargs)
@@ -278,7 +327,7 @@ _STEP_ATTR = "_zero_dtensor_step_checkpoint"
 
 def install_step_checkpoint(optimizer: Any, groups: Iterable[dist.ProcessGroup], device: torch.device) -> None:
     """Make ``optimizer.step()`` start with an agreement while :func:`step_checkpoint_armed` (idempotent; an
-    instance attribute, so the class is untouched). No communication to install; one small all_gather per step
+    instance attribute, so the class is untouched). No communication to install; one agreement per step
     while armed."""
     if getattr(optimizer, _STEP_ATTR, None) is not None:
         return

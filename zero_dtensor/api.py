@@ -46,7 +46,7 @@ def sharded_grads(engine: Any) -> ShardedGrads:
     stage 0 included), ``TypeError`` for anything that is not a DeepSpeed engine. It also installs the
     rank-agreement checkpoint at the optimizer step, which checks only in debug mode (see
     :mod:`zero_dtensor.agreement`); in debug mode the first call of a step is itself one agreement (one small
-    all_gather), which arms that checkpoint on every rank.
+    collective), which arms that checkpoint on every rank.
     """
     check_engine(engine)
     key = engine.optimizer
@@ -119,7 +119,7 @@ def optimizer_state_keys(engine: Any) -> tuple[str, ...]:
 def sync_model_params(engine: Any) -> None:
     """Make the model's working weights the (cast) fp32 masters after a write into them, and clear the write mark.
     **Collective**: every rank of the data-parallel group, between steps. Communication: the rank agreement (one
-    all_gather of two int64 per rank), then ZeRO-1/2 and ``BF16_Optimizer`` one ``all_gather_into_tensor`` per
+    small collective, :mod:`zero_dtensor.agreement`), then ZeRO-1/2 and ``BF16_Optimizer`` one ``all_gather_into_tensor`` per
     param group (``(N-1)/N·S`` bytes received per rank in the working dtype); ZeRO-3 a local cast copy per
     sub-group, then DeepSpeed's gather of the persistent parameters (one all_gather each). Memory: none beyond
     DeepSpeed's own."""

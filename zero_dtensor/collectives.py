@@ -39,6 +39,9 @@ __all__ = [
     "world_size_of",
     "all_gather_objects",
     "gather_int_rows_within",
+    "max_int_values_within",
+    "compares_by_all_reduce",
+    "GLOO_REDUCE_FROM",
     "all_reduce_op",
     "all_reduce_rows",
     "all_reduce_sum_work",
@@ -195,6 +198,34 @@ def gather_int_rows_within(values: Sequence[int], group: dist.ProcessGroup, devi
     except RuntimeError:
         return None
     return gathered.view(-1, local.numel()).tolist()
+
+
+GLOO_REDUCE_FROM = 4  #: gloo groups of at least this many ranks compare a few int64 by all_reduce, smaller ones gather
+
+
+def compares_by_all_reduce(group: dist.ProcessGroup) -> bool:
+    """Whether a few int64 that every rank must compare (an agreement) travel cheapest as one ``all_reduce`` (MAX)
+    on ``group`` rather than one ``all_gather``: on every backend but gloo (NCCL's small all_reduce runs on a tree,
+    about log N steps; its all_gather on a ring, N-1), and on gloo from :data:`GLOO_REDUCE_FROM` ranks on. Measured
+    on gloo (2 CPU cores, median of 400 after a barrier, slowest rank): 4 ranks 0.84-1.08 ms for an all_reduce of
+    4 int64 against 3.6-3.8 ms for an all_gather of 2; at 2 and 3 ranks the all_gather is as fast or faster and
+    waits a scheduler tick (about 3.5 ms) less often. No communication."""
+    return backend_of(group) != "gloo" or world_size_of(group) >= GLOO_REDUCE_FROM
+
+
+def max_int_values_within(values: Sequence[int], group: dist.ProcessGroup, device: torch.device,
+                          timeout: datetime.timedelta) -> list[int] | None:
+    """The element-wise maximum of every rank's ``values`` (the same length on every rank): one ``all_reduce``
+    (MAX) of ``len(values)`` int64, or ``None`` when not every rank joined within ``timeout`` (the group is then
+    unusable: a collective is left pending). Cheaper than :func:`gather_int_rows_within` where the rows themselves
+    are not needed (at 4 gloo ranks a few int64 reduce in a third of an all_gather's time)."""
+    local = torch.tensor(list(values), dtype=torch.int64, device=device)
+    work = dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    try:
+        work.wait(timeout=timeout)
+    except RuntimeError:
+        return None
+    return local.tolist()
 
 
 def all_gather_objects(obj: object, group: dist.ProcessGroup) -> list[object]:

@@ -62,9 +62,9 @@ class ZeroGradCallback(pl.Callback):
     Communication per boundary, on the data-parallel group (every rank takes part): ``fn``'s own; the norms, on
     logged steps only: **one all_reduce of a (k,) float32 vector** (k = trainable parameter tensors; the total is
     computed from it locally); clipping: **one all_reduce** of a (k,) float32 vector of partial sums, then a local
-    multiply; each of the two after the rank agreement (one all_gather of two int64 per rank,
-    :mod:`zero_dtensor.agreement`); and :func:`~zero_dtensor.on_grads`' error agreement, one all_gather of two int64
-    per rank after ``fn`` and one after the norms and the clip (``fn`` and this callback's own work are two hooks, so that an
+    multiply; each of the two after the rank agreement (one small collective,
+    :mod:`zero_dtensor.agreement`); and :func:`~zero_dtensor.on_grads`' error agreement, one small collective
+    after ``fn`` and one after the norms and the clip (``fn`` and this callback's own work are two hooks, so that an
     exception from ``fn`` on some ranks raises on every rank before any rank enters the norms' or the clip's
     collectives). An exception anywhere raises on every rank, no optimizer step runs and the step's gradients are
     discarded. No gradient is gathered. Nothing runs between boundaries.

@@ -18,7 +18,7 @@ master itself); one skipped for fp16 overflow does not. Writes straight into liv
 ``local_partitions``, ``groups``) are not seen: call :meth:`ShardedMasterParams.mark_written` or
 :func:`sync_model_params` after them. Optimizer-state writes need no sync.
 
-:func:`sync_model_params` communicates: the rank agreement (one all_gather of two int64 per rank), then
+:func:`sync_model_params` communicates: the rank agreement (one small collective, :mod:`zero_dtensor.agreement`), then
 ZeRO-1/2 and ``BF16_Optimizer``: one ``all_gather_into_tensor`` per param group of the working dtype
 (``(N-1)/N·S`` bytes received per rank, ``S`` the group's flat working buffer), in place; ZeRO-3: a local cast copy
 master → working partition per sub-group, then DeepSpeed's own gather of the persistent parameters (one all_gather

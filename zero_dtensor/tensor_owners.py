@@ -40,7 +40,7 @@ class TensorOwners:
         which ``Shard(0)`` cannot describe, is ``Replicate()``), on a 1-D ``DeviceMesh`` over its data-parallel
         process group. **Collective**: call on every rank with the same arguments.
 
-        Communication: the rank agreement (one all_gather of two int64 per rank and process group), then one
+        Communication: the rank agreement (one small collective per process group), then one
         ``all_to_all_single`` with uneven splits per (process group, stored dtype) for all selected parameters
         together, in the stored dtype: each rank sends the part of its fragments that other ranks' rows cover and
         receives the part of its rows that others store, about ``(N-1)/N · S/N`` bytes each way (``S`` the
@@ -64,7 +64,7 @@ class TensorOwners:
 
         Every entry (name, DTensor type, mesh over the group's ranks, placement, global shape, dtype, this rank's
         local shard shape, device) is checked on every rank before anything is sent or written; a bad entry on any
-        rank raises on every rank. Communication: the rank agreement (one all_gather of two int64 per rank; it carries
+        rank raises on every rank. Communication: the rank agreement (one small collective; it carries
         any rank's refusal), then one ``all_to_all_single`` per (process group, dtype), the reverse of the read, about ``(N-1)/N · S/N`` bytes each way per rank (replicated groups
         too: every rank needs the whole new value, ``(N-1)/N · S`` received). Writes never record autograd history.
         """

@@ -184,7 +184,7 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
                 :mod:`zero_dtensor.materialize.strategy`).
 
         Communication (``N`` ranks, ``S`` the padded flat bytes of the groups involved, in the stored dtype): first
-        the rank agreement (one all_gather of two int64 per rank and process group communicated on, on the call as
+        the rank agreement (one small collective of a few int64 per process group communicated on, on the call as
         resolved: the selection, ``dtype``, the strategy each transfer uses or that it calibrates, and the settings;
         see :mod:`zero_dtensor.agreement`; arguments that any rank refuses — names, ``dtype``, ``out=`` entries, ``dst``,
         ``strategy`` — raise there on every rank, this rank's own error or the same class naming the refusing
@@ -242,7 +242,7 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
 
         Parameters come per flat group, in buffer order (not model order). Consecutive parameters form windows of
         at most ``bucket_bytes`` of buffers allocated here (stored dtype); a parameter larger than that gets a
-        window of its own. First the rank agreement (one small all_gather per process group, once per call;
+        window of its own. First the rank agreement (one small collective per process group, once per call;
         it carries any rank's refusal of the arguments, which then raises on every rank), then one collective per
         window, nothing for replicated groups (one local copy per window). On gloo the default is ``send_recv``
         (one batch of point-to-point ops per window): ZeRO-1/2 every other rank's overlap of the window ``[a, b)``

@@ -292,7 +292,7 @@ def _row_refused_alike(grads: Any, names: list[str], replicated: bool) -> None:
         with pytest.raises(KeyError, match="no.such.param") as info:
             grads.full_tensors(["no.such.param"])
     assert "refused the call's arguments" not in str(info.value)  # each rank raises its own, no one else's
-    # the agreement's one small all_gather (none where the call communicates nothing: replicated groups)
+    # the agreement's one small collective (none where the call communicates nothing: replicated groups)
     assert mode.get_total_counts() == (0 if replicated else 1), mode.get_comm_counts()
     assert sorted(grads.full_tensors(names[:2])) == sorted(names[:2])
 

@@ -15,9 +15,17 @@ from torch.distributed.tensor.debug import CommDebugMode
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def agreement_op(grads: Any) -> str:
+    """CommDebugMode's short name of the collective an agreement (without payload) issues on ``grads``' first
+    process group: ``allreduce`` or ``allgather_base`` (``zero_dtensor.collectives.compares_by_all_reduce``)."""
+    from zero_dtensor.collectives import compares_by_all_reduce
+
+    return "allreduce" if compares_by_all_reduce(grads._storage.process_groups[0]) else "allgather_base"
+
+
 def rank_checks(grads: Any, names: Any = None) -> int:
     """Collectives the always-on rank-agreement check of one ``full_tensors`` / ``iter_full`` call issues: one
-    small all_gather per distinct process group of the multi-rank sharded groups it reads (``zero_dtensor.debug``;
+    small collective per distinct process group of the multi-rank sharded groups it reads (``zero_dtensor.debug``;
     none for replicated groups or at world size 1)."""
     wanted = set(grads.names if names is None else names)
     groups = {grads[n].group for n in wanted}

@@ -3,7 +3,7 @@
 
 Each check builds the engine of one ``common.EngineCase`` (world size, stage, dtype, param groups, offload,
 ``BF16_Optimizer``) with ``common.build_engine`` and runs on every rank. Collective counts are exact: every call issues the always-on
-rank agreement (one small all_gather: ``common.rank_checks`` for reads; for ``set_owned_`` it also says who passed
+rank agreement (one small collective: ``common.rank_checks`` for reads; for ``set_owned_`` it also says who passed
 what; ``map_full_``'s write exchange carries its error codes), and each exchange exactly one ``all_to_all_single``
 per (process group, dtype): one here, since every case has one data-parallel group and one stored dtype.
 """
@@ -24,7 +24,7 @@ import zero_dtensor as zd
 from zero_dtensor.errors import RankFailedError
 
 from .bad_input import _same_bytes, deepspeed_storage
-from .common import (EngineCase, build_engine, count_comms, ds_config, fill_value, forward_backward, make_engine,
+from .common import (EngineCase, agreement_op, build_engine, count_comms, ds_config, fill_value, forward_backward, make_engine,
                      params_snapshot, patient_recycling, rank_checks)
 from .foundation import STEP_BROKEN_0_18, deepspeed_step_broken
 
@@ -68,7 +68,7 @@ def check_reads(case: EngineCase) -> dict:
 
     with count_comms() as mode:
         dts = grads.to_dtensors()
-    assert_comms(mode, {"alltoall_base": a2a, "allgather_base": rank_checks(grads)}, "to_dtensors")
+    assert_comms(mode, {"alltoall_base": a2a, agreement_op(grads): rank_checks(grads)}, "to_dtensors")
     assert list(dts) == list(grads.names)
     mesh = next(iter(dts.values())).device_mesh
     assert mesh.get_group() is grads._storage.process_groups[0]
@@ -105,7 +105,7 @@ def check_reads(case: EngineCase) -> dict:
     assert all(a == assignment for a in everyone)
     with count_comms() as mode:
         mine = grads.owned()
-    assert_comms(mode, {"alltoall_base": a2a, "allgather_base": rank_checks(grads)}, "owned")
+    assert_comms(mode, {"alltoall_base": a2a, agreement_op(grads): rank_checks(grads)}, "owned")
     me = dist.get_rank()
     assert list(mine) == [n for n in grads.names if assignment[n] == me]
     for name, t in mine.items():
@@ -164,7 +164,7 @@ def check_round_trips(case: EngineCase) -> dict:
     dts = grads.to_dtensors()
     with count_comms() as mode:
         grads.set_dtensors_(dts)
-    assert_comms(mode, {"alltoall_base": n, "allgather_base": n}, "set_dtensors_")
+    assert_comms(mode, {"alltoall_base": n, agreement_op(grads): n}, "set_dtensors_")
     assert _same_bytes(before, deepspeed_storage(engine)), "set_dtensors_(to_dtensors())"
 
     grads.set_dtensors_(grads.to_dtensors(dtype=torch.float32))
@@ -178,7 +178,7 @@ def check_round_trips(case: EngineCase) -> dict:
 
     with count_comms() as mode:
         grads.map_full_(lambda name, g: g)
-    assert_comms(mode, {"alltoall_base": a2a + n, "allgather_base": n}, "map_full_")
+    assert_comms(mode, {"alltoall_base": a2a + n, agreement_op(grads): n}, "map_full_")
     assert _same_bytes(before, deepspeed_storage(engine)), "map_full_(identity)"
 
     grads.set_owned_({})  # nothing passed anywhere: nothing changes, no exchange

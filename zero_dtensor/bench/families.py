@@ -99,7 +99,8 @@ def _interleaved(timed: list[tuple[str, Callable[[], Any], str]], repeat: int, r
                  device: Any, stage: int | None) -> None:
     """Time ``timed`` (row, call, note) round-robin, ``repeat`` rounds after one warm-up round, each call starting at
     a barrier; a repetition takes as long as its slowest rank. Round-robin so that a row and its reference see the
-    same machine load (a shared machine drifts over seconds). Appends one row each, as ``measure`` does."""
+    same machine load (a shared machine drifts over seconds); every other round in reverse order, so that no row
+    always runs right after the same other one. Appends one row each, as ``measure`` does."""
     import statistics
     import time
 
@@ -117,8 +118,10 @@ def _interleaved(timed: list[tuple[str, Callable[[], Any], str]], repeat: int, r
         del result
         counts.append(mode)
     times: list[list[float]] = [[] for _ in timed]
-    for _ in range(repeat):
-        for i, (_, call, _) in enumerate(timed):
+    for round_ in range(repeat):
+        order = range(len(timed)) if round_ % 2 == 0 else range(len(timed) - 1, -1, -1)
+        for i in order:
+            call = timed[i][1]
             dist.barrier()
             sync(device)
             t0 = time.perf_counter()

@@ -83,14 +83,23 @@ def cheapest(candidates: dict[str, Callable[[], Any]], timed: Callable[[Callable
 
 def beside(fn: Callable[[], Any], floors: dict[str, Callable[[], Any]], timed: Callable[[Callable[[], Any]], float],
            repeat: int, before: Callable[[], Any] | None = None) -> tuple[list[float], dict[str, list[float]]]:
-    """``repeat`` timed calls of ``fn`` (each after ``before()``, untimed, where given), each right after one timed
-    call of every floor: this rank's ``(times, {floor: times})``."""
+    """``repeat`` timed calls of ``fn`` (each after ``before()``, untimed, where given), each beside one timed call
+    of every floor: the floors first in even rounds, ``fn`` first in odd ones, so that neither side always follows
+    the other (a call right after another that touched the same memory or left the backend busy is not the same
+    call). This rank's ``(times, {floor: times})``."""
     times: list[float] = []
     floor_times: dict[str, list[float]] = {name: [] for name in floors}
-    for _ in range(repeat):
+
+    def floors_once() -> None:
         for name, floor in floors.items():
             floor_times[name].append(timed(floor))
+
+    for round_ in range(repeat):
+        if round_ % 2 == 0:
+            floors_once()
         if before is not None:
             before()
         times.append(timed(fn))
+        if round_ % 2 == 1:
+            floors_once()
     return times, floor_times

@@ -142,7 +142,7 @@ def _read(staged: dict[str, Any], path: str, metadata: Metadata, target: Target)
     rank already holds the checked metadata, and a load plan needs no coordination: DCP's default global load plan
     is the local plans unchanged), then one agreement on the outcome: a failed read raises
     :class:`CheckpointReadError` on every rank. Instead of DCP's gather and scatter of every rank's pickled plan
-    (thousands of read items) and its all_gather of the read results, one all_gather of 2 int64 per rank."""
+    (thousands of read items) and its all_gather of the read results, one agreement (a small collective)."""
     error: BaseException | None = None
     try:
         with warnings.catch_warnings():  # no_dist warns that it assumes a single process: here it is each rank's
@@ -239,7 +239,7 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
     hyperparameters, frozen weights, step counters, the lr scheduler and the loss scaler written, and the working
     weights made the cast masters (:func:`~zero_dtensor.checkpoint.state_dict.set_state_dict`).
 
-    **Communication**: three agreements (an all_gather of 2 int64 per rank each: before reading, after it, before
+    **Communication**: three agreements (one small collective each: before reading, after it, before
     writing; each rank plans and reads its own pieces, no DCP collective), then ZeRO-1/2 one all_gather per param
     group (ZeRO-3: per persistent parameter) to refresh the working weights.
     Each rank reads only the bytes its pieces overlap. **Memory**: one staging copy of this rank's partition (its

@@ -138,7 +138,7 @@ def test_collectives_counted(ranks, tmp_path) -> None:
     collective)."""
     small, deep = ranks(2).run(ck.collective_counts, str(tmp_path), [EngineCase(stage=2),
                                                                      EngineCase(stage=3, model="deep")])[0]
-    # at 2 gloo ranks an agreement is one small all_gather (zero_dtensor.collectives.compares_by_all_reduce)
+    # at 2 gloo ranks an agreement is one small all_gather (zero_dtensor.collectives.prefers_all_reduce)
     agreement_op = "c10d.allreduce_" if 2 >= GLOO_REDUCE_FROM else "c10d._allgather_base_"
     refresh_op = "c10d._allgather_base_"  # DCP moves only pickled objects
     for found in (small, deep):

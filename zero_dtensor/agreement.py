@@ -10,7 +10,7 @@ zero_dtensor therefore runs in three steps:
 2. **agree** (:func:`agree`): one small collective per distinct multi-rank process group the call communicates on
    (DeepSpeed models have one process group, so one in all): an ``all_gather`` of ``[hash, error code]`` int64
    (``N·16`` bytes received per rank), or, where that is cheaper
-   (:func:`~zero_dtensor.collectives.compares_by_all_reduce`: NCCL, gloo from 4 ranks on), an ``all_reduce`` (MAX)
+   (:func:`~zero_dtensor.collectives.prefers_all_reduce`: NCCL, gloo from 4 ranks on), an ``all_reduce`` (MAX)
    of ``[hash, -hash, error code, -error code]`` (every hash is equal where the largest hash is minus the largest
    negation; some rank refused where the largest code is not 0, every rank where the smallest is not). A call that
    needs every rank's values (``set_owned_``'s ``payload``) always gathers ``[hash, error code, payload…]``
@@ -60,7 +60,7 @@ import torch.distributed as dist
 from . import settings
 from .collectives import (
     all_gather_objects,
-    compares_by_all_reduce,
+    prefers_all_reduce,
     gather_int_rows_within,
     group_ranks,
     max_int_values_within,
@@ -174,7 +174,7 @@ def agree(what: str, signature: Any, groups: Iterable[dist.ProcessGroup], device
     with the agreement (the same length on every rank), returned as ``{id(group): one row per group rank}``.
 
     **Collective**: per distinct multi-rank group one ``all_gather`` of ``2 + len(payload)`` int64 per rank, or,
-    without ``payload`` where :func:`~zero_dtensor.collectives.compares_by_all_reduce`, one ``all_reduce`` (MAX) of
+    without ``payload`` where :func:`~zero_dtensor.collectives.prefers_all_reduce`, one ``all_reduce`` (MAX) of
     4 int64 (its returned rows are then empty lists); waited on for at most :func:`wait_timeout`; where a rank
     differs or refused, one ``all_gather_object`` more, then every rank raises (where every rank refused, each
     raises its own error without it). No group: no communication (``refused`` raises on this rank).
@@ -186,7 +186,7 @@ def agree(what: str, signature: Any, groups: Iterable[dist.ProcessGroup], device
     gathered: dict[int, list[list[int]]] = {}
     for group in distinct_groups(groups):
         rows: list[list[int]] = []
-        if payload is None and compares_by_all_reduce(group):
+        if payload is None and prefers_all_reduce(group):
             same, any_refused, all_refused = _max_check(what, mine[0], mine[1], group, device)
         else:
             rows = _gather(what, [*mine, *(payload(group) if payload is not None else ())], group, device)
@@ -295,12 +295,12 @@ def agree_outcome(what: str, error: BaseException | None, groups: Iterable[dist.
                   device: torch.device, **kwargs: Any) -> None:
     """Every rank learns whether a user function failed on any rank, and raises if one did (:func:`raise_outcome`,
     ``kwargs`` passed on). **Collective**: per distinct multi-rank group one ``all_gather`` of 2 int64 per rank, or
-    where :func:`~zero_dtensor.collectives.compares_by_all_reduce` one ``all_reduce`` (MAX) of 4 int64 and, only
+    where :func:`~zero_dtensor.collectives.prefers_all_reduce` one ``all_reduce`` (MAX) of 4 int64 and, only
     where some rank failed, one ``all_gather`` of 2 int64 per rank more (which ranks)."""
     code = error_code(error)
     failed: dict[int, int] = {}
     for group in distinct_groups(groups):
-        if compares_by_all_reduce(group):
+        if prefers_all_reduce(group):
             same, any_failed, _ = _max_check(what, _hash(what), code, group, device)
             rows = _gather(what, [_hash(what), code], group, device) if same and any_failed else []
         else:

@@ -40,7 +40,9 @@ __all__ = [
     "all_gather_objects",
     "gather_int_rows_within",
     "max_int_values_within",
-    "compares_by_all_reduce",
+    "prefers_all_reduce",
+    "all_reduce_small",
+    "sum_max_rows",
     "GLOO_REDUCE_FROM",
     "all_reduce_op",
     "all_reduce_rows",
@@ -173,16 +175,59 @@ def all_reduce_op(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.Reduc
     return tensor
 
 
+def all_reduce_small(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp) -> None:
+    """Reduce a small contiguous ``tensor`` (``SUM`` or ``MAX``) over ``group`` in place, by the cheaper of two ways
+    (:func:`prefers_all_reduce`): one ``all_reduce``, or one ``all_gather_into_tensor`` (``N`` times its bytes
+    received, ``N`` times its size held briefly) and a local reduction over the ranks in rank order (``sum`` /
+    ``amax``: the same value on every rank; at 2 ranks bit-identical to the all_reduce's ``a + b``; ``amax``
+    propagates nan, as torch's reductions do). One collective either way."""
+    if prefers_all_reduce(group) or op not in (dist.ReduceOp.SUM, dist.ReduceOp.MAX):
+        dist.all_reduce(tensor, op=op, group=group)
+        return
+    n = dist.get_world_size(group)
+    gathered = torch.empty(n * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+    _all_gather_single(gathered, tensor.reshape(-1), group=group)
+    by_rank = gathered.view(n, *tensor.shape)
+    if op == dist.ReduceOp.SUM:
+        torch.sum(by_rank, 0, out=tensor)
+    else:
+        torch.amax(by_rank, 0, out=tensor)
+
+
 def all_reduce_rows(rows: torch.Tensor, which: list[int], group: dist.ProcessGroup, op: dist.ReduceOp) -> None:
-    """All-reduce rows ``which`` of ``rows`` in place: **one** collective (the whole tensor when every row takes part,
-    else one ``index_select`` / ``index_copy_`` around it)."""
+    """Reduce rows ``which`` of the contiguous ``rows`` in place (:func:`all_reduce_small`): **one** collective (the
+    whole tensor when every row takes part, else one ``index_select`` / ``index_copy_`` around it)."""
     if len(which) == rows.shape[0]:
-        dist.all_reduce(rows, op=op, group=group)
+        all_reduce_small(rows, group, op)
         return
     index = torch.tensor(which, device=rows.device)
     part = rows.index_select(0, index)
-    dist.all_reduce(part, op=op, group=group)
+    all_reduce_small(part, group, op)
     rows.index_copy_(0, index, part)
+
+
+def sum_max_rows(rows: torch.Tensor, which: list[int], group: dist.ProcessGroup, sum_columns: int) -> None:
+    """Reduce rows ``which`` of the contiguous 2-D ``rows`` over ``group`` in place: their first ``sum_columns``
+    columns summed, the others maxed. Where :func:`prefers_all_reduce`, two collectives (one all_reduce each);
+    else **one** ``all_gather_into_tensor`` of the rows (``N`` times their bytes received) and both reductions
+    locally, over the ranks in rank order (as :func:`all_reduce_small`)."""
+    if prefers_all_reduce(group):
+        sums, maxes = rows[:, :sum_columns].contiguous(), rows[:, sum_columns:].contiguous()
+        all_reduce_rows(sums, which, group, dist.ReduceOp.SUM)
+        all_reduce_rows(maxes, which, group, dist.ReduceOp.MAX)
+        rows[:, :sum_columns], rows[:, sum_columns:] = sums, maxes
+        return
+    index = None if len(which) == rows.shape[0] else torch.tensor(which, device=rows.device)
+    part = rows if index is None else rows.index_select(0, index)
+    n = dist.get_world_size(group)
+    gathered = torch.empty(n * part.numel(), dtype=part.dtype, device=part.device)
+    _all_gather_single(gathered, part.reshape(-1), group=group)
+    by_rank = gathered.view(n, *part.shape)
+    reduced = torch.cat([by_rank[:, :, :sum_columns].sum(0), by_rank[:, :, sum_columns:].amax(0)], dim=1)
+    if index is None:
+        rows.copy_(reduced)
+    else:
+        rows.index_copy_(0, index, reduced)
 
 
 def gather_int_rows_within(values: Sequence[int], group: dist.ProcessGroup, device: torch.device,
@@ -200,16 +245,18 @@ def gather_int_rows_within(values: Sequence[int], group: dist.ProcessGroup, devi
     return gathered.view(-1, local.numel()).tolist()
 
 
-GLOO_REDUCE_FROM = 4  #: gloo groups of at least this many ranks compare a few int64 by all_reduce, smaller ones gather
+GLOO_REDUCE_FROM = 4  #: gloo groups of at least this many ranks reduce small values by all_reduce, smaller ones gather
 
 
-def compares_by_all_reduce(group: dist.ProcessGroup) -> bool:
-    """Whether a few int64 that every rank must compare (an agreement) travel cheapest as one ``all_reduce`` (MAX)
-    on ``group`` rather than one ``all_gather``: on every backend but gloo (NCCL's small all_reduce runs on a tree,
-    about log N steps; its all_gather on a ring, N-1), and on gloo from :data:`GLOO_REDUCE_FROM` ranks on. Measured
-    on gloo (2 CPU cores, median of 400 after a barrier, slowest rank): 4 ranks 0.84-1.08 ms for an all_reduce of
-    4 int64 against 3.6-3.8 ms for an all_gather of 2; at 2 and 3 ranks the all_gather is as fast or faster and
-    waits a scheduler tick (about 3.5 ms) less often. No communication."""
+def prefers_all_reduce(group: dist.ProcessGroup) -> bool:
+    """Whether a small collective whose combined values every rank needs (an agreement's few int64, a reduction of
+    per-parameter partials) is cheapest as one ``all_reduce`` on ``group`` rather than one ``all_gather`` and a local
+    reduction: on every backend but gloo (NCCL's small all_reduce runs on a tree, about log N steps; its all_gather
+    on a ring, N-1), and on gloo from :data:`GLOO_REDUCE_FROM` ranks on. Measured on gloo (2 CPU cores, after a
+    barrier, slowest rank): at 4 ranks an all_reduce of 4 int64 takes 0.84-1.08 ms (median of 400) against
+    3.6-3.8 ms for an all_gather of 2; at 2 ranks the medians are alike (0.2-0.4 ms from 64 B to 320 KB) but 23-36%
+    of small all_reduces wait a scheduler tick (about 3.5 ms) against 3-13% of all_gathers; at 3 ranks the
+    all_gather is faster too. No communication."""
     return backend_of(group) != "gloo" or world_size_of(group) >= GLOO_REDUCE_FROM
 
 

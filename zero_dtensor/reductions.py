@@ -13,7 +13,9 @@ Communication: the per-parameter partials are summed (or maxed) across ranks, **
 vector per distinct process group** of the selected parameters (``k`` the number of selected parameters; DeepSpeed
 models normally have one data-parallel group, so one collective in all); none for replicated or single-rank groups,
 whose local values are already complete. ``stats()`` needs two (a sum and a max). Results are in true (unscaled)
-units. (``found_inf`` lives in :mod:`zero_dtensor.overflow`.)
+units. On gloo below 4 ranks each travels as one all_gather and is reduced locally (a small all_reduce there waits
+a scheduler tick far more often; :func:`~zero_dtensor.collectives.prefers_all_reduce`), and ``stats()`` then needs
+one. (``found_inf`` lives in :mod:`zero_dtensor.overflow`.)
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .collectives import all_reduce_rows
+from .collectives import all_reduce_rows, sum_max_rows
 from .agreement import distinct_groups
 from .param_values import ParamStatsMap, ParamValues
 from .segments import (
@@ -142,6 +144,13 @@ def _reduce(state: FlatState, sel: Selection, local: torch.Tensor, op: Any,
     """All-reduce the rows of ``local`` (one per selected parameter) over each distinct process group of the
     multi-rank sharded groups (one collective per process group). Returns the reduced rows on the engine's
     device."""
+    return _reduce_rows(state, sel, local, lambda rows, which, pg: all_reduce_rows(rows, which, pg, op))
+
+
+def _reduce_rows(state: FlatState, sel: Selection, local: torch.Tensor,
+                 reduce: Callable[[torch.Tensor, list[int], Any], None]) -> torch.Tensor:
+    """``reduce(local, rows, process group)`` over each distinct process group of the multi-rank sharded groups,
+    ``rows`` those of its selected parameters. Returns ``local``, moved to the engine's device."""
     storage = state.storage
     local = local.to(storage.device)  # where the process group communicates (offloaded partitions are host memory)
     communicating = [i for i, g in enumerate(state.layout.groups) if g.placement.is_sharded and g.world_size > 1]
@@ -155,7 +164,7 @@ def _reduce(state: FlatState, sel: Selection, local: torch.Tensor, op: Any,
         else:
             rows = [i for i, p in enumerate(sel.params) if p.group in members]
         if rows:
-            all_reduce_rows(local, rows, pg, op)
+            reduce(local, rows, pg)
     return local
 
 
@@ -257,16 +266,15 @@ def _stat_columns(part: _Part) -> torch.Tensor:
 
 
 def stats(state: FlatState, sel: Selection) -> ParamStatsMap[GradStats]:
-    """Per parameter 2-norm, max |g|, mean, nan and inf counts: a (k, 4) float64 sum and a (k,) float32 max, each
-    one collective per process group. Locally per group: one :func:`~zero_dtensor.segments.piece_stats` (sums of
-    squares, sums, maxima), nan/inf counts only when some value is not finite (a host sync per group); then one
-    host copy of the results."""
+    """Per parameter 2-norm, max |g|, mean, nan and inf counts: a (k, 5) float64 matrix, its first four columns
+    summed and the last maxed across ranks (:func:`~zero_dtensor.collectives.sum_max_rows`): per process group one
+    all_gather of it (gloo below 4 ranks), else two all_reduces. Locally per group: one
+    :func:`~zero_dtensor.segments.piece_stats` (sums of squares, sums, maxima), nan/inf counts only when some value
+    is not finite (a host sync per group); then one host copy of the results."""
     local = _per_param(state, sel, _parts((state,), sel), _stat_columns, torch.float64, (5,))
     names = sel.names
-    sums = _reduce(state, sel, local[:, :4].contiguous(), dist.ReduceOp.SUM, names)
-    maxes = _reduce(state, sel, local[:, 4].to(torch.float32), dist.ReduceOp.MAX, names)
     scale = state.loss_scale
-    host = torch.cat([sums, maxes.to(torch.float64).unsqueeze(1)], dim=1).cpu()
+    host = _reduce_rows(state, sel, local, lambda rows, which, pg: sum_max_rows(rows, which, pg, 4)).cpu()
     sumsq, total, nans, infs, top = host.unbind(1)
     numels, counts = sel.numels()
     norm = list(map(math.sqrt, sumsq.tolist()))  # correctly rounded (torch's vectorized sqrt may be 1 ulp off)

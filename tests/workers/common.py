@@ -17,10 +17,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def agreement_op(grads: Any) -> str:
     """CommDebugMode's short name of the collective an agreement (without payload) issues on ``grads``' first
-    process group: ``allreduce`` or ``allgather_base`` (``zero_dtensor.collectives.compares_by_all_reduce``)."""
-    from zero_dtensor.collectives import compares_by_all_reduce
+    process group: ``allreduce`` or ``allgather_base`` (``zero_dtensor.collectives.prefers_all_reduce``)."""
+    from zero_dtensor.collectives import prefers_all_reduce
 
-    return "allreduce" if compares_by_all_reduce(grads._storage.process_groups[0]) else "allgather_base"
+    return "allreduce" if prefers_all_reduce(grads._storage.process_groups[0]) else "allgather_base"
 
 
 def rank_checks(grads: Any, names: Any = None) -> int:

@@ -175,6 +175,15 @@ def all_reduce_op(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.Reduc
     return tensor
 
 
+def _stacked_by_rank(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's ``tensor`` (contiguous, the same shape everywhere), stacked in rank order, ``(N, *shape)``: one
+    ``all_gather_into_tensor``."""
+    n = dist.get_world_size(group)
+    gathered = torch.empty(n * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+    _all_gather_single(gathered, tensor.reshape(-1), group=group)
+    return gathered.view(n, *tensor.shape)
+
+
 def all_reduce_small(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp) -> None:
     """Reduce a small contiguous ``tensor`` (``SUM`` or ``MAX``) over ``group`` in place, by the cheaper of two ways
     (:func:`prefers_all_reduce`): one ``all_reduce``, or one ``all_gather_into_tensor`` (``N`` times its bytes
@@ -184,10 +193,7 @@ def all_reduce_small(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.Re
     if prefers_all_reduce(group) or op not in (dist.ReduceOp.SUM, dist.ReduceOp.MAX):
         dist.all_reduce(tensor, op=op, group=group)
         return
-    n = dist.get_world_size(group)
-    gathered = torch.empty(n * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-    _all_gather_single(gathered, tensor.reshape(-1), group=group)
-    by_rank = gathered.view(n, *tensor.shape)
+    by_rank = _stacked_by_rank(tensor, group)
     if op == dist.ReduceOp.SUM:
         torch.sum(by_rank, 0, out=tensor)
     else:
@@ -219,10 +225,7 @@ def sum_max_rows(rows: torch.Tensor, which: list[int], group: dist.ProcessGroup,
         return
     index = None if len(which) == rows.shape[0] else torch.tensor(which, device=rows.device)
     part = rows if index is None else rows.index_select(0, index)
-    n = dist.get_world_size(group)
-    gathered = torch.empty(n * part.numel(), dtype=part.dtype, device=part.device)
-    _all_gather_single(gathered, part.reshape(-1), group=group)
-    by_rank = gathered.view(n, *part.shape)
+    by_rank = _stacked_by_rank(part, group)
     reduced = torch.cat([by_rank[:, :, :sum_columns].sum(0), by_rank[:, :, sum_columns:].amax(0)], dim=1)
     if index is None:
         rows.copy_(reduced)

@@ -10,12 +10,12 @@ zero_dtensor therefore runs in three steps:
 2. **agree** (:func:`agree`): one small collective per distinct multi-rank process group the call communicates on
    (DeepSpeed models have one process group, so one in all): an ``all_gather`` of ``[hash, error code]`` int64
    (``N·16`` bytes received per rank), or, where that is cheaper
-   (:func:`~zero_dtensor.collectives.prefers_all_reduce`: NCCL, gloo from 4 ranks on), an ``all_reduce`` (MAX)
-   of ``[hash, -hash, error code, -error code]`` (every hash is equal where the largest hash is minus the largest
+   (:func:`~zero_dtensor.collectives.prefers_all_reduce`: NCCL, gloo from 4 ranks on), an ``all_reduce`` (MAX) of
+   ``[hash, -hash, error code, -error code]`` (every hash is equal where the largest hash is minus the largest
    negation; some rank refused where the largest code is not 0, every rank where the smallest is not). A call that
    needs every rank's values (``set_owned_``'s ``payload``) always gathers ``[hash, error code, payload…]``
-   (``N·8·(2+len(payload))`` bytes received per rank). The hash covers what the call will actually do: its arguments as
-   the call resolved them (the selection, dtype, ``out=`` shapes, the gather strategy each transfer will use, or
+   (``N·8·(2+len(payload))`` bytes received per rank). The hash covers what the call will actually do: its arguments
+   as the call resolved them (the selection, dtype, ``out=`` shapes, the gather strategy each transfer will use, or
    that it will calibrate) and :func:`zero_dtensor.settings.fingerprint` (the pinned strategy, the environment
    variables, debug mode). Where every rank agrees and none refused, the call runs; otherwise one
    ``all_gather_object`` of each rank's description follows and every rank raises before a byte of data moves: a
@@ -26,10 +26,10 @@ zero_dtensor therefore runs in three steps:
 Calls that communicate nothing (replicated groups, one rank) agree on nothing and raise their refusal locally. A
 call whose outcome depends on a user function that runs between its collectives (``map_full_``, ``on_grads``)
 reports the function's failure with its next collective: ``map_full_`` carries one error code per peer inside its
-write exchange; ``on_grads`` agrees with :func:`agree_outcome` (the same small collective on ``[hash, code]``; where it reduced
-and some rank failed, one all_gather of the codes more, to name it). Either way the
-failing rank re-raises its own exception and every other rank raises
-:class:`~zero_dtensor.errors.RankFailedError` (or a subclass) naming it; nothing is written.
+write exchange; ``on_grads`` agrees with :func:`agree_outcome` (the same small collective on ``[hash, code]``; where
+it reduced and some rank failed, one all_gather of the codes more, to name it). Either way the failing rank
+re-raises its own exception and every other rank raises :class:`~zero_dtensor.errors.RankFailedError` (or a
+subclass) naming it; nothing is written.
 
 Every agreement waits at most the world process group's timeout (or :func:`~zero_dtensor.settings.set_debug`'s
 ``timeout``): a rank that never arrives (it skipped the call) makes the waiting ranks raise
@@ -60,10 +60,10 @@ import torch.distributed as dist
 from . import settings
 from .collectives import (
     all_gather_objects,
-    prefers_all_reduce,
     gather_int_rows_within,
     group_ranks,
     max_int_values_within,
+    prefers_all_reduce,
     world_size_of,
     world_timeout,
 )
@@ -299,12 +299,13 @@ def agree_outcome(what: str, error: BaseException | None, groups: Iterable[dist.
     where some rank failed, one ``all_gather`` of 2 int64 per rank more (which ranks)."""
     code = error_code(error)
     failed: dict[int, int] = {}
+    hashed = _hash(what)
     for group in distinct_groups(groups):
         if prefers_all_reduce(group):
-            same, any_failed, _ = _max_check(what, _hash(what), code, group, device)
-            rows = _gather(what, [_hash(what), code], group, device) if same and any_failed else []
+            same, any_failed, _ = _max_check(what, hashed, code, group, device)
+            rows = _gather(what, [hashed, code], group, device) if same and any_failed else []
         else:
-            rows = _gather(what, [_hash(what), code], group, device)
+            rows = _gather(what, [hashed, code], group, device)
             same = _row_check(rows)[0]
         if not same:
             raise RankDisagreementError(f"zero_dtensor: {what}: ranks reached different collective calls here")

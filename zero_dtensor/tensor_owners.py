@@ -64,9 +64,10 @@ class TensorOwners:
 
         Every entry (name, DTensor type, mesh over the group's ranks, placement, global shape, dtype, this rank's
         local shard shape, device) is checked on every rank before anything is sent or written; a bad entry on any
-        rank raises on every rank. Communication: the rank agreement (one small collective; it carries
-        any rank's refusal), then one ``all_to_all_single`` per (process group, dtype), the reverse of the read, about ``(N-1)/N · S/N`` bytes each way per rank (replicated groups
-        too: every rank needs the whole new value, ``(N-1)/N · S`` received). Writes never record autograd history.
+        rank raises on every rank. Communication: the rank agreement (one small collective; it carries any rank's
+        refusal), then one ``all_to_all_single`` per (process group, dtype), the reverse of the read, about
+        ``(N-1)/N · S/N`` bytes each way per rank (replicated groups too: every rank needs the whole new value,
+        ``(N-1)/N · S`` received). Writes never record autograd history.
         """
         self._check_current()
         selected: list[ParamLayout] | None = None

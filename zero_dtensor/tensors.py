@@ -186,9 +186,9 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         Communication (``N`` ranks, ``S`` the padded flat bytes of the groups involved, in the stored dtype): first
         the rank agreement (one small collective of a few int64 per process group communicated on, on the call as
         resolved: the selection, ``dtype``, the strategy each transfer uses or that it calibrates, and the settings;
-        see :mod:`zero_dtensor.agreement`; arguments that any rank refuses — names, ``dtype``, ``out=`` entries, ``dst``,
-        ``strategy`` — raise there on every rank, this rank's own error or the same class naming the refusing
-        rank), then ``all_gather``: one all_gather per (process group, dtype, device),
+        see :mod:`zero_dtensor.agreement`; arguments that any rank refuses — names, ``dtype``, ``out=`` entries,
+        ``dst``, ``strategy`` — raise there on every rank, this rank's own error or the same class naming the
+        refusing rank), then ``all_gather``: one all_gather per (process group, dtype, device),
         coalesced over the flat groups sharing them, ``(N-1)/N·S`` bytes per rank (ZeRO-3 transfers of 16 MiB or
         more: two all_gathers issued at once, splitting every partition at a parameter boundary near 3/4, the same
         bytes; each part is reordered into parameter order once it has arrived, the first while the second travels

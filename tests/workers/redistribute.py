@@ -24,8 +24,8 @@ import zero_dtensor as zd
 from zero_dtensor.errors import RankFailedError
 
 from .bad_input import _same_bytes, deepspeed_storage
-from .common import (EngineCase, agreement_op, build_engine, count_comms, ds_config, fill_value, forward_backward, make_engine,
-                     params_snapshot, patient_recycling, rank_checks)
+from .common import (EngineCase, agreement_op, build_engine, count_comms, ds_config, fill_value, forward_backward,
+                     make_engine, params_snapshot, patient_recycling, rank_checks)
 from .foundation import STEP_BROKEN_0_18, deepspeed_step_broken
 
 

@@ -121,7 +121,7 @@ def sync_model_params(engine: Any) -> None:
     **Collective**: every rank of the data-parallel group, between steps. Communication: the rank agreement (one
     small collective, :mod:`zero_dtensor.agreement`), then ZeRO-1/2 and ``BF16_Optimizer`` one
     ``all_gather_into_tensor`` per param group (``(N-1)/N·S`` bytes received per rank in the working dtype); ZeRO-3
-    a local cast copy per sub-group, then DeepSpeed's gather of the persistent parameters (one all_gather each).
+    a local cast copy per sub-group, then DeepSpeed's bulk gather of the persistent parameters (one all_gather).
     Memory: none beyond DeepSpeed's own."""
     check_engine(engine)
     _master.sync_model_params(engine)

@@ -205,8 +205,8 @@ def sync_collectives(engine: Any) -> int:
     opt = engine.optimizer
     if dist.get_world_size() == 1:
         return 0
-    if engine.zero_optimization_stage() == 3:
-        return len(opt.persistent_parameters)
+    if engine.zero_optimization_stage() == 3:  # the persistent parameters together, one gather per dtype
+        return len({p.ds_tensor.dtype for p in opt.persistent_parameters})
     return len(ds_masters(engine))
 
 

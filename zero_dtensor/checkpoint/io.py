@@ -266,7 +266,7 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
 
     **Communication**: three agreements (one small collective each: before reading, after it, before
     writing; each rank plans and reads its own pieces, no DCP collective), then ZeRO-1/2 one all_gather per param
-    group (ZeRO-3: per persistent parameter) to refresh the working weights.
+    group (ZeRO-3: one of the persistent parameters together) to refresh the working weights.
     Each rank reads only the bytes its pieces overlap. **Memory**: one staging copy of this rank's partition (its
     masters and optimizer state, and the frozen parameters it holds) until the load returns, plus one saved piece
     at a time as DCP reads it (at most one parameter's fp32 elements: a saved piece is part of one parameter). The

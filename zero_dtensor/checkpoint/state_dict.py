@@ -213,7 +213,7 @@ def set_state_dict(engine: Any, model_state_dict: Mapping[str, Any], optim_state
     cast masters. **Collective**: one agreement (one small collective, :mod:`zero_dtensor.agreement`) after the
     checks, then
     :func:`~zero_dtensor._deepspeed.sync.sync_model_params` (ZeRO-1/2: one all_gather per param group; ZeRO-3: one
-    per persistent parameter). Memory: none beyond the engine's (before the first step the optimizer's state is
+    of the persistent parameters together). Memory: none beyond the engine's (before the first step the optimizer's state is
     created by a zero-learning-rate step: one master-sized zero gradient at a time). Raises
     :class:`~zero_dtensor.errors.CheckpointMismatchError` (or ``TypeError`` for values of another kind)
     on every rank, before anything is written, when the dicts do not fit."""

@@ -34,8 +34,9 @@ It is collective on every kind (ZeRO-3: whenever a parameter is persistent): eve
 must call it, also ranks whose masters did not change. Call it between optimizer steps, outside forward and backward
 (ZeRO-3 releases every gathered parameter). Memory: none beyond DeepSpeed's own (ZeRO-3's persistent parameters are
 gathered again into full buffers, as after every step; during the gather also one flat buffer of their gathered
-partitions, ``N·ceil(numel/N)`` elements each: persistent parameters are small by definition). Working weights equal the master cast to the working dtype
-(bf16/fp16; fp32 models: equal). ZeRO-3 with NVMe parameter or optimizer offload is refused.
+partitions, ``N·ceil(numel/N)`` elements each: persistent parameters are small by definition). Working weights equal
+the master cast to the working dtype (bf16/fp16; fp32 models: equal). ZeRO-3 with NVMe parameter or optimizer
+offload is refused.
 """
 
 from __future__ import annotations

@@ -123,7 +123,8 @@ def save(engine: Any, path: str | os.PathLike, *, async_: bool = False, client_s
     ``sync_files``: ``fsync`` each file before ``.metadata`` is written
     (DCP's default: a checkpoint that looks complete survives a power loss); ``False`` leaves the flush to the
     operating system, as DeepSpeed's ``save_checkpoint`` (``torch.save``) does: faster, but a crash of the machine
-    soon after a save may leave a ``.metadata`` over data that never reached the disk."""
+    soon after a save may leave a ``.metadata`` over data that never reached the disk. Python's garbage collector
+    is paused during the call (:func:`collector_paused`)."""
     target = describe(engine)
     model = model_dict(target, target.masters.partitions, {f.name: f.local for f in target.frozen})
     optim = optim_dict(target, state_partitions(engine, target), current_steps(engine, target),
@@ -270,7 +271,8 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
     Each rank reads only the bytes its pieces overlap. **Memory**: one staging copy of this rank's partition (its
     masters and optimizer state, and the frozen parameters it holds) until the load returns, plus one saved piece
     at a time as DCP reads it (at most one parameter's fp32 elements: a saved piece is part of one parameter). The
-    hyperparameter entries are unpickled once per distinct value."""
+    hyperparameter entries are unpickled once per distinct value. Python's garbage collector is paused during the
+    call (:func:`collector_paused`)."""
     target = describe(engine)
     error: BaseException | None = None
     metadata: Metadata | None = None

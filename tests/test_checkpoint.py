@@ -135,7 +135,7 @@ def test_collectives_counted(ranks, tmp_path) -> None:
     ZeRO-3 engine: ``get_state_dict`` none; ``set_state_dict`` one agreement + the working weights' refresh;
     ``save`` only DCP's object collectives (no tensor data), as many for either model; ``load`` three agreements
     (before reading, after it, before writing) and the refresh, nothing else (each rank plans its own reads: no DCP
-    collective)."""
+    collective); ``load``'s staging buffers are freed before the refresh."""
     small, deep = ranks(2).run(ck.collective_counts, str(tmp_path), [EngineCase(stage=2),
                                                                      EngineCase(stage=3, model="deep")])[0]
     # at 2 gloo ranks an agreement is one small all_gather (zero_dtensor.collectives.prefers_all_reduce)
@@ -146,6 +146,7 @@ def test_collectives_counted(ranks, tmp_path) -> None:
         assert found["set_state_dict"] == 1 + found["sync"], found
         assert refresh_op not in found["save"] and agreement_op not in found["save"], found
         assert Counter(found["load"]) == Counter({agreement_op: 3}) + Counter({refresh_op: found["sync"]}), found
+        assert found["staging alive at the refresh"] == [0], found  # load's memory: staging freed before it
     assert deep["sync"] == 1 and small["sync"] == 1  # ZeRO-3: the persistent parameters together; ZeRO-2: one group
     assert small["save"] == deep["save"] and sum(small["save"].values()) == 9  # "about 9 at 2 ranks"
 

@@ -8,8 +8,11 @@ size / stage are compared with them bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import deepspeed
@@ -391,7 +394,46 @@ def _collective_counts(root: str, case: EngineCase) -> dict[str, Any]:
     with count_comms() as mode:
         save(engine, path)
     out["save"] = {str(k): v for k, v in mode.get_comm_counts().items()}
-    with count_comms() as mode:
+    with count_comms() as mode, _staging_watched() as alive_at_refresh:
         load(engine, path)
     out["load"] = {str(k): v for k, v in mode.get_comm_counts().items()}
+    out["staging alive at the refresh"] = alive_at_refresh
     return out
+
+
+@contextlib.contextmanager
+def _staging_watched() -> Iterator[list[int]]:
+    """During ``load``: how many of its staging buffers (the tensors ``_staging`` makes) are still alive when the
+    working-weight refresh starts (documented: none, they are freed before it; the collector is paused during
+    ``load``, so only what nothing refers to any more is freed)."""
+    import zero_dtensor.checkpoint.io as ckio
+
+    buffers: list[weakref.ref] = []
+    alive: list[int] = []
+    staging, refresh = ckio._staging, ckio.sync_model_params
+
+    def watched_staging(*args: Any) -> dict[str, Any]:
+        empty_like = torch.empty_like
+
+        def recorded(*a: Any, **k: Any) -> torch.Tensor:  # every buffer _staging makes
+            made = empty_like(*a, **k)
+            buffers.append(weakref.ref(made))
+            return made
+
+        torch.empty_like = recorded
+        try:
+            staged = staging(*args)
+        finally:
+            torch.empty_like = empty_like
+        assert buffers, "no staging buffer seen"
+        return staged
+
+    def watched_refresh(engine: Any) -> None:
+        alive.append(sum(ref() is not None for ref in buffers))
+        refresh(engine)
+
+    ckio._staging, ckio.sync_model_params = watched_staging, watched_refresh
+    try:
+        yield alive
+    finally:
+        ckio._staging, ckio.sync_model_params = staging, refresh

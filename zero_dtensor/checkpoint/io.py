@@ -41,11 +41,12 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
 from .._deepspeed import checkpointing as ds
+from .._deepspeed.sync import sync_model_params
 from ..agreement import agree_outcome
 from ..collectives import cpu_group_for, rank_in, world_size_of
 from ..errors import CheckpointMismatchError, CheckpointReadError, IncompleteCheckpointError
 from .planners import CachingLoadPlanner, CachingSavePlanner
-from .state_dict import current_steps, set_state_dict, state_partitions
+from .state_dict import current_steps, state_partitions, write_state
 from .target import Target, describe, hyperparameters_by_name, model_dict, optim_dict
 
 __all__ = ["load", "save"]
@@ -269,8 +270,9 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
     writing; each rank plans and reads its own pieces, no DCP collective), then ZeRO-1/2 one all_gather per param
     group (ZeRO-3: one of the persistent parameters together) to refresh the working weights.
     Each rank reads only the bytes its pieces overlap. **Memory**: one staging copy of this rank's partition (its
-    masters and optimizer state, and the frozen parameters it holds) until the load returns, plus one saved piece
-    at a time as DCP reads it (at most one parameter's fp32 elements: a saved piece is part of one parameter). The
+    masters and optimizer state, and the frozen parameters it holds) until it is written into the engine (freed
+    before the working-weight refresh, whose gather holds buffers of its own), plus one saved piece at a time as DCP
+    reads it (at most one parameter's fp32 elements: a saved piece is part of one parameter). The
     hyperparameter entries are unpickled once per distinct value. Python's garbage collector is paused during the
     call (:func:`collector_paused`)."""
     target = describe(engine)
@@ -291,8 +293,10 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
     assert metadata is not None
     staged = _staging(engine, target, metadata)
     _read(staged, os.fspath(path), metadata, target)
-    set_state_dict(engine, staged["model"], staged["optim"])
+    write_state(engine, staged["model"], staged["optim"])
     extras: Mapping[str, Any] = {k: _unblob(v) for k, v in staged.get("zero_dtensor", {}).items()}
+    staged.clear()  # the staging buffers go before the refresh allocates its own (ZeRO-1/2: the working model)
+    sync_model_params(engine)
     if "engine" in extras:
         ds.set_engine_counters(engine, extras["engine"])
     ds.set_lr_scheduler_state(engine, extras.get("lr_scheduler"))

@@ -211,12 +211,19 @@ def _plan_copies(engine: Any, target: Target, model: Mapping[str, Any], optim: M
 def set_state_dict(engine: Any, model_state_dict: Mapping[str, Any], optim_state_dict: Mapping[str, Any]) -> None:
     """Write ``get_state_dict``-format dicts into ``engine`` (module docstring), then make the working weights the
     cast masters. **Collective**: one agreement (one small collective, :mod:`zero_dtensor.agreement`) after the
-    checks, then
-    :func:`~zero_dtensor._deepspeed.sync.sync_model_params` (ZeRO-1/2: one all_gather per param group; ZeRO-3: one
-    of the persistent parameters together). Memory: none beyond the engine's (before the first step the optimizer's state is
-    created by a zero-learning-rate step: one master-sized zero gradient at a time). Raises
-    :class:`~zero_dtensor.errors.CheckpointMismatchError` (or ``TypeError`` for values of another kind)
-    on every rank, before anything is written, when the dicts do not fit."""
+    checks, then :func:`~zero_dtensor._deepspeed.sync.sync_model_params` (ZeRO-1/2: one all_gather per param
+    group; ZeRO-3: one of the persistent parameters together). Memory: none beyond the engine's (before the first
+    step the optimizer's state is created by a zero-learning-rate step: one master-sized zero gradient at a time).
+    Raises :class:`~zero_dtensor.errors.CheckpointMismatchError` (or ``TypeError`` for values of another kind) on
+    every rank, before anything is written, when the dicts do not fit."""
+    write_state(engine, model_state_dict, optim_state_dict)
+    sync_model_params(engine)
+
+
+def write_state(engine: Any, model_state_dict: Mapping[str, Any], optim_state_dict: Mapping[str, Any]) -> None:
+    """:func:`set_state_dict` without the working-weight refresh (the caller runs
+    :func:`~zero_dtensor._deepspeed.sync.sync_model_params` next, on every rank): the checks, one agreement, the
+    writes. Keeps no reference to the dicts' values once it returns."""
     target = describe(engine)
     hparams = hyperparameters_by_name(engine, target)
     error: BaseException | None = None
@@ -253,4 +260,3 @@ def _write(engine: Any, target: Target, copies: list[tuple[str, str, Any, list[t
         families.set_optimizer_steps(engine, [float(s) for s in steps])  # type: ignore[arg-type]
     for group, values in chosen.items():
         ds.set_group_hyperparameters(engine, group, values)
-    sync_model_params(engine)

@@ -380,6 +380,7 @@ def _collective_counts(root: str, case: EngineCase) -> dict[str, Any]:
     engine, and what the refresh of the working weights is documented to issue."""
     from workers.common import count_comms
     from workers.families_ds import sync_collectives
+    from zero_dtensor._deepspeed.sync import sync_model_params
 
     engine = build_engine(case)
     train(engine, range(1))
@@ -391,6 +392,9 @@ def _collective_counts(root: str, case: EngineCase) -> dict[str, Any]:
     with count_comms() as mode:
         set_state_dict(engine, model, optim)
     out["set_state_dict"] = mode.get_total_counts()
+    with count_comms() as mode:
+        sync_model_params(engine)
+    out["refresh"] = {str(k): v for k, v in mode.get_comm_counts().items()}
     with count_comms() as mode:
         save(engine, path)
     out["save"] = {str(k): v for k, v in mode.get_comm_counts().items()}

@@ -120,7 +120,8 @@ def sync_model_params(engine: Any) -> None:
     """Make the model's working weights the (cast) fp32 masters after a write into them, and clear the write mark.
     **Collective**: every rank of the data-parallel group, between steps. Communication: the rank agreement (one
     small collective, :mod:`zero_dtensor.agreement`), then ZeRO-1/2 and ``BF16_Optimizer`` one
-    ``all_gather_into_tensor`` per param group (``(N-1)/N·S`` bytes received per rank in the working dtype); ZeRO-3
+    ``all_gather_into_tensor`` per param group (``(N-1)/N·S`` bytes received per rank in the working dtype; ZeRO-1/2
+    on gloo: one batch of ``isend``/``irecv`` per param group, the same bytes); ZeRO-3
     a local cast copy per sub-group, then DeepSpeed's bulk gather of the persistent parameters (one all_gather).
     Memory: none beyond DeepSpeed's own."""
     check_engine(engine)

@@ -20,7 +20,8 @@ master itself); one skipped for fp16 overflow does not. Writes straight into liv
 
 :func:`sync_model_params` communicates: the rank agreement (one small collective, :mod:`zero_dtensor.agreement`), then
 ZeRO-1/2 and ``BF16_Optimizer``: one ``all_gather_into_tensor`` per param group of the working dtype
-(``(N-1)/N·S`` bytes received per rank, ``S`` the group's flat working buffer), in place; ZeRO-3: a local cast copy
+(``(N-1)/N·S`` bytes received per rank, ``S`` the group's flat working buffer), in place (ZeRO-1/2 on gloo: one
+batch of ``isend``/``irecv`` per param group, the same bytes); ZeRO-3: a local cast copy
 master → working partition per sub-group, then DeepSpeed's own bulk gather of the persistent parameters (one
 all_gather for all of them, per process group and dtype; the others are gathered by the next forward as usual).
 Memory: none beyond DeepSpeed's.
@@ -169,8 +170,8 @@ def sync_model_params(engine: Any) -> None:
     """Copy ``engine``'s fp32 master weights into the model's working weights (cast to their dtype) and clear the
     write mark. **Collective**: call on every rank of the data-parallel group, between steps, outside forward and
     backward. Communication (see :mod:`zero_dtensor.master`): the rank agreement, then ZeRO-1/2 and
-    ``BF16_Optimizer`` one all_gather per param group, ZeRO-3 one all_gather of the persistent parameters together
-    after a local copy. Memory: none beyond DeepSpeed's own."""
+    ``BF16_Optimizer`` one all_gather per param group (ZeRO-1/2 on gloo: one point-to-point batch), ZeRO-3 one
+    all_gather of the persistent parameters together after a local copy. Memory: none beyond DeepSpeed's own."""
     storage = master_front(engine).__zero_dtensor_state__().storage
     agree("sync_model_params", (), storage.process_groups, storage.device)
     _sync.sync_model_params(engine)

@@ -267,7 +267,7 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
     weights made the cast masters (:func:`~zero_dtensor.checkpoint.state_dict.set_state_dict`).
 
     **Communication**: three agreements (one small collective each: before reading, after it, before
-    writing; each rank plans and reads its own pieces, no DCP collective), then ZeRO-1/2 one all_gather per param
+    writing; each rank plans and reads its own pieces, no DCP collective), then ZeRO-1/2 one gather per param
     group (ZeRO-3: one of the persistent parameters together) to refresh the working weights.
     Each rank reads only the bytes its pieces overlap. **Memory**: one staging copy of this rank's partition (its
     masters and optimizer state, and the frozen parameters it holds) until it is written into the engine (freed

@@ -211,7 +211,7 @@ def _plan_copies(engine: Any, target: Target, model: Mapping[str, Any], optim: M
 def set_state_dict(engine: Any, model_state_dict: Mapping[str, Any], optim_state_dict: Mapping[str, Any]) -> None:
     """Write ``get_state_dict``-format dicts into ``engine`` (module docstring), then make the working weights the
     cast masters. **Collective**: one agreement (one small collective, :mod:`zero_dtensor.agreement`) after the
-    checks, then :func:`~zero_dtensor._deepspeed.sync.sync_model_params` (ZeRO-1/2: one all_gather per param
+    checks, then :func:`~zero_dtensor._deepspeed.sync.sync_model_params` (ZeRO-1/2: one gather per param
     group; ZeRO-3: one of the persistent parameters together). Memory: none beyond the engine's (before the first
     step the optimizer's state is created by a zero-learning-rate step: one master-sized zero gradient at a time).
     Raises :class:`~zero_dtensor.errors.CheckpointMismatchError` (or ``TypeError`` for values of another kind) on

@@ -409,13 +409,16 @@ def all_gather_by_send_recv(out: torch.Tensor, inp: torch.Tensor, group: dist.Pr
                             async_op: bool = False) -> list[dist.Work]:
     """What ``all_gather_single(out, inp)`` leaves in ``out`` (rank after rank), by **one** batch of ``2(N-1)``
     point-to-point ops (:func:`send_recv`): every other rank's partition received in place, ``inp`` copied locally
-    into this rank's row; ``(N-1)·S`` bytes sent and received per rank, no scratch memory. Measured on gloo
+    into this rank's row (unless ``inp`` already is that row); ``(N-1)·S`` bytes sent and received per rank, no
+    scratch memory. Measured on gloo
     (torchrun, 2/3/4 ranks sharing 2 cores, 80 MB gathered): 0.32/0.38/0.41 of an ``all_gather_into_tensor``'s
     time, 0.38/0.42/0.46 of an ``all_to_all_single`` of the repeated partition's. Returns the pending works when
     async."""
     sends, recvs = gather_exchanges(out, inp, group)
     n = inp.numel()
-    out.narrow(0, dist.get_rank(group) * n, n).copy_(inp)
+    own = out.narrow(0, dist.get_rank(group) * n, n)
+    if own.data_ptr() != inp.data_ptr():
+        own.copy_(inp)
     return send_recv(sends, recvs, group, async_op=async_op)
 
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..collectives import backend_of, gather_exchanges, rank_in, send_recv, world_size_of
+from ..collectives import all_gather_by_send_recv, backend_of, rank_in, world_size_of
 from ..errors import UnsupportedDeepSpeedError
 from . import check_engine
 
@@ -71,15 +71,15 @@ def sync_model_params(engine: Any) -> None:
 def _sync_zero12_by_send_recv(opt: Any) -> None:
     """``update_lp_params`` (S12:3172-3182) with the gather by point-to-point ops: per param group the master
     partition cast into this rank's partition of the flat working buffer, then every other rank's partition received
-    in place by one batch of ``isend``/``irecv`` (:func:`~zero_dtensor.collectives.send_recv`), which moves the same
-    bytes as DeepSpeed's ``all_gather_into_tensor`` in 0.3-0.4 of its time on gloo (the flat buffer holds the
-    partitions rank after rank, as ``all_gather_into_tensor`` leaves them)."""
+    in place by one batch of ``isend``/``irecv`` (:func:`~zero_dtensor.collectives.all_gather_by_send_recv`), which
+    moves the same bytes as DeepSpeed's ``all_gather_into_tensor`` in 0.3-0.4 of its time on gloo (the flat buffer
+    holds the partitions rank after rank, as ``all_gather_into_tensor`` leaves them)."""
     for flat, partitions, master, group in zip(opt.bit16_groups_flat, opt.parallel_partitioned_bit16_groups,
                                                opt.single_partition_of_fp32_groups, opt.real_dp_process_group):
         own = partitions[rank_in(group)]
         own.data.copy_(master.data)
         if world_size_of(group) > 1:
-            send_recv(*gather_exchanges(flat, own, group), group)
+            all_gather_by_send_recv(flat, own, group)  # own already is its row of flat: nothing copied locally
 
 
 def _sync_zero3(opt: Any) -> None:

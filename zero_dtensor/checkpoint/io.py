@@ -44,9 +44,10 @@ from .._deepspeed import checkpointing as ds
 from .._deepspeed.sync import sync_model_params
 from ..agreement import agree_outcome
 from ..collectives import cpu_group_for, rank_in, world_size_of
-from ..errors import CheckpointMismatchError, CheckpointReadError, IncompleteCheckpointError
+from ..errors import CheckpointMismatchError, CheckpointReadError, IncompleteCheckpointError, RankFailedError
 from .planners import CachingLoadPlanner, CachingSavePlanner
-from .state_dict import current_steps, state_partitions, write_state
+from .reader import DirectReader
+from .state_dict import CheckedState, apply_state, check_state, current_steps, state_partitions
 from .target import Target, describe, hyperparameters_by_name, model_dict, optim_dict
 
 __all__ = ["load", "save"]
@@ -148,9 +149,9 @@ def save(engine: Any, path: str | os.PathLike, *, async_: bool = False, client_s
     return None
 
 
-class _CheckedReader(FileSystemReader):
-    """The file-system reader, handing DCP the metadata :func:`load` already read and checked (read once, and the
-    load reads exactly what was checked)."""
+class _CheckedReader(DirectReader):
+    """The file-system reader (:class:`~.reader.DirectReader`), handing DCP the metadata :func:`load` already read
+    and checked (read once, and the load reads exactly what was checked)."""
 
     def __init__(self, path: str, metadata: Metadata) -> None:
         super().__init__(path)
@@ -162,24 +163,18 @@ class _CheckedReader(FileSystemReader):
         return self._checked
 
 
-def _read(staged: dict[str, Any], path: str, metadata: Metadata, target: Target) -> None:
+def _read(staged: dict[str, Any], path: str, metadata: Metadata) -> None:
     """``dcp.load`` of this rank's pieces into ``staged``, planned by each rank on its own (``no_dist``: every
     rank already holds the checked metadata, and a load plan needs no coordination: DCP's default global load plan
-    is the local plans unchanged), then one agreement on the outcome: a failed read raises
-    :class:`CheckpointReadError` on every rank. Instead of DCP's gather and scatter of every rank's pickled plan
-    (thousands of read items) and its all_gather of the read results, one agreement (a small collective)."""
-    error: BaseException | None = None
+    is the local plans unchanged); a failed read raises :class:`CheckpointReadError` on this rank (:func:`load`'s
+    agreement tells the others). No communication: none of DCP's gather and scatter of every rank's pickled plan
+    (thousands of read items) and its all_gather of the read results."""
     try:
         with warnings.catch_warnings():  # no_dist warns that it assumes a single process: here it is each rank's
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(staged, storage_reader=_CheckedReader(path, metadata), no_dist=True,
                      planner=CachingLoadPlanner(allow_partial_load=False))
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any failed read must reach every rank
-        error = exc  # (DCP's CheckpointException is a BaseException)
-    try:
-        agree_outcome("checkpoint.load", error, [target.process_group], target.masters.device,
-                      consequence="The engine is unchanged on every rank.")
-    except (Exception, CheckpointException) as exc:
         raise CheckpointReadError(f"reading checkpoint {path!r} failed ({exc}); the engine is unchanged") from exc
 
 
@@ -252,32 +247,48 @@ def _staging(engine: Any, target: Target, metadata: Metadata) -> dict[str, Any]:
             **({"zero_dtensor": extras} if extras else {})}
 
 
+def _agree_loaded(path: str | os.PathLike, error: BaseException | None, target: Target) -> None:
+    """:func:`load`'s one agreement: every rank raises where any rank could not read or check the checkpoint (its
+    own error there; elsewhere :class:`CheckpointReadError` or the refusal's class, caused by the agreement's
+    :class:`~zero_dtensor.errors.RankFailedError`). One small collective."""
+    try:
+        agree_outcome("checkpoint.load", error, [target.process_group], target.masters.device,
+                      consequence="Nothing was loaded into the engine on any rank.")
+    except RankFailedError as exc:
+        if error is not None:
+            raise
+        raise CheckpointReadError(f"loading checkpoint {os.fspath(path)!r} failed on another rank ({exc}); the "
+                                  "engine is unchanged") from exc
+
+
 @collector_paused()
 def load(engine: Any, path: str | os.PathLike) -> Any:
     """Load the checkpoint at ``path`` (written by :func:`save` at any world size and ZeRO stage, or by FSDP2, see
     the module docstring) into ``engine``; every rank of the data-parallel group must call it. Returns the saved
     ``client_state`` (``None`` if there is none).
 
-    Order: every rank reads ``.metadata`` (:class:`IncompleteCheckpointError` if absent) and compares names,
-    shapes and optimizer-state keys with the engine (:class:`CheckpointMismatchError` naming what differs); one
-    agreement makes every rank raise if any rank refused. Then ``dcp.load`` reads this rank's pieces into **staging
-    buffers** (a failed read raises :class:`CheckpointReadError` on every rank; the engine is unchanged); only then
-    are masters, optimizer state (created first on a never-stepped engine, by a zero-learning-rate step), steps,
-    hyperparameters, frozen weights, step counters, the lr scheduler and the loss scaler written, and the working
-    weights made the cast masters (:func:`~zero_dtensor.checkpoint.state_dict.set_state_dict`).
+    Order: each rank reads ``.metadata`` (:class:`IncompleteCheckpointError` if absent), compares names, shapes
+    and optimizer-state keys with the engine (:class:`CheckpointMismatchError` naming what differs), reads its
+    pieces into **staging buffers** with ``dcp.load`` (:class:`~.reader.DirectReader`: tensor entries straight into
+    place; :class:`CheckpointReadError` for a missing or damaged file) and checks what it read against the engine
+    (:func:`~zero_dtensor.checkpoint.state_dict.check_state`). Then one agreement: where any rank failed, every
+    rank raises and the engine is unchanged. Only then are masters, optimizer state (created first on a
+    never-stepped engine, by a zero-learning-rate step), steps, hyperparameters, frozen weights, step counters, the
+    lr scheduler and the loss scaler written, and the working weights made the cast masters.
 
-    **Communication**: three agreements (one small collective each: before reading, after it, before
-    writing; each rank plans and reads its own pieces, no DCP collective), then ZeRO-1/2 one gather per param
-    group (ZeRO-3: one of the persistent parameters together) to refresh the working weights.
-    Each rank reads only the bytes its pieces overlap. **Memory**: one staging copy of this rank's partition (its
-    masters and optimizer state, and the frozen parameters it holds) until it is written into the engine (freed
-    before the working-weight refresh, whose gather holds buffers of its own), plus one saved piece at a time as DCP
-    reads it (at most one parameter's fp32 elements: a saved piece is part of one parameter). The
-    hyperparameter entries are unpickled once per distinct value. Python's garbage collector is paused during the
+    **Communication**: one agreement (one small collective; each rank plans and reads its own pieces, no DCP
+    collective), then ZeRO-1/2 one gather per param group (ZeRO-3: one of the persistent parameters together) to
+    refresh the working weights. Each rank reads only the bytes its pieces overlap. **Memory**: one staging copy
+    of this rank's partition (its masters and optimizer state, and the frozen parameters it holds) until it is
+    written into the engine (freed before the working-weight refresh, whose gather holds buffers of its own), plus
+    at most one saved piece at a time where an entry cannot be read straight into place (at most one parameter's
+    fp32 elements: a saved piece is part of one parameter). The hyperparameter entries are unpickled once per
+    distinct value. Python's garbage collector is paused during the
     call (:func:`collector_paused`)."""
     target = describe(engine)
     error: BaseException | None = None
-    metadata: Metadata | None = None
+    staged: dict[str, Any] = {}
+    checked: CheckedState | None = None
     try:
         metadata = read_metadata(path)
         problems = check_metadata(target, metadata)
@@ -286,16 +297,18 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
                                             if len(problems) > MAX_LINES else [])
             raise CheckpointMismatchError(f"checkpoint {os.fspath(path)!r} does not fit this engine:\n  "
                                           + "\n  ".join(shown) + "\nNothing was loaded.")
-    except (IncompleteCheckpointError, CheckpointMismatchError, OSError) as exc:
+        staged = _staging(engine, target, metadata)
+        _read(staged, os.fspath(path), metadata)
+        checked = check_state(engine, staged["model"], staged["optim"])
+    except Exception as exc:  # noqa: BLE001 - whatever failed here must reach every rank before any rank writes
         error = exc
-    agree_outcome("checkpoint.load", error, [target.process_group], target.masters.device,
-                  consequence="Nothing was loaded into the engine on any rank.")
-    assert metadata is not None
-    staged = _staging(engine, target, metadata)
-    _read(staged, os.fspath(path), metadata, target)
-    write_state(engine, staged["model"], staged["optim"])
+        staged.clear()
+    _agree_loaded(path, error, target)
+    assert checked is not None
+    apply_state(engine, checked)
     extras: Mapping[str, Any] = {k: _unblob(v) for k, v in staged.get("zero_dtensor", {}).items()}
-    staged.clear()  # the staging buffers go before the refresh allocates its own (ZeRO-1/2: the working model)
+    del checked  # the staging buffers go before the refresh allocates its own (ZeRO-1/2: the working model)
+    staged.clear()
     sync_model_params(engine)
     if "engine" in extras:
         ds.set_engine_counters(engine, extras["engine"])

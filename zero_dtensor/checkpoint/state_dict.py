@@ -31,6 +31,7 @@ one step and one set of hyperparameters per group) and a failure raises on every
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -220,28 +221,56 @@ def set_state_dict(engine: Any, model_state_dict: Mapping[str, Any], optim_state
     sync_model_params(engine)
 
 
-def write_state(engine: Any, model_state_dict: Mapping[str, Any], optim_state_dict: Mapping[str, Any]) -> None:
-    """:func:`set_state_dict` without the working-weight refresh (the caller runs
-    :func:`~zero_dtensor._deepspeed.sync.sync_model_params` next, on every rank): the checks, one agreement, the
-    writes. Keeps no reference to the dicts' values once it returns."""
+@dataclass(frozen=True)
+class CheckedState:
+    """What :func:`apply_state` writes: the copies (family, name, where, source pieces), the groups' steps and the
+    hyperparameters chosen per group, for the engine described by ``target``."""
+
+    target: Target
+    copies: list[tuple[str, str, Any, list[tuple[int, torch.Tensor]]]]
+    steps: list[float | None]
+    chosen: dict[int, dict[str, Any]]
+
+
+#: what :func:`check_state` raises on this rank when the dicts do not fit
+CHECK_ERRORS = (CheckpointMismatchError, TypeError, ValueError, KeyError)
+
+
+def check_state(engine: Any, model_state_dict: Mapping[str, Any], optim_state_dict: Mapping[str, Any]
+                ) -> CheckedState:
+    """:func:`write_state`'s checks and copy plan, on this rank only (one of :data:`CHECK_ERRORS` where the dicts
+    do not fit). No communication; nothing is written."""
     target = describe(engine)
     hparams = hyperparameters_by_name(engine, target)
+    problems = _check_model(target, model_state_dict)
+    more, steps, chosen = _check_optim(target, optim_state_dict, hparams)
+    problems += more
+    if problems:
+        raise CheckpointMismatchError("the state does not fit this engine:\n  " + "\n  ".join(problems))
+    return CheckedState(target, _plan_copies(engine, target, model_state_dict, optim_state_dict), steps, chosen)
+
+
+def write_state(engine: Any, model_state_dict: Mapping[str, Any], optim_state_dict: Mapping[str, Any]) -> None:
+    """:func:`set_state_dict` without the working-weight refresh (the caller runs
+    :func:`~zero_dtensor._deepspeed.sync.sync_model_params` next, on every rank): :func:`check_state`, one
+    agreement, :func:`apply_state`. Keeps no reference to the dicts' values once it returns."""
     error: BaseException | None = None
-    copies: list[tuple[str, str, Any, list[tuple[int, torch.Tensor]]]] = []
-    steps: list[float | None] = []
-    chosen: dict[int, dict[str, Any]] = {}
+    checked: CheckedState | None = None
     try:
-        problems = _check_model(target, model_state_dict)
-        more, steps, chosen = _check_optim(target, optim_state_dict, hparams)
-        problems += more
-        if problems:
-            raise CheckpointMismatchError("the state does not fit this engine:\n  " + "\n  ".join(problems))
-        copies = _plan_copies(engine, target, model_state_dict, optim_state_dict)
-    except (CheckpointMismatchError, TypeError, ValueError, KeyError) as exc:
+        checked = check_state(engine, model_state_dict, optim_state_dict)
+    except CHECK_ERRORS as exc:
         error = exc
+    target = describe(engine)
     agree_outcome("checkpoint.set_state_dict", error, [target.process_group], target.masters.device,
                   consequence="Nothing was written into the engine on any rank.")
-    _write(engine, target, copies, steps, chosen)
+    assert checked is not None
+    apply_state(engine, checked)
+
+
+def apply_state(engine: Any, checked: CheckedState) -> None:
+    """Write what :func:`check_state` planned (after an agreement that every rank's check passed). No
+    communication."""
+    _write(engine, checked.target, checked.copies, checked.steps, checked.chosen)
 
 
 def _write(engine: Any, target: Target, copies: list[tuple[str, str, Any, list[tuple[int, torch.Tensor]]]],

@@ -1,0 +1,141 @@
+"""``DirectReader`` (zero_dtensor.checkpoint.reader) against DCP's own ``FileSystemReader``, in one process: the same
+values for every kind of entry and box, tensor entries read straight into place where they allow it (counted),
+DCP's path otherwise, and a truncated file refused."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+from zero_dtensor.checkpoint import reader as direct
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # no_dist: one process
+
+
+def _entries() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(12, 8, generator=g)
+    return {
+        "matrix": base.clone(),
+        "bf16": torch.randn(6, 5, generator=g).to(torch.bfloat16),
+        "scalar": torch.tensor(3.5),
+        "vector": torch.randn(37, generator=g),
+        "transposed": torch.randn(8, 12, generator=g).t(),  # non-contiguous: saved with its strides
+        "same_shape": torch.randn(12, 8, generator=g),  # a header seen before: read straight into place
+        "empty": torch.empty(0, 4),
+    }
+
+
+@pytest.fixture
+def saved(tmp_path) -> tuple[str, dict[str, torch.Tensor]]:
+    values = _entries()
+    dcp.save(dict(values), storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    return str(tmp_path), values
+
+
+class _Planner:
+    """The three planner calls a storage reader makes, into ``targets`` (boxes already narrowed)."""
+
+    def __init__(self, targets: dict[str, torch.Tensor]) -> None:
+        self.targets, self.committed, self.blobs = targets, [], {}
+
+    def resolve_tensor(self, item: ReadItem) -> torch.Tensor:
+        return self.targets[item.dest_index.fqn]
+
+    def commit_tensor(self, item: ReadItem, tensor: torch.Tensor) -> None:
+        self.committed.append(item.dest_index.fqn)
+
+    def load_bytes(self, item: ReadItem, value) -> None:
+        self.blobs[item.dest_index.fqn] = value.read()
+
+
+def _item(name: str, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> ReadItem:
+    zeros = (0,) * len(lengths)
+    return ReadItem(LoadItemType.TENSOR, MetadataIndex(name, zeros), zeros, MetadataIndex(name, zeros), offsets,
+                    lengths)
+
+
+def _read(reader_class: type, path: str, boxes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]],
+          dtype: dict[str, torch.dtype] | None = None) -> dict[str, torch.Tensor]:
+    """``boxes`` (``{name: (offsets, lengths)}``) read by a fresh ``reader_class`` into new tensors (the saved
+    dtype unless ``dtype`` says otherwise)."""
+    reader = reader_class(path)
+    metadata = reader.read_metadata()
+    reader.set_up_storage_reader(metadata, True)
+    dtypes = {n: metadata.state_dict_metadata[n].properties.dtype for n in boxes} | (dtype or {})
+    planner = _Planner({n: torch.full(lengths, -1.0, dtype=dtypes[n]) for n, (_, lengths) in boxes.items()})
+    items = [_item(n, offsets, lengths) for n, (offsets, lengths) in boxes.items()]
+    reader.read_data(type("Plan", (), {"items": items})(), planner).wait()
+    assert sorted(planner.committed) == sorted(boxes)
+    return planner.targets
+
+
+def _whole(values: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    return {n: ((0,) * v.dim(), tuple(v.shape)) for n, v in values.items()}
+
+
+def _counting(monkeypatch) -> list[str]:
+    straight: list[str] = []
+    original = direct._read_into
+
+    def counted(stream, host, item):
+        straight.append(item.storage_index.fqn)
+        return original(stream, host, item)
+
+    monkeypatch.setattr(direct, "_read_into", counted)
+    return straight
+
+
+def test_whole_entries_equal_dcp(saved, monkeypatch) -> None:
+    path, values = saved
+    straight = _counting(monkeypatch)
+    ours = _read(direct.DirectReader, path, _whole(values))
+    theirs = _read(FileSystemReader, path, _whole(values))
+    for name, value in values.items():
+        assert torch.equal(ours[name], value) and torch.equal(theirs[name], value), name
+    # the first entry of each header is torch.loaded (it describes the header); later ones with the same header are
+    # read straight into place: ``same_shape`` shares ``matrix``'s, written (and read: file order) after it
+    assert _offset(path, "matrix") < _offset(path, "same_shape")
+    assert straight == ["same_shape"]
+
+
+def _offset(path: str, name: str) -> int:
+    md = FileSystemReader(path).read_metadata()
+    return next(info.offset for index, info in md.storage_data.items() if index.fqn == name)
+
+
+def test_row_boxes_straight_into_place(saved, monkeypatch) -> None:
+    """Whole rows of an entry are one run of its bytes: read straight into place (after the header is known);
+    a box that cuts rows, a non-contiguous entry and another dtype take DCP's path, with equal values."""
+    path, values = saved
+    straight = _counting(monkeypatch)
+    boxes = {"matrix": ((0, 0), (12, 8)), "same_shape": ((3, 0), (5, 8))}
+    ours = _read(direct.DirectReader, path, boxes)
+    assert torch.equal(ours["same_shape"], values["same_shape"][3:8]) and straight == ["same_shape"]
+    straight.clear()
+    boxes = {"matrix": ((0, 0), (12, 8)), "same_shape": ((2, 1), (4, 6)), "transposed": ((1, 2), (10, 5)),
+             "vector": ((5,), (20,))}
+    ours = _read(direct.DirectReader, path, boxes)
+    theirs = _read(FileSystemReader, path, boxes)
+    for name, (offsets, lengths) in boxes.items():
+        want = values[name][tuple(slice(o, o + n) for o, n in zip(offsets, lengths))]
+        assert torch.equal(ours[name], want) and torch.equal(theirs[name], want), name
+    assert straight == []  # each header seen for the first time in this reader, or rows cut: DCP's path
+    cast = _read(direct.DirectReader, path, {"bf16": ((0, 0), (6, 5))}, {"bf16": torch.float32})
+    assert torch.equal(cast["bf16"], values["bf16"].float())
+
+
+def test_truncated_file_raises(saved) -> None:
+    """A file cut inside an entry that would be read straight into place: an error, never partial values."""
+    path, values = saved
+    (name,) = [f for f in os.listdir(path) if f.endswith(".distcp")]
+    with open(os.path.join(path, name), "r+b") as f:
+        f.truncate(_offset(path, "same_shape") + 600)
+    with pytest.raises((RuntimeError, OSError)):
+        _read(direct.DirectReader, path, {n: box for n, box in _whole(values).items() if n != "empty"})

@@ -197,6 +197,19 @@ class GroupPlan:
         return row_map(src, dst, lengths, len(ranks) * W, N * W, element_size, padding)
 
     @cached_property
+    def param_run(self) -> tuple[int, int] | None:
+        """``(start, length)`` in this rank's partition of all its parameters' elements where they are one run (no
+        padding between them: padding only before or after it, as ZeRO-1/2 pads a group's end), else ``None``."""
+        sizes, gaps = self.local.sizes, set(self.local.gaps)
+        kept = [k for k, n in enumerate(sizes) if n and k not in gaps]
+        if not kept:
+            return 0, 0
+        if any(k in gaps and sizes[k] for k in range(kept[0], kept[-1] + 1)):
+            return None
+        start = sum(sizes[:kept[0]])
+        return start, sum(sizes[kept[0]:kept[-1] + 1])
+
+    @cached_property
     def local_segments(self) -> SegmentPlan:
         """Per-piece reductions of this rank's partition (:mod:`zero_dtensor.segments`), built on first use."""
         return segment_plan(self.local)

@@ -215,7 +215,7 @@ def test_balanced_owners_are_deterministic_and_balanced(sizes, world) -> None:
     loads = [0] * world
     for n, r in zip(sizes, owners):
         loads[r] += n
-    # LPT: no rank exceeds the mean by more than the largest item; ties go to the lower rank
+    # contiguous runs by the middle element: no rank exceeds the mean by more than the largest item
     assert max(loads) <= sum(sizes) / world + max(sizes)
     assert all(0 <= r < world for r in owners)
 

@@ -85,7 +85,9 @@ class TensorOwners:
     def owners(self, names: list[str] | None = None, *, owners: Mapping[str, int] | None = None) -> dict[str, int]:
         """``{name: global rank}`` that :meth:`owned` and :meth:`map_full_` give each selected parameter to. **No
         communication**: deterministic from the layout and the selection, identical on every rank; balanced by size
-        (largest first onto the least-loaded rank of its process group; ties: selection order, then lower rank).
+        (per process group, its selected parameters in buffer order cut into one contiguous run per rank, in rank
+        order: a parameter goes to the rank whose equal share of the running total holds its middle element; no
+        rank exceeds its share by more than the largest parameter).
         ``owners=`` (a complete mapping for the selection) is validated and returned instead.
         """
         self._check_current()
@@ -99,7 +101,9 @@ class TensorOwners:
 
         Communication: the rank agreement, then one ``all_to_all_single`` per (process group, stored dtype)
         of sharded groups: each rank sends its fragments of other owners' parameters and receives the rest of its
-        own, about ``(N-1)/N · S/N`` bytes each way for a balanced assignment. Replicated groups: none. Results are
+        own: with the default owners, ZeRO-1/2 ranks send only the parameters their partition boundaries cut (a
+        rank's run of parameters lies mostly in its own partition, sent as it lies: no packing), ZeRO-3 ranks about
+        ``(N-1)/N · S/N`` bytes each way. Replicated groups: none. Results are
         **snapshots** the caller owns.
         """
         self._check_current()

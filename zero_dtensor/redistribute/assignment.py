@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import heapq
 import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -17,19 +16,24 @@ from .plan import PLAN_CACHE_SIZE, group_ranks_of, process_group_keys
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
 def _balanced(layout: FlatLayout, names: tuple[str, ...], pg_keys: tuple[int, ...]) -> tuple[int, ...]:
-    """Group rank per name: largest parameter first onto the least-loaded rank of its process group (ties: the
-    earlier name in the selection, then the lower rank)."""
+    """Group rank per name: per process group, its selected parameters in buffer order (flat group, then offset)
+    cut into one contiguous run per rank, ascending, balanced by size: a parameter goes to the rank whose equal
+    share of the group's running total holds the parameter's middle element. No rank exceeds its share by more
+    than the largest parameter. Contiguous runs are what ZeRO stores contiguously: a ZeRO-1/2 rank then sends
+    each owner one run of its partition, and a ZeRO-3 rank its pieces of one run of parameters (no packing)."""
     params = [layout.by_name[n] for n in names]
-    loads: dict[int, list[tuple[int, int]]] = {}
+    by_pg: dict[int, list[int]] = {}
+    for j in sorted(range(len(params)), key=lambda j: (params[j].group, params[j].offset, j)):
+        by_pg.setdefault(pg_keys[params[j].group], []).append(j)
     owner = [0] * len(params)
-    for j in sorted(range(len(params)), key=lambda j: (-params[j].numel, j)):
-        key = pg_keys[params[j].group]
-        heap = loads.get(key)
-        if heap is None:
-            heap = loads[key] = [(0, r) for r in range(layout.groups[params[j].group].world_size)]
-        load, rank = heapq.heappop(heap)
-        owner[j] = rank
-        heapq.heappush(heap, (load + params[j].numel, rank))
+    for members in by_pg.values():
+        world = layout.groups[params[members[0]].group].world_size
+        total = sum(params[j].numel for j in members)
+        before = 0
+        for j in members:
+            middle = 2 * before + params[j].numel  # twice the middle element's position: integers only
+            owner[j] = min(world - 1, middle * world // (2 * total)) if total else 0
+            before += params[j].numel
     return tuple(owner)
 
 

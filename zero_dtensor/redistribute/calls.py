@@ -61,8 +61,9 @@ def set_dtensors_(storage: FlatStorage, selected: Sequence[ParamLayout], values:
 def owned(storage: FlatStorage, selected: Sequence[ParamLayout], assignment: Mapping[str, int], *,
           dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The whole gradients of the selected parameters ``assignment`` gives this rank (true units, ``dtype``); a
-    snapshot. **Collective**: one ``all_to_all_single`` per (process group, dtype) of sharded groups, about
-    ``(N-1)/N · S/N`` bytes each way per rank when the assignment is balanced."""
+    snapshot. **Collective**: one ``all_to_all_single`` per (process group, dtype) of sharded groups: with the
+    default owners, ZeRO-1/2 ranks send only the pieces of the parameters their partition boundaries cut (each
+    owner's run lies mostly in its own partition), ZeRO-3 ranks about ``(N-1)/N · S/N`` bytes each way."""
     plan = plan_for(storage, selected, OWNERS, assignment)
     return _owned_views(storage, plan, dtype)
 

@@ -48,10 +48,13 @@ def read_targets(storage: FlatStorage, plan: Plan, dtype: torch.dtype | None
     """Per bucket, every target of this rank (true units, ``dtype``) as a view shaped like its slot, all views of
     one output buffer the caller owns.
 
-    Per bucket: the pieces sent are packed with one ``torch.cat`` into a kept send buffer; one ``all_to_all_single``
-    receives straight into the output buffer where what arrives already is the targets in order; else this rank's
-    own share is copied straight into place (one ``_foreach_copy_``) and the other ranks' travel alone, into a kept
-    receive buffer, then one ``split_with_sizes_copy`` into the output; where nothing crosses ranks the pieces are
+    Per bucket: the pieces sent are packed with one ``torch.cat`` into a kept send buffer, or sent as they lie where
+    they are one run of a partition (owners holding contiguous runs: :func:`~.assignment.balanced_owners`); one
+    ``all_to_all_single`` receives straight into the output buffer where what arrives already is the targets in
+    order; else, where the pieces were packed, this rank's own share is copied straight into place (one
+    ``_foreach_copy_``) and the other ranks' travel alone, into a kept receive buffer, then one
+    ``split_with_sizes_copy`` into the output (sent as they lie: every share travels, then one
+    ``split_with_sizes_copy``); where nothing crosses ranks the pieces are
     packed straight into the output. The output buffer is recycled: a new one only while every earlier result
     still holds its own (:meth:`~zero_dtensor.materialize.buffers.BufferPool.recycled_or_new`, which also keeps the
     per-target views). Memory: the output (``S/N`` for rows, the owned tensors for owners), plus the kept send and
@@ -71,9 +74,14 @@ def read_targets(storage: FlatStorage, plan: Plan, dtype: torch.dtype | None
                 send = _pack_into(_scratch("send", bucket, device), parts, read.send_pieces, device)
                 _unpack(send, read.recv_pieces, [out])
         elif direct:
-            send = _pack_into(_scratch("send", bucket, device), parts, read.send_pieces, device)
+            send = _sent(parts, bucket, device)
             collectives.all_to_all_into(out, send, read.recv_counts, read.send_counts,
                                         storage.process_groups[bucket.groups[0]])
+        elif _run_on(parts, read.send_run, device) is not None:  # sent as it lies; own share unpacked with the rest
+            recv = _scratch("recv", bucket, device, sum(read.recv_counts))
+            collectives.all_to_all_into(recv, _sent(parts, bucket, device), read.recv_counts, read.send_counts,
+                                        storage.process_groups[bucket.groups[0]])
+            _unpack(recv, read.recv_pieces, [out])
         else:  # this rank's own share copied straight into place; the others' packed, exchanged, unpacked
             (own_sent, own_received), (sent, received) = read.own_pieces(), read.peer_pieces()
             send_counts, recv_counts = read.peer_counts()
@@ -103,6 +111,23 @@ KEPT_VIEW_SETS = 8
 def _slot_views(buffer: torch.Tensor, bucket: BucketPlan) -> tuple[torch.Tensor, ...]:
     """Every target of ``bucket`` as a view of ``buffer`` (its ``out_numel`` elements), shaped like its slot."""
     return tuple(buffer.narrow(0, slot.start, slot.numel).view(slot.shape) for slot in bucket.params)
+
+
+def _run_on(parts: Sequence[torch.Tensor], run: Piece | None, device: torch.device) -> torch.Tensor | None:
+    """The view of ``parts`` that ``run`` names, where there is one on ``device`` (else ``None``)."""
+    if run is None or parts[run[0]].device != device:
+        return None
+    slot, start, length = run
+    return parts[slot].narrow(0, start, length)
+
+
+def _sent(parts: Sequence[torch.Tensor], bucket: BucketPlan, device: torch.device) -> torch.Tensor:
+    """What the read sends, in destination order: a view of the partition where it lies as one run there (no
+    copy), else the pieces packed into the kept send buffer."""
+    run = _run_on(parts, bucket.read.send_run, device)
+    if run is not None:
+        return run
+    return _pack_into(_scratch("send", bucket, device), parts, bucket.read.send_pieces, device)
 
 
 def _scratch(what: str, bucket: BucketPlan, device: torch.device, numel: int | None = None) -> torch.Tensor:

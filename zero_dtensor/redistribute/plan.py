@@ -47,6 +47,7 @@ class Transfer:
     recv_in_order: bool = False  # the receive buffer already is the destination slot 0, in order (no unpack)
     send_piece_counts: tuple[int, ...] = ()  # per destination rank, how many of ``send_pieces`` go there
     recv_piece_counts: tuple[int, ...] = ()  # per source rank, how many of ``recv_pieces`` come from there
+    send_run: Piece | None = None  # ``send_pieces`` are this one run of one slot, back to back (no packing)
 
     def own_pieces(self) -> tuple[tuple[Piece, ...], tuple[Piece, ...]]:
         """``(sent, received)``: the pieces this rank sends itself, where they are read and where they land (the
@@ -177,9 +178,23 @@ def _transfer(per_peer_send: list[list[Piece]], per_peer_recv: list[list[Piece]]
         recv_pieces=recv_pieces,
         rank=rank,
         recv_in_order=_in_order(recv_pieces),
+        send_run=_one_run(tuple(p for ps in per_peer_send for p in ps)),
         send_piece_counts=tuple(map(len, per_peer_send)),
         recv_piece_counts=tuple(map(len, per_peer_recv)),
     )
+
+
+def _one_run(pieces: Sequence[Piece]) -> Piece | None:
+    """``(slot, start, length)`` where ``pieces`` follow each other in one slot with no gap (what is sent is then a
+    view of it: owners that hold contiguous runs of a ZeRO partition), else ``None``."""
+    if not pieces:
+        return None
+    slot, start, end = pieces[0][0], pieces[0][1], pieces[0][1]
+    for s, a, n in pieces:
+        if s != slot or a != end:
+            return None
+        end += n
+    return slot, start, end - start
 
 
 def _in_order(pieces: Sequence[Piece]) -> bool:

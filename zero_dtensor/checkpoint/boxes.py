@@ -24,7 +24,7 @@ from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from ..dtensor_new import new_dtensor
 from ..layout import contiguous_stride
 
-__all__ = ["Box", "boxes", "box_dtensor", "local_boxes"]
+__all__ = ["Box", "boxes", "box_dtensor", "local_boxes", "storage_exact", "storage_exact_entry"]
 
 
 @dataclass(frozen=True)
@@ -94,3 +94,28 @@ def box_dtensor(fragment: torch.Tensor, shape: torch.Size | tuple[int, ...], sta
     found = boxes(tuple(shape), start, start + fragment.numel())
     wrapper = LocalShardsWrapper(local_boxes(fragment, found), [b.offsets for b in found])
     return new_dtensor(wrapper, mesh, Shard(0), tuple(shape), contiguous_stride(tuple(shape)))
+
+
+def storage_exact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous, on the CPU) as a tensor over a storage of exactly its bytes that aliases the same memory
+    (a slice of its storage, which keeps the whole one alive); others as they are. DCP clones a CPU tensor whose
+    storage is larger than it before writing it (``torch.save`` would write the whole storage): a ZeRO piece, a
+    view into a flat partition, is then written without that copy. No communication, no copy."""
+    storage = t.untyped_storage()
+    if t.device.type != "cpu" or not t.is_contiguous() or storage.nbytes() == t.nbytes:
+        return t
+    start = t.storage_offset() * t.element_size()
+    return torch.empty(0, dtype=t.dtype).set_(storage[start:start + t.nbytes], 0, t.shape, t.stride())
+
+
+def storage_exact_entry(value: object) -> object:
+    """A state-dict value with its tensors made :func:`storage_exact`: a plain tensor, or a :func:`box_dtensor`
+    (its boxes); anything else as it is. For writing only: the result aliases the engine's memory."""
+    if isinstance(value, DTensor) and isinstance(value._local_tensor, LocalShardsWrapper):
+        local = value._local_tensor
+        wrapper = LocalShardsWrapper([storage_exact(b) for b in local.local_shards()],
+                                     [tuple(o) for o in local.local_offsets()])
+        return new_dtensor(wrapper, value.device_mesh, Shard(0), tuple(value.shape), tuple(value.stride()))
+    if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+        return storage_exact(value.detach())
+    return value

@@ -45,6 +45,7 @@ from .._deepspeed.sync import sync_model_params
 from ..agreement import agree_outcome
 from ..collectives import cpu_group_for, rank_in, world_size_of
 from ..errors import CheckpointMismatchError, CheckpointReadError, IncompleteCheckpointError, RankFailedError
+from .boxes import storage_exact_entry
 from .planners import CachingLoadPlanner, CachingSavePlanner
 from .reader import DirectReader
 from .state_dict import CheckedState, apply_state, check_state, current_steps, state_partitions
@@ -116,8 +117,10 @@ def save(engine: Any, path: str | os.PathLike, *, async_: bool = False, client_s
     in ``path`` is removed first, so a save that does not finish never looks finished.
 
     **Communication**: DCP's own small object collectives (plans and metadata: about 9 at 2 ranks), none of tensor
-    data. **Memory**: one piece at a time is copied as it is written (DCP clones views; a piece is at most one
-    parameter's fp32 elements on this rank), plus one pickle per distinct hyperparameter value; before the first
+    data. **Memory**: none for pieces in CPU memory (each is handed to DCP as an alias of exactly its bytes,
+    :func:`~.boxes.storage_exact`, which DCP writes without the clone it makes of views); a piece on a GPU is
+    copied to the CPU as it is written (at most one parameter's fp32 elements); plus one pickle per distinct
+    hyperparameter value; before the first
     step, one zero-filled partition per optimizer-state key. A tied parameter is written under each of its names.
     ``async_=True``: :func:`torch.distributed.checkpoint.async_save` over a gloo group of the same ranks (made
     once); it copies this rank's state to CPU memory before it returns and writes in a background thread: returns
@@ -134,7 +137,8 @@ def save(engine: Any, path: str | os.PathLike, *, async_: bool = False, client_s
     path = os.fspath(path)
     rank, world = rank_in(target.process_group), world_size_of(target.process_group)
     first = rank == 0
-    state: dict[str, Any] = {"model": _share_of(model, rank, world), "optim": _share_of(optim, rank, world)}
+    state: dict[str, Any] = {k: {name: storage_exact_entry(v) for name, v in _share_of(d, rank, world).items()}
+                             for k, d in (("model", model), ("optim", optim))}
     if first:  # the engine's counters, scheduler, scaler and the client state: as rank 0 has them
         state["zero_dtensor"] = _engine_extras(engine, client_state)
     if first and os.path.exists(os.path.join(path, METADATA)):

@@ -139,3 +139,39 @@ def test_truncated_file_raises(saved) -> None:
         f.truncate(_offset(path, "same_shape") + 600)
     with pytest.raises((RuntimeError, OSError)):
         _read(direct.DirectReader, path, {n: box for n, box in _whole(values).items() if n != "empty"})
+
+
+def test_storage_exact_aliases_only_its_bytes(tmp_path) -> None:
+    """zd.save hands DCP each CPU piece over a storage of exactly its bytes (so DCP does not clone it): the same
+    memory, and what DCP writes of it is the piece alone."""
+    from zero_dtensor.checkpoint.boxes import storage_exact
+
+    flat = torch.arange(100, dtype=torch.float32)
+    piece = flat[10:40].view(5, 6)
+    exact = storage_exact(piece)
+    assert exact.data_ptr() == piece.data_ptr() and exact.untyped_storage().nbytes() == piece.nbytes
+    assert torch.equal(exact, piece) and exact.shape == piece.shape
+    flat[10] = -1.0  # an alias: the engine's later writes are seen (zd.save writes before returning)
+    assert exact[0, 0] == -1.0
+    assert storage_exact(flat) is flat  # already exact
+    for value, clones in ((piece, 1), (exact, 0)):  # DCP clones a view before torch.save; not an exact alias
+        assert _clones_in_save(value, tmp_path / str(clones)) == clones
+    out = {"p": torch.zeros(5, 6)}
+    dcp.load(out, storage_reader=direct.DirectReader(str(tmp_path / "0")), no_dist=True)
+    assert torch.equal(out["p"], piece)
+
+
+def _clones_in_save(value: torch.Tensor, path) -> int:
+    calls = []
+    original = torch.Tensor.clone
+
+    def counted(self, *args, **kwargs):
+        calls.append(self.shape)
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.clone = counted
+    try:
+        dcp.save({"p": value}, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
+    finally:
+        torch.Tensor.clone = original
+    return len(calls)

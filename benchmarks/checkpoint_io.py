@@ -9,6 +9,10 @@ Resume at another world size (``--resume-at M``): the checkpoints written at N r
 from its start; ``--inject_missing_state`` for ZeRO-1/2 engines, which lack the Megatron info it wants) followed by
 ``load_checkpoint`` with ``"checkpoint": {"load_universal": true}``.
 
+First load in a fresh process (``--fresh``): how a job resumes. A new process group builds the engine and loads
+once (``zd.load`` or ``load_checkpoint``, alternating, ``--repeat`` launches of each): the loads above, repeated in
+one process, reuse the memory earlier calls freed, which a resuming job does not have.
+
 Per row: the median and the spread (min-max) of the rounds in seconds, the bytes the checkpoint takes on disk, and
 the peak extra resident memory of rank 0 during the call (RSS sampled every 2 ms, minus the RSS before it; for the
 conversion: the largest peak RSS of its processes, absolute). Example, the benchmark model at 4 ranks::
@@ -176,6 +180,33 @@ def resume(hidden: int, layers: int, stage: int, root: str, repeat: int) -> dict
     return {k: {**_row(times[k], extra[k]), "restored the saved values": exact[k]} for k in calls}
 
 
+def first_load(hidden: int, layers: int, stage: int, root: str, which: str) -> dict[str, Any]:
+    """The first load of a freshly built engine in a new process (how a job resumes): ``zd.load`` of ``root/zd``
+    or ``load_checkpoint`` of ``root/ds``; rank 0's time and peak extra RSS."""
+    engine = _engine(hidden, layers, stage)
+    if which == "zd":
+        elapsed, extra = _timed(lambda: load(engine, os.path.join(root, "zd")))
+    else:
+        elapsed, extra = _timed(lambda: engine.load_checkpoint(os.path.join(root, "ds"), tag="t"))
+    return {"s": elapsed, "extra": extra}
+
+
+def fresh_loads(args: argparse.Namespace) -> dict[str, Any]:
+    """``--repeat`` first loads in fresh processes of each kind, alternating (one launch each)."""
+    root = os.path.join(args.dir, "fresh")
+    os.makedirs(root)
+    launch(write_both, args.hidden, args.layers, args.stage, root, nprocs=args.nproc, timeout=3600)
+    runs: dict[str, list[dict[str, Any]]] = {"zd.load": [], "ds.load_checkpoint": []}
+    for _ in range(args.repeat):
+        for which, name in (("zd", "zd.load"), ("ds", "ds.load_checkpoint")):
+            runs[name].append(launch(first_load, args.hidden, args.layers, args.stage, root, which,
+                                     nprocs=args.nproc, timeout=3600))
+    rows: dict[str, Any] = {k: _row([r["s"] for r in v], [r["extra"] for r in v]) for k, v in runs.items()}
+    rows["ratio zd.load / ds.load_checkpoint"] = round(rows["zd.load"]["median_s"]
+                                                       / rows["ds.load_checkpoint"]["median_s"], 2)
+    return rows
+
+
 def convert(root: str, stage: int, repeat: int) -> dict[str, Any]:
     """``ds_to_universal`` of ``root/ds/t`` into ``root/ds/t_uni``, ``repeat`` times (the last output kept)."""
     src, dst = os.path.join(root, "ds", "t"), os.path.join(root, "ds", "t_uni")
@@ -200,7 +231,9 @@ def main() -> None:
     parser.add_argument("--stage", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--resume-at", type=int, default=0, help="also resume at this world size (0: no)")
-    parser.add_argument("--skip-same", action="store_true", help="only the --resume-at rows")
+    parser.add_argument("--skip-same", action="store_true", help="only the --resume-at (and --fresh) rows")
+    parser.add_argument("--fresh", action="store_true",
+                        help="also time the first load of a new engine in a fresh process (one launch per load)")
     parser.add_argument("--dir", default="/tmp/zd-ckpt-bench")
     args = parser.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
@@ -213,6 +246,8 @@ def main() -> None:
         os.makedirs(same)
         report["same world size (rank 0)"] = launch(same_world, args.hidden, args.layers, args.stage, same,
                                                     args.repeat, nprocs=args.nproc, timeout=3600)
+    if args.fresh:
+        report["first load in a fresh process (rank 0)"] = fresh_loads(args)
     if args.resume_at:
         other = os.path.join(args.dir, "resume")
         os.makedirs(other)

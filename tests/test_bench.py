@@ -63,13 +63,18 @@ def test_cli_tiny_run_writes_complete_json(tmp_path) -> None:
 
         assert set(REDISTRIBUTION_ROWS) <= names, set(REDISTRIBUTION_ROWS) - names
         a2a = {n: rows[n]["collective_ops"].get("alltoall_base", 0) for n in REDISTRIBUTION_ROWS}
-        assert a2a["owned"] == a2a["set_owned_"] == 1 and a2a[NS] == 2, a2a
+        # owners hold contiguous runs of parameters: where none is cut by a partition boundary (this tiny model under
+        # ZeRO-1/2), nothing crosses ranks and owned / set_owned_ issue no all_to_all; map_full_'s write always
+        # exchanges its error codes
+        crosses = {n: int(rows[n]["bytes_per_rank"] > 0) for n in ("owned", NS)}
+        assert a2a["owned"] == a2a["set_owned_"] == crosses["owned"] and a2a[NS] == 1 + crosses[NS], (a2a, crosses)
         # ZeRO-3 on 2 ranks (even row counts): every chunk already is whole rows, nothing crosses ranks
         assert a2a["to_dtensors"] == a2a["set_dtensors_"] == (1 if stage == 1 else 0), a2a
-        assert rows["to_dtensors"]["collectives"] == 1 + a2a["to_dtensors"] and rows["owned"]["collectives"] == 2
+        assert rows["to_dtensors"]["collectives"] == 1 + a2a["to_dtensors"]
+        assert rows["owned"]["collectives"] == 1 + a2a["owned"]
         assert rows["set_dtensors_"]["collectives"] == 1 + a2a["set_dtensors_"]
-        assert rows["set_owned_"]["collectives"] == 2
-        assert rows[NS]["collectives"] == 3 and rows[FULL_NS]["collectives"] == 2
+        assert rows["set_owned_"]["collectives"] == 1 + a2a["set_owned_"]
+        assert rows[NS]["collectives"] == 1 + a2a[NS] and rows[FULL_NS]["collectives"] == 2
         n_matrices = rows[DS_NS]["collectives"]
         assert 0 < n_matrices < n_tensors
         assert rows["owned"]["bytes_per_rank"] < rows["full_tensors all_gather"]["bytes_per_rank"]

@@ -20,8 +20,8 @@ time, and only for destinations off the CPU). No communication.
 from __future__ import annotations
 
 import io
+import math
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO, Any, cast
 
@@ -65,9 +65,7 @@ def _run(stored: _Stored, item: ReadItem) -> tuple[int, int] | None:
     offsets, lengths = item.storage_offsets, item.lengths
     if any(o != 0 or n != s for o, n, s in zip(offsets[1:], lengths[1:], shape[1:])):
         return None
-    row = 1
-    for s in shape[1:]:
-        row *= s
+    row = math.prod(shape[1:])
     return offsets[0] * row, lengths[0] * row
 
 
@@ -95,7 +93,7 @@ class DirectReader(FileSystemReader):
     def _read_item(self, stream: IO[bytes], item: ReadItem, planner: LoadPlanner) -> None:
         info = self.storage_data[item.storage_index]
         if info.transform_descriptors:  # compressed or otherwise transformed: DCP's own path
-            return self._read_as_dcp(stream, [item], planner)
+            return self._read_as_dcp(stream, item, planner)
         if item.type == LoadItemType.BYTE_IO:
             stream.seek(info.offset)
             planner.load_bytes(item, io.BytesIO(_read_exactly(stream, info.length, item)))
@@ -112,9 +110,11 @@ class DirectReader(FileSystemReader):
         target = planner.resolve_tensor(item).detach()
         if run is None or target.dtype != stored.dtype or not target.is_contiguous() \
                 or target.numel() != run[1]:
-            return self._read_as_dcp(stream, [item], planner)
-        size = target.element_size()
-        stream.seek(info.offset + archive.get_record_offset(_DATA) + run[0] * size)
+            return self._read_as_dcp(stream, item, planner)
+        size, data = target.element_size(), archive.get_record_offset(_DATA)
+        if data + (run[0] + run[1]) * size > info.length:  # the record would run past the entry: DCP's path
+            return self._read_as_dcp(stream, item, planner)
+        stream.seek(info.offset + data + run[0] * size)
         host = target if target.device.type == "cpu" else torch.empty_like(target, device="cpu")
         _read_into(stream, host, item)
         if host is not target:
@@ -134,18 +134,16 @@ class DirectReader(FileSystemReader):
         target.copy_(tensor)
         planner.commit_tensor(item, target)
 
-    def _read_as_dcp(self, stream: IO[bytes], items: Sequence[ReadItem], planner: LoadPlanner) -> None:
-        """DCP's own read of ``items`` (transforms included)."""
-        for item in items:
-            info = self.storage_data[item.storage_index]
-            source = self.transforms.transform_load_stream(item, info.transform_descriptors or (),
-                                                           self._slice_file(stream, info))
-            if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(source.read(-1)))
-                continue
-            seekable = source if source.seekable() else io.BytesIO(source.read(-1))
-            self._copy(cast(torch.Tensor, torch.load(seekable, map_location="cpu", weights_only=True)), item,
-                       planner)
+    def _read_as_dcp(self, stream: IO[bytes], item: ReadItem, planner: LoadPlanner) -> None:
+        """DCP's own read of ``item`` (transforms included)."""
+        info = self.storage_data[item.storage_index]
+        source = self.transforms.transform_load_stream(item, info.transform_descriptors or (),
+                                                       self._slice_file(stream, info))
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(source.read(-1)))
+            return
+        seekable = source if source.seekable() else io.BytesIO(source.read(-1))
+        self._copy(cast(torch.Tensor, torch.load(seekable, map_location="cpu", weights_only=True)), item, planner)
 
 
 def _read_exactly(stream: IO[bytes], length: int, item: ReadItem) -> bytes:

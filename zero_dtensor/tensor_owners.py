@@ -125,8 +125,9 @@ class TensorOwners:
         Every entry is checked before anything is sent or written; a bad entry on any rank raises on every rank.
         Communication: the rank agreement, which also tells every rank which rank passed which parameter (one
         all_gather of ``2 + k`` int64 per rank and process group, ``k`` its parameters), then one
-        ``all_to_all_single`` per (process group, dtype), about ``(N-1)/N · S/N`` bytes each way per rank (replicated groups: the owner's values reach every
-        rank). Writes never record autograd history.
+        ``all_to_all_single`` per (process group, dtype) where any piece crosses ranks, about ``(N-1)/N · S/N``
+        bytes each way per rank (ZeRO-1/2 with the default owners: only the parameters the partition boundaries cut;
+        replicated groups: the owner's values reach every rank). Writes never record autograd history.
         """
         self._check_current()
         _redistribute.set_owned_(self._storage, mapping, assignment=owners)
@@ -139,8 +140,10 @@ class TensorOwners:
         dtype). **Collective**: call on every rank with the same arguments.
 
         Communication: the rank agreement, one ``all_to_all_single`` per (process group, dtype) each way (the
-        second also carries one error code per peer): about ``(N-1)/N · S/N`` bytes each way per rank per
-        exchange. An exception in ``fn`` (or a result of the wrong shape or dtype) on any rank raises on every rank
+        first only where a piece crosses ranks; the second always, as it also carries one error code per peer):
+        about ``(N-1)/N · S/N`` bytes each way per rank per exchange (ZeRO-1/2 with the default owners: only the
+        parameters the partition boundaries cut). An exception in ``fn`` (or a result of the wrong shape or
+        dtype) on any rank raises on every rank
         and nothing is written: the original exception where it happened,
         :class:`~zero_dtensor.errors.RankFailedError` elsewhere. ``fn`` runs on each parameter's owner only, so it
         must not communicate: a zero_dtensor collective inside it raises ``RuntimeError`` at once (compute with

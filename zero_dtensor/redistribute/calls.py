@@ -108,8 +108,8 @@ def set_owned_(storage: FlatStorage, mapping: Mapping[str, torch.Tensor], *,
     """Write whole gradients from the ranks holding them (each parameter from at most one rank; ``assignment``
     given: from its owner there). **Collective**: the rank agreement, which also tells every rank which rank passed
     which parameter (per multi-rank process group one ``all_gather`` of ``2 + k`` int64 per rank, ``k`` the
-    group's parameters), then one ``all_to_all_single`` per (process group, dtype), about ``(N-1)/N · S/N`` bytes
-    each way per rank (replicated groups: the owner's values to every rank)."""
+    group's parameters), then one ``all_to_all_single`` per (process group, dtype) where any piece crosses ranks,
+    about ``(N-1)/N · S/N`` bytes each way per rank (replicated groups: the owner's values to every rank)."""
     values: dict[str, torch.Tensor] = {}
     restrict: dict[str, int] | None = None
     with Refusal() as refusal:
@@ -155,9 +155,10 @@ def _providers(storage: FlatStorage, values: Mapping[str, torch.Tensor], rows: M
 def map_full_(storage: FlatStorage, selected: Sequence[ParamLayout], assignment: Mapping[str, int],
               fn: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
     """``fn(name, whole gradient)`` on each parameter's owner, written back: each gradient computed once in the job.
-    **Collective**: :func:`owned`'s ``all_to_all_single``, then the reverse ``all_to_all_single`` per (process
-    group, dtype) carrying one error code per peer besides the data: about ``2 · (N-1)/N · S/N`` bytes each way per
-    rank in all. ``fn`` runs on the owner only and must not communicate. An exception in ``fn`` (or a bad result)
+    **Collective**: :func:`owned`'s ``all_to_all_single`` (none where nothing crosses ranks), then the reverse
+    ``all_to_all_single`` per (process group, dtype) carrying one error code per peer besides the data: at most
+    about ``2 · (N-1)/N · S/N`` bytes each way per rank in all. ``fn`` runs on the owner only and must not
+    communicate. An exception in ``fn`` (or a bad result)
     on any rank raises on every rank before anything is written: there the original one, elsewhere
     :class:`~zero_dtensor.errors.RankFailedError` (or the same validation error class)."""
     plan = plan_for(storage, selected, OWNERS, assignment)

@@ -155,14 +155,8 @@ def _reduce_rows(state: FlatState, sel: Selection, local: torch.Tensor,
                  reduce: Callable[[torch.Tensor, list[int], Any], None]) -> torch.Tensor:
     """``reduce(local, rows, process group)`` over each distinct process group of the multi-rank sharded groups,
     ``rows`` those of its selected parameters. Returns ``local``, moved to the engine's device."""
-    storage = state.storage
-    local = local.to(storage.device)  # where the process group communicates (offloaded partitions are host memory)
-    communicating = [i for i, g in enumerate(state.layout.groups) if g.placement.is_sharded and g.world_size > 1]
-    by_pg: dict[int, tuple[Any, set[int]]] = {}
-    for i in communicating:
-        pg = storage.process_groups[i]
-        by_pg.setdefault(id(pg), (pg, set()))[1].add(i)
-    for pg, members in by_pg.values():
+    local = local.to(state.storage.device)  # where the process group communicates (offloaded partitions: host)
+    for pg, members in _communicating_by_process_group(state):
         if len(members) == len(state.layout.groups):  # every row takes part (the usual case): no row lookup
             rows = list(range(len(sel.params)))
         else:
@@ -170,6 +164,17 @@ def _reduce_rows(state: FlatState, sel: Selection, local: torch.Tensor,
         if rows:
             reduce(local, rows, pg)
     return local
+
+
+def _communicating_by_process_group(state: FlatState) -> list[tuple[Any, set[int]]]:
+    """``(process group, indices of its flat groups)`` for each distinct process group of the multi-rank sharded
+    groups (the ones a reduction communicates on). No communication."""
+    by_pg: dict[int, tuple[Any, set[int]]] = {}
+    for i, g in enumerate(state.layout.groups):
+        if g.placement.is_sharded and g.world_size > 1:
+            pg = state.storage.process_groups[i]
+            by_pg.setdefault(id(pg), (pg, set()))[1].add(i)
+    return list(by_pg.values())
 
 
 def _partials(state: FlatState, sel: Selection, norm_type: float) -> torch.Tensor:
@@ -286,14 +291,10 @@ def _group_partials(state: FlatState, sel: Selection, norm_type: float) -> torch
         pieces = pieces if part.take is None else pieces.index_select(0, part.take)
         values.append(pieces.to(torch.float64).max() if is_inf and pieces.numel() else pieces.to(torch.float64).sum())
     local = torch.stack([v.to(storage.device) for v in values])
-    by_pg: dict[int, tuple[Any, list[int]]] = {}
-    for i, g in enumerate(groups):
-        layout = state.layout.groups[g]
-        if layout.placement.is_sharded and layout.world_size > 1:
-            pg = storage.process_groups[g]
-            by_pg.setdefault(id(pg), (pg, []))[1].append(i)
-    for pg, rows in by_pg.values():
-        all_reduce_rows(local, rows, pg, dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM)
+    for pg, members in _communicating_by_process_group(state):
+        rows = [i for i, g in enumerate(groups) if g in members]
+        if rows:
+            all_reduce_rows(local, rows, pg, dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM)
     return local
 
 

@@ -67,6 +67,7 @@ def read_targets(storage: FlatStorage, plan: Plan, dtype: torch.dtype | None
         out = BUFFERS.recycled_or_new(("redistribute", bucket.out_numel, bucket.dtype, device), bucket.out_numel,
                                       bucket.dtype, device)
         direct = read.recv_in_order and sum(read.recv_counts) == bucket.out_numel
+        run = _run_on(parts, read.send_run, device)  # what is sent, where it lies as one run (no packing)
         if not read.communicates:  # nothing crosses ranks: what is sent is what is received
             if direct:
                 _pack_into(out, parts, read.send_pieces, device)
@@ -74,12 +75,13 @@ def read_targets(storage: FlatStorage, plan: Plan, dtype: torch.dtype | None
                 send = _pack_into(_scratch("send", bucket, device), parts, read.send_pieces, device)
                 _unpack(send, read.recv_pieces, [out])
         elif direct:
-            send = _sent(parts, bucket, device)
+            send = run if run is not None else _pack_into(_scratch("send", bucket, device), parts, read.send_pieces,
+                                                          device)
             collectives.all_to_all_into(out, send, read.recv_counts, read.send_counts,
                                         storage.process_groups[bucket.groups[0]])
-        elif _run_on(parts, read.send_run, device) is not None:  # sent as it lies; own share unpacked with the rest
+        elif run is not None:  # sent as it lies; own share unpacked with the rest
             recv = _scratch("recv", bucket, device, sum(read.recv_counts))
-            collectives.all_to_all_into(recv, _sent(parts, bucket, device), read.recv_counts, read.send_counts,
+            collectives.all_to_all_into(recv, run, read.recv_counts, read.send_counts,
                                         storage.process_groups[bucket.groups[0]])
             _unpack(recv, read.recv_pieces, [out])
         else:  # this rank's own share copied straight into place; the others' packed, exchanged, unpacked
@@ -119,15 +121,6 @@ def _run_on(parts: Sequence[torch.Tensor], run: Piece | None, device: torch.devi
         return None
     slot, start, length = run
     return parts[slot].narrow(0, start, length)
-
-
-def _sent(parts: Sequence[torch.Tensor], bucket: BucketPlan, device: torch.device) -> torch.Tensor:
-    """What the read sends, in destination order: a view of the partition where it lies as one run there (no
-    copy), else the pieces packed into the kept send buffer."""
-    run = _run_on(parts, bucket.read.send_run, device)
-    if run is not None:
-        return run
-    return _pack_into(_scratch("send", bucket, device), parts, bucket.read.send_pieces, device)
 
 
 def _scratch(what: str, bucket: BucketPlan, device: torch.device, numel: int | None = None) -> torch.Tensor:

@@ -170,15 +170,16 @@ def _crosses(src: Sequence[Range], src_full: bool, dst: Sequence[Range]) -> bool
 def _transfer(per_peer_send: list[list[Piece]], per_peer_recv: list[list[Piece]], communicates: bool,
               rank: int) -> Transfer:
     recv_pieces = tuple(p for ps in per_peer_recv for p in ps)
+    send_pieces = tuple(p for ps in per_peer_send for p in ps)
     return Transfer(
         communicates=communicates,
         send_counts=tuple(sum(n for _, _, n in ps) for ps in per_peer_send),
         recv_counts=tuple(sum(n for _, _, n in ps) for ps in per_peer_recv),
-        send_pieces=tuple(p for ps in per_peer_send for p in ps),
+        send_pieces=send_pieces,
         recv_pieces=recv_pieces,
         rank=rank,
         recv_in_order=_in_order(recv_pieces),
-        send_run=_one_run(tuple(p for ps in per_peer_send for p in ps)),
+        send_run=_one_run(send_pieces),
         send_piece_counts=tuple(map(len, per_peer_send)),
         recv_piece_counts=tuple(map(len, per_peer_recv)),
     )
@@ -199,12 +200,8 @@ def _one_run(pieces: Sequence[Piece]) -> Piece | None:
 
 def _in_order(pieces: Sequence[Piece]) -> bool:
     """Whether ``pieces`` fill slot 0 back to back from offset 0 (e.g. ZeRO-3 chunks that already are whole rows)."""
-    offset = 0
-    for slot, start, length in pieces:
-        if slot != 0 or start != offset:
-            return False
-        offset += length
-    return True
+    run = _one_run(pieces)
+    return not pieces or (run is not None and run[:2] == (0, 0))
 
 
 def _bucket(layout: FlatLayout, groups: tuple[int, ...], params: list[ParamLayout], kind: str,

@@ -1,6 +1,6 @@
 """The package's structure, read from the source: imports point one way (no module imports, at run time, one that
-imports it back); every ``torch.distributed`` call of the library is in ``collectives.py``; only
-``zero_dtensor/_deepspeed/`` reads DeepSpeed's private state.
+imports it back); every ``torch.distributed`` call of the library is in its communication modules
+(:data:`COMMUNICATION`); only ``zero_dtensor/_deepspeed/`` reads DeepSpeed's private state.
 
 Read from the source with ``ast`` (nothing is imported or run): every ``from . import``/``from .x import`` and
 ``from zero_dtensor... import``, at module level or inside a function (a function-level import that closes a
@@ -145,12 +145,17 @@ def _distributed_calls(source: str) -> list[tuple[int, str]]:
     return sorted(calls)
 
 
-def test_every_distributed_call_is_in_collectives() -> None:
+#: the modules that call ``torch.distributed``: collectives, point-to-point exchanges, process-group queries
+COMMUNICATION = ("collectives.py", "point_to_point.py", "process_groups.py")
+
+
+def test_every_distributed_call_is_in_the_communication_modules() -> None:
     found = {str(path.relative_to(PACKAGE)): calls for path in sorted(PACKAGE.rglob("*.py"))
-             if path.name != "collectives.py" and not _is_tool(path)
+             if str(path.relative_to(PACKAGE)) not in COMMUNICATION and not _is_tool(path)
              and (calls := _distributed_calls(path.read_text()))}
-    assert found == {}, "call these through zero_dtensor.collectives"
-    assert len(_distributed_calls((PACKAGE / "collectives.py").read_text())) > 20  # the reader sees them there
+    assert found == {}, f"call these through one of zero_dtensor's {', '.join(COMMUNICATION)}"
+    per_module = {name: len(_distributed_calls((PACKAGE / name).read_text())) for name in COMMUNICATION}
+    assert all(per_module.values()) and sum(per_module.values()) > 20, per_module  # the reader sees them there
 
 
 def test_the_call_reader_sees_each_spelling() -> None:

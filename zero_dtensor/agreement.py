@@ -58,16 +58,9 @@ import torch
 import torch.distributed as dist
 
 from . import settings
-from .collectives import (
-    all_gather_objects,
-    gather_int_rows_within,
-    group_ranks,
-    max_int_values_within,
-    prefers_all_reduce,
-    world_size_of,
-    world_timeout,
-)
+from .collectives import all_gather_objects, gather_int_rows_within, max_int_values_within, prefers_all_reduce
 from .errors import RankDisagreementError, RankFailedError
+from .process_groups import group_ranks, world_size_of, world_timeout
 
 __all__ = [
     "REFUSALS",

@@ -1,18 +1,21 @@
 """The few collectives zero_dtensor issues, each over one DeepSpeed data-parallel process group.
 
 Every function here must be called on every rank of the group, in the same order, with the same arguments (apart
-from the local data): that is what a collective is.
+from the local data): that is what a collective is. Point-to-point exchanges are in
+:mod:`zero_dtensor.point_to_point`, queries of a process group (ranks, sizes, backends) in
+:mod:`zero_dtensor.process_groups`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+from .process_groups import backend_of, world_size_of
 
 __all__ = [
     "comm_device",
@@ -21,22 +24,6 @@ __all__ = [
     "all_gather_single",
     "all_gather_by_all_to_all",
     "peer_partitions_by_all_to_all",
-    "Exchange",
-    "P2PCounts",
-    "all_gather_by_send_recv",
-    "counting_p2p",
-    "gather_exchanges",
-    "peer_partitions_by_send_recv",
-    "send_recv",
-    "backend_of",
-    "default_backend",
-    "global_rank",
-    "is_distributed",
-    "rank_in",
-    "world_timeout",
-    "global_world_size",
-    "group_rank_of",
-    "world_size_of",
     "all_gather_objects",
     "gather_int_rows_within",
     "max_int_values_within",
@@ -54,10 +41,7 @@ __all__ = [
     "reduce_sum_to",
     # zero_dtensor.redistribute
     "all_to_all_into",
-    "group_ranks",
     "sum_ints",
-    # zero_dtensor.checkpoint
-    "cpu_group_for",
 ]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -338,153 +322,7 @@ def peer_partitions_by_all_to_all(peers: torch.Tensor, inp: torch.Tensor, group:
                            async_op=async_op)
 
 
-# --- point-to-point gathers (the ``send_recv`` strategy) ------------------------------------------------------
-class P2PCounts:
-    """Point-to-point ``batches`` and ``ops`` that :func:`send_recv` issued while counted (:func:`counting_p2p`):
-    ``CommDebugMode`` does not see them."""
-
-    __slots__ = ("batches", "ops")
-
-    def __init__(self) -> None:
-        self.batches = self.ops = 0
-
-
-_P2P_COUNTERS: list[P2PCounts] = []
-
-
-@contextlib.contextmanager
-def counting_p2p() -> Iterator[P2PCounts]:
-    """Count the point-to-point batches and ops :func:`send_recv` issues in this process inside the block."""
-    counts = P2PCounts()
-    _P2P_COUNTERS.append(counts)
-    try:
-        yield counts
-    finally:
-        _P2P_COUNTERS.remove(counts)
-
-
-#: (tensor, group rank of the peer) pairs
-Exchange = tuple[torch.Tensor, int]
-
-
-def send_recv(sends: Sequence[Exchange], recvs: Sequence[Exchange], group: dist.ProcessGroup, *,
-              async_op: bool = False) -> list[dist.Work]:
-    """**One** batch of point-to-point ops over ``group`` (``dist.batch_isend_irecv``: coalesced on NCCL, posted
-    one by one on gloo): every ``(tensor, peer)`` of ``recvs`` received, every one of ``sends`` sent. Every rank
-    of the group must post the matching batch (the same order of ops per pair of ranks). Bytes: what is listed.
-    Returns the pending works when async (one per op where the backend gives one, gloo: the receives first, in
-    the order listed; else fewer); else waits for them."""
-    ops = [dist.P2POp(dist.irecv, t, group=group, group_peer=peer) for t, peer in recvs]
-    ops += [dist.P2POp(dist.isend, t, group=group, group_peer=peer) for t, peer in sends]
-    if not ops:  # one rank: nothing to exchange
-        return []
-    for counts in _P2P_COUNTERS:
-        counts.batches += 1
-        counts.ops += len(ops)
-    works = [w for w in dist.batch_isend_irecv(ops) if w is not None]
-    if async_op:
-        return works
-    for work in works:
-        work.wait()
-    return []
-
-
-def gather_exchanges(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *,
-                     peers_only: bool = False) -> tuple[list[Exchange], list[Exchange]]:
-    """The ``(sends, recvs)`` of a gather of the equal-size 1-D ``inp`` of every rank by point-to-point ops: ``inp``
-    sent to every other rank (no copy of it), each other rank's received straight into its place of ``out``: rank
-    after rank (``N×`` its length; this rank's own row is left for the caller to copy), or, with ``peers_only``,
-    the other ranks' back to back in rank order (``(N-1)×`` its length). No communication (see :func:`send_recv`)."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    n = inp.numel()
-    rows = world - 1 if peers_only else world
-    if out.numel() != rows * n:
-        raise ValueError(f"out has {out.numel()} elements, expected {rows} x {n}")
-    peers = [r for r in range(world) if r != rank]
-    slots = range(len(peers)) if peers_only else peers
-    return [(inp, r) for r in peers], [(out.narrow(0, slot * n, n), r) for slot, r in zip(slots, peers)]
-
-
-def all_gather_by_send_recv(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *,
-                            async_op: bool = False) -> list[dist.Work]:
-    """What ``all_gather_single(out, inp)`` leaves in ``out`` (rank after rank), by **one** batch of ``2(N-1)``
-    point-to-point ops (:func:`send_recv`): every other rank's partition received in place, ``inp`` copied locally
-    into this rank's row (unless ``inp`` already is that row); ``(N-1)·S`` bytes sent and received per rank, no
-    scratch memory. Measured on gloo
-    (torchrun, 2/3/4 ranks sharing 2 cores, 80 MB gathered): 0.32/0.38/0.41 of an ``all_gather_into_tensor``'s
-    time, 0.38/0.42/0.46 of an ``all_to_all_single`` of the repeated partition's. Returns the pending works when
-    async."""
-    sends, recvs = gather_exchanges(out, inp, group)
-    n = inp.numel()
-    own = out.narrow(0, dist.get_rank(group) * n, n)
-    if own.data_ptr() != inp.data_ptr():
-        own.copy_(inp)
-    return send_recv(sends, recvs, group, async_op=async_op)
-
-
-def peer_partitions_by_send_recv(peers: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *,
-                                 async_op: bool = False) -> list[dist.Work]:
-    """Every other rank's equal-size 1-D ``inp``, back to back in rank order, into ``peers`` (``(N-1)×`` its
-    length), by **one** batch of ``2(N-1)`` point-to-point ops (:func:`send_recv`): ``(N-1)·S`` bytes sent and
-    received per rank, no scratch memory. Returns the pending works when async."""
-    sends, recvs = gather_exchanges(peers, inp, group, peers_only=True)
-    return send_recv(sends, recvs, group, async_op=async_op)
-
-
-def backend_of(group: dist.ProcessGroup) -> str:
-    """The backend name of ``group`` (``"gloo"``, ``"nccl"``, ...)."""
-    return dist.get_backend(group)
-
-
-def world_size_of(group: dist.ProcessGroup) -> int:
-    return dist.get_world_size(group)
-
-
-def rank_in(group: dist.ProcessGroup) -> int:
-    """This process's rank in ``group``. No communication."""
-    return dist.get_rank(group)
-
-
-def is_distributed() -> bool:
-    """Whether a default process group is up (``torch.distributed`` available and initialized)."""
-    return dist.is_available() and dist.is_initialized()
-
-
-def default_backend() -> str:
-    """The default process group's backend name (``"gloo"``, ``"nccl"``, ...). No communication."""
-    return dist.get_backend()
-
-
-def world_timeout() -> datetime.timedelta:
-    """The world process group's own timeout, or torch's default where its backend does not expose one."""
-    try:
-        world = dist.group.WORLD
-        backend = world._get_backend(torch.device("cpu" if dist.get_backend() == "gloo" else "cuda"))
-        return backend.options._timeout
-    except Exception:  # noqa: BLE001 - a backend that does not expose its options: torch's default
-        from torch.distributed.distributed_c10d import default_pg_timeout
-
-        return default_pg_timeout
-
-
-def global_world_size() -> int:
-    return dist.get_world_size()
-
-
-def global_rank() -> int:
-    return dist.get_rank()
-
-
-def group_rank_of(group: dist.ProcessGroup, global_rank_: int) -> int:
-    """``global_rank_``'s rank in ``group``; ``ValueError`` when it is not a member."""
-    try:
-        return dist.get_group_rank(group, global_rank_)
-    except (ValueError, RuntimeError):
-        raise ValueError(f"rank {global_rank_} is not a member of the process group") from None
-
-
 # --- building blocks of zero_dtensor.redistribute -------------------------------------------------------------------
-_GROUP_RANKS: dict[dist.ProcessGroup, tuple[int, ...]] = {}
 
 
 def all_to_all_into(
@@ -505,31 +343,9 @@ def all_to_all_into(
     return [work] if async_op and work is not None else []
 
 
-def group_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
-    """Global ranks of ``group``'s members, in group-rank order. No communication; cached per group."""
-    ranks = _GROUP_RANKS.get(group)
-    if ranks is None:
-        ranks = _GROUP_RANKS[group] = tuple(dist.get_process_group_ranks(group))
-    return ranks
-
-
 def sum_ints(values: Sequence[int], group: dist.ProcessGroup, device: torch.device) -> list[int]:
     """Element-wise sum of a few ints over the group: one ``all_reduce(SUM)`` of ``len(values)`` int64
     (``2(N-1)/N · 8·len`` bytes per rank). For error flags and small bookkeeping, not for data."""
     t = torch.tensor(list(values), dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t.tolist()
-
-
-_CPU_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
-
-
-def cpu_group_for(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A dedicated gloo group over ``group``'s ranks, made once (``dist.new_group`` is collective: every rank of
-    the world must reach the first call; later calls are cached). For torch's ``async_save``, whose background
-    collectives need a CPU backend and must not interleave with the training's own collectives on ``group``."""
-    ranks = group_ranks(group)
-    found = _CPU_GROUPS.get(ranks)
-    if found is None:
-        found = _CPU_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo")
-    return found

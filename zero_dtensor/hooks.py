@@ -46,8 +46,8 @@ from ._deepspeed import check_engine
 from ._deepspeed.engine_step import MODEL_STEP, abandon_step, is_pipeline_engine
 from .api import sharded_grads
 from .agreement import agree_outcome
-from .collectives import default_backend, is_distributed
 from .errors import GradHookError
+from .process_groups import default_backend, is_distributed
 from .sharded import ShardedGrads
 
 __all__ = ["GradHookError", "GradHookHandle", "attach_to_trainer", "on_grads", "on_grads_in_trainer"]

@@ -27,7 +27,8 @@ from functools import cached_property
 
 import torch
 
-from .placement import ChunkShard, GroupPlacement, RaggedShard, Replicated
+from .group_placement import GroupPlacement
+from .placement import ChunkShard, RaggedShard, Replicated
 
 __all__ = ["FlatLayout", "GroupLayout", "Packing", "ParamLayout", "placement_of"]
 

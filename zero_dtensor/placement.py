@@ -2,7 +2,8 @@
 
 One placement kind per way DeepSpeed stores a group: its geometry (which elements each rank holds) is
 :mod:`zero_dtensor.geometry`'s; each kind here adds, for a whole group at once, how the group's full buffer is
-assembled (which collective, how many bytes) and how an assembled buffer is cut into parameters. Nothing outside
+assembled (which collective, how many bytes) and how an assembled buffer is cut into parameters, implementing
+:class:`~zero_dtensor.group_placement.GroupPlacement` (the methods every kind has, their defaults). Nothing outside
 this module and :mod:`zero_dtensor.geometry` branches on the kind of a group.
 
 ``N`` ranks, ``P`` elements per rank's partition, ``S`` the bytes of the group's padded flat buffer (``N·P``
@@ -61,20 +62,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from .collectives import (
-    all_gather_by_send_recv,
-    all_gather_into,
-    all_gather_single,
-    all_reduce_sum_work,
-    on_comm_device,
-    send_recv,
-)
-from .geometry import ChunkGeometry, GroupGeometry, RaggedGeometry, ReplicatedGeometry
+from .collectives import all_gather_into, all_gather_single, all_reduce_sum_work, on_comm_device
+from .geometry import ChunkGeometry, RaggedGeometry, ReplicatedGeometry
+from .group_placement import Allocator, GroupPlacement
+from .point_to_point import all_gather_by_send_recv, send_recv
 from .tiling import Tiling, tiling
 from .views import ViewCache
 
@@ -83,98 +79,7 @@ if TYPE_CHECKING:
     from .plan import ColumnPiece, GroupPlan
     from .rows import RowMap
 
-__all__ = ["Allocator", "ChunkShard", "GroupPlacement", "RaggedShard", "Replicated"]
-
-
-class Allocator(Protocol):
-    """Where :meth:`GroupPlacement.assemble_window` takes its buffers from (``BUFFERS.alloc`` of
-    :mod:`zero_dtensor.materialize.buffers`, which the tests observe)."""
-
-    def __call__(self, numel: int, dtype: torch.dtype, device: torch.device, *,
-                 zero: bool = False) -> torch.Tensor: ...
-
-
-@dataclass(frozen=True)
-class GroupPlacement(GroupGeometry):
-    """One kind of flat group: its geometry (:mod:`zero_dtensor.geometry`) and how its buffer is assembled (see
-    the module docstring)."""
-
-    def gather_param(self, group: GroupLayout, param: ParamLayout, partition: torch.Tensor,
-                     pg: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
-        """One parameter's full flat values (stored dtype, still scaled), in memory the caller owns. **Collective**
-        for sharded placements (see each kind)."""
-        raise NotImplementedError
-
-    def fill_for_reduce(self, region: torch.Tensor, group: GroupLayout, plan: GroupPlan, partition: torch.Tensor,
-                        pieces: tuple[torch.Tensor, ...] | None, cache: ViewCache | None = None) -> None:
-        """Write this rank's values into ``region`` (``flat_numel`` elements) in parameter order, zeros elsewhere:
-        the input of the zero-padded sum all_reduce. ``partition`` is this rank's (1-D), ``pieces`` the same cut by
-        ``plan.local`` when already made (else ``None``); ``cache``
-        (the region's buffer's, if it is kept) keeps per-parameter target views across calls."""
-        raise NotImplementedError
-
-    def to_param_order(self, gathered: torch.Tensor, group: GroupLayout, plan: GroupPlan,
-                       area: torch.Tensor | None, cache: ViewCache | None = None,
-                       piece: ColumnPiece | None = None) -> torch.Tensor:
-        """An all_gather's result in parameter order: ``gathered`` itself, or reordered into ``area`` (``cache``:
-        as for :meth:`fill_for_reduce`); with ``piece`` (one of :meth:`pipeline_pieces`), only that piece's
-        gathered rows into its part of ``area``."""
-        return gathered
-
-    def reorder_area(self, group: GroupLayout) -> int:
-        """Elements of the extra buffer :meth:`to_param_order` needs after an all_gather (0: none)."""
-        return 0
-
-    def rank_to_param_order(self, row: torch.Tensor, rank: int, group: GroupLayout, plan: GroupPlan,
-                            area: torch.Tensor, cache: ViewCache | None = None) -> None:
-        """What :meth:`to_param_order` does for one rank's row of the gathered rows: its partition (``row``) into
-        its place in ``area``, so that a peer's partition is put in order as soon as it has arrived. Only
-        placements that reorder (:meth:`reorder_area` non-zero) implement it."""
-        raise NotImplementedError(f"{type(self).__name__} gathers in parameter order: nothing to reorder")
-
-    def peer_rows(self, plan: GroupPlan, element_size: int) -> tuple[RowMap, RowMap] | None:
-        """Where an all_gather of ``element_size``-byte elements needs a reorder: the row copies that put this rank's partition, and the other ranks'
-        received back to back (:func:`~zero_dtensor.collectives.peer_partitions_by_all_to_all`), each straight
-        into its rows of parameter order (``area`` of :meth:`to_param_order`), so that this rank's own partition
-        is never copied into the gathered rows first; ``None`` where no reorder is needed or rows do not pay."""
-        return None
-
-    def pipeline_pieces(self, plan: GroupPlan, element_size: int) -> tuple[ColumnPiece, ...]:
-        """The column ranges (``element_size``-byte elements) of the partitions that a pipelined all_gather gathers as collectives of their own,
-        each reordered by :meth:`to_param_order` once it has arrived (while the next travels, where the process
-        group runs collectives in issue order); empty where an all_gather needs no reorder (then nothing is worth
-        pipelining)."""
-        return ()
-
-    # --- streaming windows (``iter_full``): the parameters covering [start, stop) of the :meth:`span` axis -------
-    @property
-    def window_collectives(self) -> int:
-        """Collectives :meth:`assemble_window` issues for one window."""
-        return 1
-
-    def window_strategy(self, choose: Callable[[bool], str]) -> str:
-        """The strategy of this group's windows: ``choose(param_order_gather)`` (the caller's selection, told
-        whether an all_gather lands in parameter order), or ``"none"`` where no collective is needed."""
-        return choose(self.param_order_gather)
-
-    def window_order_tiling(self, group: GroupLayout, params: tuple[ParamLayout, ...], start: int,
-                            width: int) -> Tiling:
-        """The layout of :meth:`assemble_window`'s result: each of ``params`` (consecutive, buffer order, spanning
-        ``[start, start + width)``) at its place in the window, in parameter order."""
-        return tiling([(self.span(p)[0] - start, p.numel) for p in params], width)
-
-    def window_elements(self, group: GroupLayout, strategy: str, start: int, stop: int) -> int:
-        """Elements :meth:`assemble_window` allocates (through ``alloc``) for the window ``[start, stop)``."""
-        raise NotImplementedError
-
-    def assemble_window(self, group: GroupLayout, plan: GroupPlan, partition: torch.Tensor, pg: dist.ProcessGroup,
-                        device: torch.device, params: tuple[ParamLayout, ...], start: int, stop: int, strategy: str,
-                        alloc: Allocator) -> torch.Tensor:
-        """The window's values (stored dtype, still scaled) laid out by :meth:`window_order_tiling`, in buffers
-        from ``alloc``. ``partition`` is this rank's stored partition (moved to a device ``pg`` communicates on,
-        else ``device``, where a collective needs it). **Collective** (:attr:`window_collectives`) for sharded
-        placements (see each kind)."""
-        raise NotImplementedError
+__all__ = ["ChunkShard", "RaggedShard", "Replicated"]
 
 
 @dataclass(frozen=True)

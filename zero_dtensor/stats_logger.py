@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 
-from .collectives import global_rank, is_distributed
 from .hooks import GradHookHandle, on_grads
+from .process_groups import global_rank, is_distributed
 from .sharded import ShardedGrads
 
 __all__ = ["GradStatsLogger"]

@@ -198,7 +198,7 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         stages and copies out; ZeRO-3 copies this rank's partition into parameter order while the others' travel).
         ``send_recv``: the same gather by one batch of ``isend``/``irecv`` per (process group, dtype, device), the
         same bytes, every partition sent as it is and received in place (no copy of ``S``; ``CommDebugMode`` does
-        not count point-to-point ops, :func:`zero_dtensor.collectives.counting_p2p` does).
+        not count point-to-point ops, :func:`zero_dtensor.point_to_point.counting_p2p` does).
         ``all_reduce``: one sum all_reduce
         per (process group, dtype, device) of a zero-filled ``S`` buffer, ``2(N-1)/N·S`` bytes per rank. ``auto`` on
         gloo, for transfers of at least 1 MiB: the first call per (process group, dtype, power-of-two size) also

@@ -260,7 +260,7 @@ def fill_value(name: str, shape: torch.Size) -> torch.Tensor:
 
 class CommCounts:
     """The collectives ``CommDebugMode`` counts, plus the point-to-point batches it does not see (the ``send_recv``
-    strategy's: :func:`zero_dtensor.collectives.counting_p2p`), each batch counted as one transfer."""
+    strategy's: :func:`zero_dtensor.point_to_point.counting_p2p`), each batch counted as one transfer."""
 
     def __init__(self, mode: CommDebugMode, p2p: Any) -> None:
         self.mode, self.p2p = mode, p2p
@@ -282,7 +282,7 @@ class CommCounts:
 
 @contextlib.contextmanager
 def count_comms() -> Iterator[CommCounts]:
-    from zero_dtensor.collectives import counting_p2p
+    from zero_dtensor.point_to_point import counting_p2p
 
     with CommDebugMode() as mode, counting_p2p() as p2p:
         yield CommCounts(mode, p2p)

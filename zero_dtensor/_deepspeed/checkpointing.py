@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from ..collectives import rank_in
 from ..errors import UnsupportedDeepSpeedError
+from ..process_groups import rank_in
 from . import check_engine
 from .families import _masters, master_storage
 

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from ..collectives import rank_in, world_size_of
 from ..errors import GradientsNotReadyError
 from ..layout import FlatLayout, GroupLayout, Packing, ParamLayout
 from ..plan import plan_for
+from ..process_groups import rank_in, world_size_of
 from ..rows import PieceCopy, PieceKey, piece_copy, piece_key
 from ..storage import FlatStorage
 from ..views import ViewCache

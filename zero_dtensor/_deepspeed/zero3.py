@@ -22,10 +22,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..collectives import rank_in, world_size_of
 from ..errors import GradientsNotReadyError, UnsupportedDeepSpeedError
 from ..layout import FlatLayout, GroupLayout, Packing, ParamLayout
 from ..plan import plan_for
+from ..process_groups import rank_in, world_size_of
 from ..storage import FlatStorage
 from ..views import ViewCache
 from ._common import (

@@ -43,8 +43,8 @@ from torch.distributed.tensor import DTensor
 from .._deepspeed import checkpointing as ds
 from .._deepspeed.sync import sync_model_params
 from ..agreement import agree_outcome
-from ..collectives import cpu_group_for, rank_in, world_size_of
 from ..errors import CheckpointMismatchError, CheckpointReadError, IncompleteCheckpointError, RankFailedError
+from ..process_groups import cpu_group_for, rank_in, world_size_of
 from .boxes import storage_exact_entry
 from .planners import CachingLoadPlanner, CachingSavePlanner
 from .reader import DirectReader

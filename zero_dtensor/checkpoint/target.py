@@ -14,8 +14,9 @@ import torch.distributed as dist
 
 from .._deepspeed import checkpointing as ds
 from .._deepspeed import families
-from ..collectives import global_world_size, mesh_for, world_size_of
+from ..collectives import mesh_for
 from ..errors import UnsupportedDeepSpeedError
+from ..process_groups import global_world_size, world_size_of
 from ..storage import FlatStorage
 from .boxes import box_dtensor
 

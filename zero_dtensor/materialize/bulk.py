@@ -22,17 +22,9 @@ from typing import Any
 
 import torch
 
-from ..collectives import (
-    all_gather_into,
-    all_reduce_sum_work,
-    comm_device,
-    gather_to,
-    global_rank,
-    global_world_size,
-    group_rank_of,
-    reduce_sum_to,
-)
+from ..collectives import all_gather_into, all_reduce_sum_work, comm_device, gather_to, reduce_sum_to
 from ..layout import ParamLayout
+from ..process_groups import global_rank, global_world_size, group_rank_of
 from ..state import FlatState
 from .emit import emit, request_names, target_dtype
 from .gathers import fill_for_reduce, gather_by_peers, pipelined_gather, send_only

@@ -10,7 +10,7 @@ point-to-point ops (``send_recv``), or a zero-padded ``all_reduce``.
     (:func:`~zero_dtensor.collectives.all_gather_by_all_to_all`); ZeRO-3 the other ranks' partitions received back
     to back (:func:`~zero_dtensor.collectives.peer_partitions_by_all_to_all`) while this rank's is copied into its
     rows of parameter order, then theirs into the rest (one row copy each,
-    :meth:`~zero_dtensor.placement.GroupPlacement.peer_rows`; where rows do not pay, gathered as ZeRO-1/2 and
+    :meth:`~zero_dtensor.group_placement.GroupPlacement.peer_rows`; where rows do not pay, gathered as ZeRO-1/2 and
     reordered). Gloo's all_gather lands in a staging buffer of ``S`` it allocates per call and copies out of (the
     rank's own input too); its all_to_all receives in place and sends nothing to the rank itself. With more than 2
     ranks the input is the partition repeated (a local copy of up to ``S``). Measured on 2 gloo ranks sharing 2
@@ -18,12 +18,12 @@ point-to-point ops (``send_recv``), or a zero-padded ``all_reduce``.
 ``"send_recv"``
     the same gather by **one** batch of point-to-point ops per (process group, dtype, device) (``isend`` of each
     partition to every peer, ``irecv`` of every peer's, ``2(N-1)`` per flat group,
-    :func:`~zero_dtensor.collectives.send_recv`; coalesced on NCCL, posted one by one on gloo), the same
+    :func:`~zero_dtensor.point_to_point.send_recv`; coalesced on NCCL, posted one by one on gloo), the same
     ``(N-1)/N·S`` bytes per rank: every partition sent as it is (no copy of ``S``, unlike ``all_to_all`` with more
     than 2 ranks), every peer's received straight into its place (ZeRO-1/2: its rows of the output, this rank's
     own copied locally meanwhile; ZeRO-3: back to back, then reordered as ``all_to_all`` does). Measured on gloo
     (torchrun, 2/3/4 ranks sharing 2 cores, 80 MB): 0.32/0.38/0.41 of a bare ``all_gather_into_tensor``'s time.
-    ``CommDebugMode`` does not see point-to-point ops: :func:`~zero_dtensor.collectives.counting_p2p` counts them.
+    ``CommDebugMode`` does not see point-to-point ops: :func:`~zero_dtensor.point_to_point.counting_p2p` counts them.
 ``"all_reduce"``
     each rank writes its partition into a zeroed full-size buffer, then one sum ``all_reduce`` of that buffer:
     ``2(N-1)/N·S`` bytes per rank, plus a memset of ``S``. Exact (every element has exactly one non-zero
@@ -60,18 +60,14 @@ import torch.distributed as dist
 
 from ..collectives import (
     all_gather_by_all_to_all,
-    all_gather_by_send_recv,
     all_gather_single,
     all_reduce_op,
-    backend_of,
-    global_rank,
-    group_rank_of,
     max_across,
     peer_partitions_by_all_to_all,
-    peer_partitions_by_send_recv,
-    world_size_of,
 )
 from ..plan import PIPELINE_FIRST_SHARE
+from ..point_to_point import all_gather_by_send_recv, peer_partitions_by_send_recv
+from ..process_groups import backend_of, global_rank, group_rank_of, world_size_of
 from ..settings import ENV_STRATEGY, STRATEGIES, check_strategy, gather_strategy, pinned, set_gather_strategy
 
 __all__ = [
@@ -107,7 +103,7 @@ CALIBRATION_COLLECTIVES = 9
 CALIBRATION_PIPELINED_COLLECTIVES = 13
 #: Added to either where the all_to_all is a candidate too (a transfer of one flat group): its 4 rounds.
 CALIBRATION_ALL_TO_ALL_COLLECTIVES = 4
-#: Point-to-point batches (:func:`~zero_dtensor.collectives.send_recv`) added to either on gloo, where send_recv is
+#: Point-to-point batches (:func:`~zero_dtensor.point_to_point.send_recv`) added to either on gloo, where send_recv is
 #: a candidate: its 4 rounds.
 CALIBRATION_SEND_RECV_BATCHES = 4
 #: ZeRO-3 all_gathers of at least this many bytes (a power of two: a size class of calibration) are pipelined.
@@ -168,8 +164,8 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype
     :func:`~zero_dtensor.collectives.all_gather_by_all_to_all`, or, with ``unpack``, as bulk does it: the other
     ranks' partitions received (:func:`~zero_dtensor.collectives.peer_partitions_by_all_to_all`) while this rank's
     is copied, then the received ones copied; send_recv the same by
-    :func:`~zero_dtensor.collectives.all_gather_by_send_recv` /
-    :func:`~zero_dtensor.collectives.peer_partitions_by_send_recv`; all_reduce is
+    :func:`~zero_dtensor.point_to_point.all_gather_by_send_recv` /
+    :func:`~zero_dtensor.point_to_point.peer_partitions_by_send_recv`; all_reduce is
     the zero fill of the full buffer, the copy of the rank's own part into it, then the collective. The per-rank
     minimum of each is then maximized over the group in one ``all_reduce(MAX)``, so every rank takes the same
     decision. Scratch memory: about ``2·nbytes`` (``3·nbytes`` with ``unpack``; capped), freed on return. Ties go

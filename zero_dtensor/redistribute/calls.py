@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .. import collectives
+from .. import collectives, process_groups
 from ..agreement import Refusal, agree, error_code, local_only, raise_outcome
 from ..layout import ParamLayout
 from ..storage import FlatStorage
@@ -143,7 +143,7 @@ def _providers(storage: FlatStorage, values: Mapping[str, torch.Tensor], rows: M
             continue
         passed = torch.tensor(rows[key], dtype=torch.int64)[:, 2:]  # (N, k): rank r passed parameter j
         counts, who = passed.sum(0).tolist(), passed.argmax(0).tolist()
-        members = collectives.group_ranks(pg)
+        members = process_groups.group_ranks(pg)
         twice += [p.name for p, c in zip(params, counts) if c > 1]
         provider.update({p.name: members[w] for p, c, w in zip(params, counts, who) if c == 1})
     if twice:

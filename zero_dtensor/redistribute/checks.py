@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .. import collectives
+from .. import collectives, process_groups
 from ..dtensor_new import new_dtensor
 from ..layout import ParamLayout
 from ..storage import FlatStorage
@@ -47,7 +47,7 @@ def _same_ranks(mesh: Any, pg: Any, device_type: str) -> bool:
     """Whether ``mesh`` is 1-D over ``pg``'s ranks in group order (the library's own mesh: no tensor access)."""
     if mesh is collectives.mesh_for(pg, device_type):
         return True
-    return mesh.ndim == 1 and mesh.mesh.flatten().tolist() == list(collectives.group_ranks(pg))
+    return mesh.ndim == 1 and mesh.mesh.flatten().tolist() == list(process_groups.group_ranks(pg))
 
 
 def check_dtensor(storage: FlatStorage, slot: TargetSlot, value: Any, pg: Any) -> torch.Tensor:
@@ -59,7 +59,7 @@ def check_dtensor(storage: FlatStorage, slot: TargetSlot, value: Any, pg: Any) -
     mesh = value.device_mesh
     if not _same_ranks(mesh, pg, value.device.type):
         raise ValueError(f"set_dtensors_: {name!r} lives on a mesh over ranks {mesh.mesh.tolist()}; expected a 1-D "
-                         f"mesh over its data-parallel process group, ranks {list(collectives.group_ranks(pg))} "
+                         f"mesh over its data-parallel process group, ranks {list(process_groups.group_ranks(pg))} "
                          "(as to_dtensors builds)")
     expected = (Replicate(),) if slot.replicate else (Shard(0),)
     if tuple(value.placements) != expected:

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .. import collectives
+from .. import collectives, process_groups
 from ..materialize.buffers import BUFFERS
 from ..storage import FlatStorage
 from .plan import BucketPlan, Piece, Plan, Transfer
@@ -169,7 +169,7 @@ def write_targets(storage: FlatStorage, plan: Plan, values: Mapping[str, torch.T
                 recv = _exchange(send, bucket.write, storage, bucket)
             else:
                 recv, codes = _exchange_with_codes(send, bucket.write, storage, bucket, code)
-                members = collectives.group_ranks(storage.process_groups[bucket.groups[0]])
+                members = process_groups.group_ranks(storage.process_groups[bucket.groups[0]])
                 failed.update({members[r]: c for r, c in enumerate(codes) if c})
             received.append((bucket, recv))
         if code:
@@ -222,4 +222,4 @@ def _flat_on(value: torch.Tensor | None, none: torch.Tensor, device: torch.devic
 
 def my_rank(storage: FlatStorage) -> int:
     """This process's global rank (from the first group's process group and group rank). No communication."""
-    return collectives.group_ranks(storage.process_groups[0])[storage.layout.groups[0].rank]
+    return process_groups.group_ranks(storage.process_groups[0])[storage.layout.groups[0].rank]

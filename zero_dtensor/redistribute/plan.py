@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import collectives
+from .. import process_groups
 from ..layout import FlatLayout, ParamLayout, contiguous_stride
 from ..storage import FlatStorage
 
@@ -284,7 +284,7 @@ def process_group_keys(storage: FlatStorage) -> tuple[int, ...]:
 
 
 def group_ranks_of(storage: FlatStorage, param: ParamLayout) -> tuple[int, ...]:
-    return collectives.group_ranks(storage.process_groups[param.group])
+    return process_groups.group_ranks(storage.process_groups[param.group])
 
 
 def plan_for(storage: FlatStorage, selected: Sequence[ParamLayout], kind: str = ROWS,

@@ -364,6 +364,7 @@ def test_piece_plans_by_rows_runs_and_pieces() -> None:
         assert torch.equal(flat, torch.cat([p.reshape(-1) for p in pieces]))
     assert piece_key([block.view(50, 96).t()]) is None  # not contiguous
     assert piece_key([block[:4], block.double()[:4]]) is None  # another dtype
+    assert piece_key([block[:4], torch.empty(4, device="meta")]) is None  # another device
     # more than FEW_COPIES extra copies: no plan, the caller copies piece by piece
     separate = [torch.randn(8) for _ in range(rows_mod.FEW_COPIES + 2)]  # contiguous_gradients: false
     assert piece_copy(piece_key(separate), 4, 8 * len(separate)) is None

@@ -266,6 +266,7 @@ PieceKey = tuple[tuple[int, ...], tuple[int, ...], int]
 
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
+_IS_CPU = operator.attrgetter("is_cpu")
 
 
 #: a :class:`PieceCopy` takes at most this many extra copies (runs copied one by one, pieces outside the block);
@@ -315,7 +316,12 @@ def piece_key(pieces: Sequence[torch.Tensor]) -> PieceKey | None:
     if not all(map(torch.Tensor.is_contiguous, pieces)):
         return None
     dtype, device = first.dtype, first.device
-    if any(map(dtype.__ne__, map(_DTYPE, pieces))) or any(map(device.__ne__, map(_DEVICE, pieces))):
+    if set(map(_DTYPE, pieces)) != {dtype}:
+        return None
+    # on the CPU a bool per piece (``is_cpu``) instead of a new ``torch.device`` object per piece
+    same_device = (all(map(_IS_CPU, pieces)) if first.is_cpu
+                   else not any(map(device.__ne__, map(_DEVICE, pieces))))
+    if not same_device:
         return None
     storage = first.untyped_storage()
     base = storage.data_ptr()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from packaging.version import Version
 
 from ..errors import UnsupportedDeepSpeedError
@@ -19,7 +21,7 @@ def check_deepspeed_version(version: str | None = None) -> Version:
         import deepspeed
 
         version = deepspeed.__version__
-    parsed = Version(version.split("+")[0])
+    parsed = _parsed(version)
     if not MIN_DEEPSPEED <= parsed < MAX_DEEPSPEED_EXCLUSIVE:
         raise UnsupportedDeepSpeedError(
             f"zero_dtensor reads DeepSpeed's private ZeRO state and knows DeepSpeed >= {MIN_DEEPSPEED}, "
@@ -27,3 +29,10 @@ def check_deepspeed_version(version: str | None = None) -> Version:
             f"Install a known version, e.g. `pip install 'deepspeed>={MIN_DEEPSPEED},<{MAX_DEEPSPEED_EXCLUSIVE}'`."
         )
     return parsed
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed(version: str) -> Version:
+    """``version`` without its local part, parsed once per string (``Version``'s parse costs a regular expression
+    search, and every ``sharded_*`` call checks the installed version)."""
+    return Version(version.split("+")[0])

@@ -53,6 +53,34 @@ def check_partition_reuse(case: EngineCase) -> dict[str, bool]:
     return {"reused": pointers[3] in pointers[:3]}
 
 
+def check_replaced_pieces_freed_by_the_step(case: EngineCase) -> None:
+    """ZeRO-1/2: the list of pieces DeepSpeed made in backward, which ``sharded_grads`` replaces with views of its
+    flat partition, lives until DeepSpeed's step drops it (freed there, as without zero_dtensor), not longer; a
+    second call in the same step finds the rebound list current, and the step makes its views stale."""
+    import weakref
+
+    engine = build_engine(case)
+    opt = engine.optimizer
+    for step in range(3):
+        forward_backward(engine, step)
+        piece = weakref.ref(opt.averaged_gradients[0][0])
+        grads = zd.sharded_grads(engine)
+        assert piece() is not None, "DeepSpeed's pieces were freed before its step"
+        again = zd.sharded_grads(engine)
+        assert again.local_partitions[0].data_ptr() == grads.local_partitions[0].data_ptr()
+        assert torch.equal(again.full_tensors()[grads.names[0]], grads.full_tensors()[grads.names[0]])
+        del again
+        engine.step()
+        assert piece() is None, "DeepSpeed's replaced pieces outlived its step"
+        try:
+            grads.norms()
+        except zd.StaleGradientsError:
+            pass
+        else:
+            raise AssertionError("gradients read after the step were not refused as stale")
+        del grads
+
+
 def _fresh_pool() -> None:
     """Forget the buffers earlier tests in this worker left in the pool: one of them, freed late (a result caught in
     a reference cycle until the collector ran), would be found idle first and handed out instead of this test's."""

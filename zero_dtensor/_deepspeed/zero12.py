@@ -154,7 +154,7 @@ def _for_this_step(rebound: list, replaced: Any) -> list:
     """A new list like ``rebound`` (the same view objects and attributes, no new view) that also holds the
     DeepSpeed list ``replaced``. DeepSpeed's step drops it (``averaged_gradients[i] = None``) and ``replaced`` with
     it: thousands of DeepSpeed's views are freed in the step, as they are without zero_dtensor, not in this call
-    (1.5 ms and more at 5,000 pieces). The slot keeps ``rebound`` itself; nothing of zero_dtensor's holds the new
+    (1-2 ms at 5,000 pieces). The slot keeps ``rebound`` itself; nothing of zero_dtensor's holds the new
     list (:func:`grad_storage` refers to it weakly)."""
     step = type(rebound).__new__(type(rebound))
     list.extend(step, rebound)

@@ -143,8 +143,7 @@ class TensorOwners:
         first only where a piece crosses ranks; the second always, as it also carries one error code per peer):
         about ``(N-1)/N · S/N`` bytes each way per rank per exchange (ZeRO-1/2 with the default owners: only the
         parameters the partition boundaries cut). An exception in ``fn`` (or a result of the wrong shape or
-        dtype) on any rank raises on every rank
-        and nothing is written: the original exception where it happened,
+        dtype) on any rank raises on every rank and nothing is written: the original exception where it happened,
         :class:`~zero_dtensor.errors.RankFailedError` elsewhere. ``fn`` runs on each parameter's owner only, so it
         must not communicate: a zero_dtensor collective inside it raises ``RuntimeError`` at once (compute with
         :meth:`owned` and write back with :meth:`set_owned_` where the computation needs other ranks).

@@ -15,10 +15,10 @@ models normally have one data-parallel group, so one collective in all; ``global
 reduce one float64 per selected flat group instead, and a group selected whole whose parameters are one run of
 the partition, as ZeRO-1/2 lay them out, is reduced locally by one row-wise ``vector_norm`` over that run); none
 for replicated or single-rank groups, whose local values are already complete. ``stats()`` needs two (a sum and a
-max). Results are in true (unscaled)
-units. On gloo below 4 ranks each travels as one all_gather and is reduced locally (a small all_reduce there waits
-a scheduler tick far more often; :func:`~zero_dtensor.collectives.prefers_all_reduce`), and ``stats()`` then needs
-one. (``found_inf`` lives in :mod:`zero_dtensor.overflow`.)
+max). Results are in true (unscaled) units. On gloo below 4 ranks each travels as one all_gather and is reduced
+locally (a small all_reduce there waits a scheduler tick far more often;
+:func:`~zero_dtensor.collectives.prefers_all_reduce`), and ``stats()`` then needs one. (``found_inf`` lives in
+:mod:`zero_dtensor.overflow`.)
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -50,6 +50,7 @@ from .planners import CachingLoadPlanner, CachingSavePlanner
 from .reader import DirectReader
 from .state_dict import CheckedState, apply_state, check_state, current_steps, state_partitions
 from .target import Target, describe, hyperparameters_by_name, model_dict, optim_dict
+from .writer import DirectWriter
 
 __all__ = ["load", "save"]
 
@@ -119,8 +120,9 @@ def save(engine: Any, path: str | os.PathLike, *, async_: bool = False, client_s
     **Communication**: DCP's own small object collectives (plans and metadata: about 9 at 2 ranks), none of tensor
     data. **Memory**: none for pieces in CPU memory (each is handed to DCP as an alias of exactly its bytes,
     :func:`~.boxes.storage_exact`, which DCP writes without the clone it makes of views); a piece on a GPU is
-    copied to the CPU as it is written (at most one parameter's fp32 elements); plus one pickle per distinct
-    hyperparameter value; before the first
+    copied to the CPU as it is written (at most one parameter's fp32 elements); two more copies of the first piece
+    of each shape and dtype, briefly (:class:`~.writer.DirectWriter` checks its archive against ``torch.save``'s);
+    plus one pickle per distinct hyperparameter value; before the first
     step, one zero-filled partition per optimizer-state key. A tied parameter is written under each of its names.
     ``async_=True``: :func:`torch.distributed.checkpoint.async_save` over a gloo group of the same ranks (made
     once); it copies this rank's state to CPU memory before it returns and writes in a background thread: returns
@@ -144,7 +146,7 @@ def save(engine: Any, path: str | os.PathLike, *, async_: bool = False, client_s
     if first and os.path.exists(os.path.join(path, METADATA)):
         os.remove(os.path.join(path, METADATA))
     planner = CachingSavePlanner(dedup_save_to_lowest_rank=True)
-    writer = FileSystemWriter(path, sync_files=sync_files)
+    writer = DirectWriter(path, sync_files=sync_files)
     if async_:
         stager = DefaultStager(StagingOptions(False, False, False, False))  # what async_save picks without a writer
         return dcp.async_save(state, storage_writer=writer, planner=planner, async_stager=stager,

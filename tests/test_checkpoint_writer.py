@@ -1,0 +1,125 @@
+"""``DirectWriter`` (zero_dtensor.checkpoint.writer) against DCP's own ``FileSystemWriter``, in one process: the same
+files byte for byte for every kind of entry, most tensor entries written without ``torch.save`` (counted), DCP's
+path where the direct archive would differ or where the writer is configured otherwise, and ``fsync`` as asked."""
+
+from __future__ import annotations
+
+import io
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from zero_dtensor.checkpoint import writer as direct
+from zero_dtensor.checkpoint.reader import DirectReader
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # no_dist: one process
+
+
+def _entries() -> dict[str, object]:
+    g = torch.Generator().manual_seed(0)
+    values: dict[str, object] = {f"layer{i}.weight": torch.randn(16, 8 + i % 3, generator=g) for i in range(12)}
+    values.update({f"layer{i}.step": torch.tensor(float(i)) for i in range(4)})
+    values.update({
+        "bf16": torch.randn(6, 5, generator=g).to(torch.bfloat16),
+        "bf16_again": torch.randn(6, 5, generator=g).to(torch.bfloat16),
+        "fp16": torch.randn(7, generator=g).to(torch.float16),
+        "int64": torch.arange(9),
+        "transposed": torch.randn(8, 12, generator=g).t(),  # non-contiguous: saved with its strides
+        "view": torch.randn(100, generator=g)[10:30],  # a view: DCP's loader clones it first
+        "empty": torch.empty(0, 4),
+        "requires_grad": torch.randn(3, generator=g, requires_grad=True),  # always torch.save
+        "lr": 0.5,
+        "betas": (0.9, 0.999),
+    })
+    return values
+
+
+def _files(path) -> dict[str, bytes]:
+    return {name: (path / name).read_bytes() for name in sorted(os.listdir(path)) if name.endswith(".distcp")}
+
+
+def _save(values: dict[str, object], writer) -> None:
+    dcp.save(dict(values), storage_writer=writer, no_dist=True)
+
+
+def test_same_files_as_dcp_and_loadable(tmp_path) -> None:
+    values = _entries()
+    _save(values, FileSystemWriter(str(tmp_path / "dcp")))
+    writer = direct.DirectWriter(str(tmp_path / "direct"))
+    _save(values, writer)
+    expected, written = _files(tmp_path / "dcp"), _files(tmp_path / "direct")
+    assert written and written == expected
+    # 24 tensor entries in 10 looks; each look's first entry, the view's copy and requires_grad go through torch.save
+    assert writer.archives.direct == 13
+    for reader in (FileSystemReader, DirectReader):
+        out = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None) for k, v in values.items()}
+        dcp.load(out, storage_reader=reader(str(tmp_path / "direct")), no_dist=True)
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor):
+                assert out[name].dtype == value.dtype and torch.equal(out[name], value.detach()), name
+            else:
+                assert out[name] == value, name
+
+
+def test_a_look_whose_direct_archive_differs_keeps_torch_save(tmp_path, monkeypatch) -> None:
+    """If torch's archive for a look ever differed from the direct one (another torch), that look is written by
+    ``torch.save`` for the whole save: the file is still DCP's."""
+    original = direct._Archives._write_direct
+
+    def different(self, stream, tensor, header):
+        if isinstance(stream, io.BytesIO) and tensor.dtype == torch.float32:
+            stream.write(b"not torch.save's archive")
+            return
+        original(self, stream, tensor, header)
+
+    monkeypatch.setattr(direct._Archives, "_write_direct", different)
+    values = _entries()
+    _save(values, FileSystemWriter(str(tmp_path / "dcp")))
+    writer = direct.DirectWriter(str(tmp_path / "direct"))
+    _save(values, writer)
+    assert _files(tmp_path / "direct") == _files(tmp_path / "dcp")
+    assert writer.archives.direct == 1  # float32 entries all through torch.save; only bf16_again went direct
+
+
+def test_other_configurations_take_dcps_path(tmp_path) -> None:
+    values = _entries()
+    _save(values, FileSystemWriter(str(tmp_path / "dcp"), thread_count=2))
+    writer = direct.DirectWriter(str(tmp_path / "direct"), thread_count=2)
+    _save(values, writer)
+    assert _files(tmp_path / "direct") == _files(tmp_path / "dcp")
+    assert not hasattr(writer, "archives")
+
+
+@pytest.mark.parametrize("sync_files", [True, False])
+def test_fsync_as_asked(tmp_path, monkeypatch, sync_files: bool) -> None:
+    """As DCP: the data file and ``.metadata`` synced, or neither."""
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    _save(_entries(), direct.DirectWriter(str(tmp_path), sync_files=sync_files))
+    assert len(synced) == (2 if sync_files else 0)
+
+
+def test_exact_alias_written_without_a_clone(tmp_path) -> None:
+    from zero_dtensor.checkpoint.boxes import storage_exact
+
+    piece = torch.arange(100, dtype=torch.float32)[10:40].view(5, 6)
+    calls = []
+    original = torch.Tensor.clone
+
+    def counted(self, *args, **kwargs):
+        calls.append(self.shape)
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.clone = counted
+    try:
+        _save({"p": storage_exact(piece)}, direct.DirectWriter(str(tmp_path)))
+    finally:
+        torch.Tensor.clone = original
+    assert calls == []
+    out = {"p": torch.zeros(5, 6)}
+    dcp.load(out, storage_reader=FileSystemReader(str(tmp_path)), no_dist=True)
+    assert torch.equal(out["p"], piece)

@@ -191,3 +191,28 @@ def test_caching_planners_write_what_torch_save_writes() -> None:
         loader.load_bytes(item, io.BytesIO(torch_bytes(value)))
     assert state == {"a": (0.9, 0.999), "b": (0.9, 0.999), "c": [1, 2], "d": [1, 2]}
     assert state["a"] is state["b"] and state["c"] is not state["d"]  # lists are never shared
+
+
+def test_repeated_saves_reuse_plans(ranks, tmp_path) -> None:
+    """A save whose plans have not changed sends empty plans (DCP's plan cache); a coordinator without its cache
+    (restarted) refuses once and every rank plans again; every checkpoint loads back what it saved."""
+    rank0, rank1 = ranks(2).run(ck.cached_plans, str(tmp_path), EngineCase(stage=3, dtype="bf16"))
+    for found in (rank0, rank1):
+        assert found["first"] == {"usable": [True], "refused": 0}, found
+        assert found["cached"] == {"usable": [False], "refused": 0, "kept": [True]}, found
+        assert len(found["keys"]) == 1 and found["keys"][0].startswith("zero_dtensor:"), found
+    # the coordinator dropped its cache: rank 1 sent an empty plan, the coordinator refused, both planned again
+    assert rank0["coordinator-restarted"] == {"usable": [True, True], "refused": 1}, rank0
+    assert rank1["coordinator-restarted"] == {"usable": [False, True], "refused": 0}, rank1
+
+
+def test_plan_key_tells_apart_what_dcp_does_not_compare() -> None:
+    import torch
+
+    from zero_dtensor.checkpoint.planners import plan_key
+
+    def key(dtype=torch.float32, shape=(4, 2), ranks=(0, 1), value=0.1):
+        return plan_key({"model": {"w": torch.zeros(shape, dtype=dtype)}, "optim": {"lr": value}}, ranks)
+
+    assert key() == key() == key(value=0.2)  # values do not change a plan
+    assert len({key(), key(dtype=torch.bfloat16), key(shape=(2, 4)), key(ranks=(0, 2)), key(value=1)}) == 5

@@ -18,6 +18,12 @@ from zero_dtensor.checkpoint.reader import DirectReader
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # no_dist: one process
 
 
+@pytest.fixture(autouse=True)
+def fresh_headers(monkeypatch) -> None:
+    """Each test starts with no header checked yet in the process."""
+    monkeypatch.setattr(direct, "_HEADERS", {})
+
+
 def _entries() -> dict[str, object]:
     g = torch.Generator().manual_seed(0)
     values: dict[str, object] = {f"layer{i}.weight": torch.randn(16, 8 + i % 3, generator=g) for i in range(12)}
@@ -30,7 +36,7 @@ def _entries() -> dict[str, object]:
         "transposed": torch.randn(8, 12, generator=g).t(),  # non-contiguous: saved with its strides
         "view": torch.randn(100, generator=g)[10:30],  # a view: DCP's loader clones it first
         "empty": torch.empty(0, 4),
-        "requires_grad": torch.randn(3, generator=g, requires_grad=True),  # always torch.save
+        "requires_grad": torch.randn(3, generator=g, requires_grad=True),  # DCP's loader detaches it
         "lr": 0.5,
         "betas": (0.9, 0.999),
     })
@@ -52,8 +58,12 @@ def test_same_files_as_dcp_and_loadable(tmp_path) -> None:
     _save(values, writer)
     expected, written = _files(tmp_path / "dcp"), _files(tmp_path / "direct")
     assert written and written == expected
-    # 24 tensor entries in 10 looks; each look's first entry, the view's copy and requires_grad go through torch.save
+    # 24 tensor entries of 11 looks (the view is written as DCP's loader's copy); each look's first goes through
+    # torch.save
     assert writer.archives.direct == 13
+    again = direct.DirectWriter(str(tmp_path / "again"))  # later saves in the process: every look already checked
+    _save(values, again)
+    assert _files(tmp_path / "again") == expected and again.archives.direct == 24
     for reader in (FileSystemReader, DirectReader):
         out = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None) for k, v in values.items()}
         dcp.load(out, storage_reader=reader(str(tmp_path / "direct")), no_dist=True)
@@ -123,3 +133,15 @@ def test_exact_alias_written_without_a_clone(tmp_path) -> None:
     out = {"p": torch.zeros(5, 6)}
     dcp.load(out, storage_reader=FileSystemReader(str(tmp_path)), no_dist=True)
     assert torch.equal(out["p"], piece)
+
+
+def test_only_plain_tensors_have_a_look() -> None:
+    """A tensor whose pickle may hold more than its dtype, shape, strides and storage is always ``torch.save``d."""
+    plain = torch.randn(4, 3)
+    assert direct._Archives.look(plain) == (torch.float32, (4, 3), (3, 1), 0, 48)
+    assert direct._Archives.look(plain[1:]) == (torch.float32, (3, 3), (3, 1), 3, 48)
+    tagged = torch.randn(2)
+    tagged.note = "python state"
+    for tensor in (torch.randn(2, requires_grad=True), torch.randn(2, dtype=torch.complex64).conj(), tagged,
+                   torch.nn.Parameter(torch.randn(2), requires_grad=False), torch.randn(2, 2).to_sparse()):
+        assert direct._Archives.look(tensor) is None, tensor

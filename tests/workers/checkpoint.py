@@ -441,3 +441,58 @@ def _staging_watched() -> Iterator[list[int]]:
         yield alive
     finally:
         ckio._staging, ckio.sync_model_params = staging, refresh
+
+
+def cached_plans(root: str, case: EngineCase) -> dict[str, Any]:
+    """Three saves of one engine, a step apart: the first plans in full, the second reuses every rank's cached plans
+    (DCP's plan cache), the third runs after the coordinator alone dropped its cache (as a restarted coordinator
+    would): refused once, then planned in full. Every checkpoint loads back the values it saved."""
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    from zero_dtensor.checkpoint import io as zio
+    from zero_dtensor.checkpoint import planners
+
+    usable: list[bool] = []
+    refused: list[str] = []
+    keys: set[str] = set()
+    local_plan, global_plan = planners.CachingSavePlanner.create_local_plan, planners.CachingSavePlanner.create_global_plan
+
+    def recorded_local(self):
+        plan = local_plan(self)
+        usable.append(plan.usable)
+        keys.add(self._cached_plans_key)
+        return plan
+
+    def recorded_global(self, all_plans):
+        try:
+            return global_plan(self, all_plans)
+        except planners.PlansNotCachedError as exc:
+            refused.append(str(exc))
+            raise
+
+    for key in [k for k in SavePlanner._cached_save_plan if k.startswith("zero_dtensor:")]:
+        planners.forget_plans(key)  # as in a new process: earlier tests saved engines of the same shapes
+    engine = build_engine(case, seed=1)
+    found: dict[str, Any] = {}
+    planners.CachingSavePlanner.create_local_plan = recorded_local
+    planners.CachingSavePlanner.create_global_plan = recorded_global
+    try:
+        for name in ("first", "cached", "coordinator-restarted"):
+            train(engine, range(1))
+            if name == "coordinator-restarted" and dist.get_rank() == 0:
+                for key in [k for k in SavePlanner._cached_all_plans if k.startswith("zero_dtensor:")]:
+                    planners.forget_plans(key)
+            usable.clear(), refused.clear()
+            expected = snapshot(engine)
+            save(engine, os.path.join(root, name))
+            found[name] = {"usable": list(usable), "refused": len(refused)}
+            train(engine, range(1))
+            load(engine, os.path.join(root, name))
+            check_loaded(engine, expected, name)
+    finally:
+        planners.CachingSavePlanner.create_local_plan = local_plan
+        planners.CachingSavePlanner.create_global_plan = global_plan
+    found["keys"] = sorted(keys)
+    found["cached"]["kept"] = [k in SavePlanner._cached_save_plan for k in keys]
+    assert zio.plan_key is planners.plan_key
+    return found

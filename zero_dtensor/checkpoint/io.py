@@ -44,9 +44,9 @@ from .._deepspeed import checkpointing as ds
 from .._deepspeed.sync import sync_model_params
 from ..agreement import agree_outcome
 from ..errors import CheckpointMismatchError, CheckpointReadError, IncompleteCheckpointError, RankFailedError
-from ..process_groups import cpu_group_for, rank_in, world_size_of
+from ..process_groups import cpu_group_for, group_ranks, rank_in, world_size_of
 from .boxes import storage_exact_entry
-from .planners import CachingLoadPlanner, CachingSavePlanner
+from .planners import CachingLoadPlanner, CachingSavePlanner, PlansNotCachedError, forget_plans, plan_key
 from .reader import DirectReader
 from .state_dict import CheckedState, apply_state, check_state, current_steps, state_partitions
 from .target import Target, describe, hyperparameters_by_name, model_dict, optim_dict
@@ -145,14 +145,30 @@ def save(engine: Any, path: str | os.PathLike, *, async_: bool = False, client_s
         state["zero_dtensor"] = _engine_extras(engine, client_state)
     if first and os.path.exists(os.path.join(path, METADATA)):
         os.remove(os.path.join(path, METADATA))
-    planner = CachingSavePlanner(dedup_save_to_lowest_rank=True)
-    writer = DirectWriter(path, sync_files=sync_files)
     if async_:
         stager = DefaultStager(StagingOptions(False, False, False, False))  # what async_save picks without a writer
-        return dcp.async_save(state, storage_writer=writer, planner=planner, async_stager=stager,
+        return dcp.async_save(state, storage_writer=DirectWriter(path, sync_files=sync_files),
+                              planner=CachingSavePlanner(dedup_save_to_lowest_rank=True), async_stager=stager,
                               process_group=cpu_group_for(target.process_group))
-    dcp.save(state, storage_writer=writer, planner=planner, process_group=target.process_group)
+    key = plan_key({"model": model, "optim": optim}, group_ranks(target.process_group))
+    _save_with_cached_plans(state, path, sync_files, key, target.process_group)
     return None
+
+
+def _save_with_cached_plans(state: dict[str, Any], path: str, sync_files: bool, key: str, group: Any) -> None:
+    """``dcp.save`` reusing this process's plans of the last save with ``key`` (:mod:`.planners`). A failed save
+    drops them on every rank (DCP raises the failure on every rank); one refused because the coordinator had no
+    cached plans (:class:`~.planners.PlansNotCachedError`) runs once more, planned in full."""
+    for attempt in range(2):
+        try:
+            dcp.save(state, storage_writer=DirectWriter(path, sync_files=sync_files),
+                     planner=CachingSavePlanner(dedup_save_to_lowest_rank=True, plan_key=key), process_group=group)
+            return
+        except CheckpointException as exc:
+            forget_plans(key)
+            refused = any(isinstance(failure, PlansNotCachedError) for failure, _ in exc.failures.values())
+            if attempt or not refused:
+                raise
 
 
 class _CheckedReader(DirectReader):

@@ -5,20 +5,32 @@ hyperparameter (11 per parameter for AdamW): thousands of tiny pickled entries h
 ``lr``, one ``betas``, ... per parameter group). DCP's default planners ``torch.save`` each entry at save and
 ``torch.load`` each at load (a fraction of a millisecond each: 0.05-0.1 s per call for 1,122 entries). These
 planners do the same work once per distinct value: the bytes written are exactly ``torch.save``'s (deterministic
-for equal values), so any DCP reader, torch's own included, reads them back unchanged. Nothing here communicates.
+for equal values), so any DCP reader, torch's own included, reads them back unchanged.
+
+A save planner given a ``plan_key`` also uses DCP's plan cache (``enable_plan_caching``): a rank whose plan has
+not changed since its last save sends an empty plan, and the coordinator reuses the global plan and metadata it
+made then. DCP compares a cached plan by names, sizes and boxes only, so :func:`plan_key` adds what it does not
+compare (the process group's ranks, every entry's dtype and kind); the caches stay for the life of the process, one
+per key. DCP builds a broken checkpoint where the coordinator has no cache but another rank sends an empty plan (a
+coordinator that restarted while the others kept their caches): :class:`CachingSavePlanner` refuses that with
+:class:`PlansNotCachedError`, and :func:`forget_plans` lets every rank drop its cache before a full replan. Nothing
+here communicates.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.planner import ReadItem, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import ReadItem, SavePlan, SavePlanner, WriteItem, WriteItemType
 
-__all__ = ["CachingLoadPlanner", "CachingSavePlanner"]
+__all__ = ["CachingLoadPlanner", "CachingSavePlanner", "PlansNotCachedError", "forget_plans", "plan_key"]
 
 #: values cached by content: immutable, with a ``repr`` that identifies them (``bool`` and ``int`` kept apart by type)
 _SCALARS = (bool, int, float, str, type(None))
@@ -39,13 +51,58 @@ def _immutable(value: Any) -> bool:
     return _key(value) is not None
 
 
+#: the start of every plan-cache key made here (DCP's caches are shared by every planner in the process)
+_KEY_PREFIX = "zero_dtensor:"
+#: DCP's class-level plan caches, by key
+_PLAN_CACHES = ("_cached_save_plan", "_cached_final_save_plan", "_cached_all_plans", "_cached_global_plan",
+                "_cached_metadata")
+
+
+class PlansNotCachedError(RuntimeError):
+    """The coordinator has no cached plans for a key for which another rank sent an empty (cached) plan."""
+
+
+def plan_key(entries: Mapping[str, Mapping[str, Any]], group_ranks: Sequence[int]) -> str:
+    """A plan-cache key for saving ``entries`` (sections of name -> value, the same on every rank: DTensors by
+    their global shape) over the ranks ``group_ranks``: equal only where the group, the names, and every entry's
+    kind, dtype and shape are equal."""
+    digest = hashlib.blake2b(repr(tuple(group_ranks)).encode(), digest_size=16)
+    for section, values in entries.items():
+        for name, value in values.items():
+            digest.update(f"\0{section}.{name}:{_look(value)}".encode())
+    return _KEY_PREFIX + digest.hexdigest()
+
+
+def _look(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{type(value).__name__} {value.dtype} {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def forget_plans(key: str) -> None:
+    """Drop this process's cached plans for ``key`` (its next save with it plans in full)."""
+    for cache in _PLAN_CACHES:
+        getattr(SavePlanner, cache, {}).pop(key, None)
+
+
 class CachingSavePlanner(DefaultSavePlanner):
     """:class:`DefaultSavePlanner` whose bytes entries of equal scalars / tuples of scalars are serialized once per
-    save (``torch.save``; other objects as the default planner does). Memory: one pickle per distinct value."""
+    save (``torch.save``; other objects as the default planner does), and which reuses this process's plans of the
+    last save with ``plan_key`` where no rank's plan changed (module docstring). Memory: one pickle per distinct
+    value; per key, this rank's plans and (coordinator) every rank's, for the life of the process."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args: Any, plan_key: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, enable_plan_caching=plan_key is not None, **kwargs)
+        if plan_key is not None:
+            self._cached_plans_key = plan_key
         self._bytes: dict[tuple[Any, ...], bytes] = {}
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        cached = self._cached_plans_key in SavePlanner._cached_all_plans
+        if self._enable_plan_caching and not cached and not all(plan.usable for plan in all_plans):
+            raise PlansNotCachedError(f"the coordinator holds no cached plans for {self._cached_plans_key} but "
+                                      "other ranks sent empty plans: every rank drops its cache and plans again")
+        return super().create_global_plan(all_plans)
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:  # noqa: A002 - torch's signature
         key = _key(object) if write_item.type == WriteItemType.BYTE_IO else None

@@ -7,15 +7,17 @@ a ZeRO checkpoint has hundreds of entries per rank (one per parameter and family
 
 :class:`DirectWriter` writes the same bytes. The pickled header of a ``torch.save``d tensor (``data.pkl``) depends
 only on what the tensor looks like (dtype, shape, strides, storage offset and size), so the first entry of each
-look is ``torch.save``d as DCP does. The same tensor is then written again through torch's zip writer
-(``torch._C.PyTorchFileWriter``) with that header and torch's other records. Where the two archives are equal byte
-for byte, later entries of that look take the direct path; otherwise they keep ``torch.save``. So the file is
-what DCP writes, whatever the torch version, and any DCP reader (torch's own, FSDP2's) reads it. Tensors with
-Python state, hooks, ``requires_grad``, or a layout other than strided take ``torch.save`` every time.
+look in the process is ``torch.save``d as DCP does. The same tensor is then written again through torch's zip
+writer (``torch._C.PyTorchFileWriter``) with that header and torch's other records. Where the two archives are
+equal byte for byte, later entries of that look (in this save and later ones) take the direct path; otherwise
+they keep ``torch.save``. So the file is what DCP writes, whatever the torch version, and any DCP reader (torch's
+own, FSDP2's) reads it. Tensors with Python state, ``requires_grad``, or a layout other than strided take
+``torch.save`` every time.
 
 Only the single-threaded writer without stream extensions is changed (``thread_count=1``, DCP's default);
-otherwise DCP's own path runs. Memory: besides DCP's, the first entry of each look is held twice more, briefly (its
-``torch.save`` archive and the direct one, to compare). No communication.
+otherwise DCP's own path runs. Memory: besides DCP's, the first entry of each look in the process is held twice
+more, briefly (its ``torch.save`` archive and the direct one, to compare), and each look's header is kept (a few
+hundred bytes). No communication.
 """
 
 from __future__ import annotations
@@ -48,12 +50,16 @@ __all__ = ["DirectWriter"]
 _Look = tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int, int]
 
 
+#: per look and torch's serialization settings (crc32, alignment): torch.save's ``data.pkl`` for it, or ``None`` where
+#: the direct archive differed from torch.save's. Checked once per process (a few hundred bytes per look).
+_HEADERS: dict[tuple[_Look, bool, int], bytes | None] = {}
+
+
 class _Archives:
-    """``torch.save``-identical archives of tensors, pickling each look's header once (module docstring)."""
+    """``torch.save``-identical archives of tensors, pickling each look's header once per process (module
+    docstring)."""
 
     def __init__(self) -> None:
-        #: look -> torch.save's ``data.pkl`` for it, or ``None`` where the direct archive differed from torch.save's
-        self._headers: dict[_Look, bytes | None] = {}
         self._crc32, self._alignment = get_crc32_options(), _get_storage_alignment()
         self.direct = 0  #: entries written by the direct path (for tests)
 
@@ -74,11 +80,12 @@ class _Archives:
         if look is None:
             torch.save(tensor, stream)
             return
-        if look not in self._headers:
-            self._headers[look], saved = self._checked_header(tensor)
+        key = (look, self._crc32, self._alignment)
+        if key not in _HEADERS:
+            _HEADERS[key], saved = self._checked_header(tensor)
             stream.write(saved)
             return
-        header = self._headers[look]
+        header = _HEADERS[key]
         if header is None:
             torch.save(tensor, stream)
             return

@@ -120,6 +120,7 @@ def test_refusals_change_nothing(ranks, tmp_path) -> None:
         assert re.search(r"\.\.\. and \d+ more", per_rank["other-model"])  # long listings are cut
         assert "optimizer state of fc1.weight: [] in the checkpoint" in per_rank["other-optimizer"]  # SGD: none
         assert ".metadata" in per_rank["killed"] and ".metadata" in per_rank["overwrite killed"]
+        assert "hyperparameters ['lr'] of fc2.weight differ" in per_rank["mixed-lr"]
 
 
 def test_state_dict_format(ranks) -> None:

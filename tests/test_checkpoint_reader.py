@@ -175,3 +175,36 @@ def _clones_in_save(value: torch.Tensor, path) -> int:
     finally:
         torch.Tensor.clone = original
     return len(calls)
+
+
+def test_bytes_entries_read_in_runs(tmp_path, monkeypatch) -> None:
+    """``read_bytes_entries``: each bytes entry's stored bytes (what DCP's reader hands the planner), read by one
+    read per run of nearby entries; entries far apart in separate reads; a truncated file refused."""
+    import io
+
+    values = {"lr": 0.01, "betas": (0.9, 0.999), "amsgrad": False, "name": "adam", "weight": torch.randn(4)}
+    dcp.save(dict(values), storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    metadata = FileSystemReader(str(tmp_path)).read_metadata()
+    keys = ["lr", "betas", "amsgrad", "name"]
+    reads = []
+    real_open = open
+
+    class Counted(io.FileIO):
+        def read(self, size=-1):
+            reads.append(size)
+            return super().read(size)
+
+    monkeypatch.setattr("builtins.open", lambda path, mode="r", *a, **k: Counted(path, mode) if mode == "rb"
+                        else real_open(path, mode, *a, **k))
+    found = direct.read_bytes_entries(str(tmp_path), metadata.storage_data, keys)
+    assert {k: torch.load(io.BytesIO(v), weights_only=False) for k, v in found.items()} == {k: values[k] for k in keys}
+    assert len(reads) == 1
+    reads.clear()
+    monkeypatch.setattr(direct, "_GAP", -1)  # every entry a run of its own
+    assert direct.read_bytes_entries(str(tmp_path), metadata.storage_data, keys) == found and len(reads) == 4
+    monkeypatch.undo()
+    data_file = next(p for p in os.listdir(tmp_path) if p.endswith(".distcp"))
+    last = max(metadata.storage_data[MetadataIndex(k)].offset for k in keys)
+    os.truncate(tmp_path / data_file, last + 10)
+    with pytest.raises(OSError, match="truncated"):
+        direct.read_bytes_entries(str(tmp_path), metadata.storage_data, keys)

@@ -228,6 +228,12 @@ def refusals(root: str) -> dict[str, str]:
         engine = build_engine(case)
         train(engine, range(1))
         save(engine, os.path.join(root, name))
+        if name == "good":  # the same state, one parameter's lr changed: its group's hyperparameters disagree
+            import torch.distributed.checkpoint as dcp
+
+            model, optim = get_state_dict(engine)
+            optim["param_groups.fc2.weight.lr"] = 0.5
+            dcp.save({"model": model, "optim": optim}, checkpoint_id=os.path.join(root, "mixed-lr"))
     if dist.get_rank() == 0:
         shutil.copytree(os.path.join(root, "good"), os.path.join(root, "killed"))
         os.remove(os.path.join(root, "killed", ".metadata"))
@@ -243,6 +249,7 @@ def refusals(root: str) -> dict[str, str]:
         "killed": _refused(target, os.path.join(root, "killed"), IncompleteCheckpointError),
         "missing": _refused(target, os.path.join(root, "nowhere"), IncompleteCheckpointError),
         "damaged": _refused(target, os.path.join(root, "damaged"), CheckpointReadError),
+        "mixed-lr": _refused(target, os.path.join(root, "mixed-lr"), CheckpointMismatchError),
     }
     messages["overwrite killed"] = _overwrite_killed(target, root)
     fresh = build_engine(odd, seed=4)  # never stepped: a refusal creates no optimizer state either

@@ -36,7 +36,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
@@ -47,7 +47,7 @@ from ..errors import CheckpointMismatchError, CheckpointReadError, IncompleteChe
 from ..process_groups import cpu_group_for, group_ranks, rank_in, world_size_of
 from .boxes import storage_exact_entry
 from .planners import CachingLoadPlanner, CachingSavePlanner, PlansNotCachedError, forget_plans, plan_key
-from .reader import DirectReader
+from .reader import DirectReader, read_bytes_entries
 from .state_dict import CheckedState, apply_state, check_state, current_steps, state_partitions
 from .target import Target, describe, hyperparameters_by_name, model_dict, optim_dict
 from .writer import DirectWriter
@@ -189,13 +189,22 @@ def _read(staged: dict[str, Any], path: str, metadata: Metadata) -> None:
     """``dcp.load`` of this rank's pieces into ``staged``, planned by each rank on its own (``no_dist``: every
     rank already holds the checked metadata, and a load plan needs no coordination: DCP's default global load plan
     is the local plans unchanged); a failed read raises :class:`CheckpointReadError` on this rank (:func:`load`'s
-    agreement tells the others). No communication: none of DCP's gather and scatter of every rank's pickled plan
-    (thousands of read items) and its all_gather of the read results."""
+    agreement tells the others). The hyperparameter entries (thousands: one per parameter and hyperparameter) are
+    read apart, a few reads per file (:func:`~.reader.read_bytes_entries`), and unpickled once per distinct value.
+    No communication: none of DCP's gather and scatter of every rank's pickled plan (thousands of read items) and
+    its all_gather of the read results."""
     try:
+        optim = staged["optim"]
+        bulk = [k for k in optim if k.startswith("param_groups.")
+                and not metadata.storage_data[MetadataIndex(f"optim.{k}")].transform_descriptors]
+        planner = CachingLoadPlanner(allow_partial_load=False)
+        for key, data in read_bytes_entries(path, metadata.storage_data, [f"optim.{k}" for k in bulk]).items():
+            optim[key[len("optim."):]] = planner.objects.load(data)
+        bulked = set(bulk)
+        rest = {**staged, "optim": {k: v for k, v in optim.items() if k not in bulked}}
         with warnings.catch_warnings():  # no_dist warns that it assumes a single process: here it is each rank's
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(staged, storage_reader=_CheckedReader(path, metadata), no_dist=True,
-                     planner=CachingLoadPlanner(allow_partial_load=False))
+            dcp.load(rest, storage_reader=_CheckedReader(path, metadata), no_dist=True, planner=planner)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any failed read must reach every rank
         raise CheckpointReadError(f"reading checkpoint {path!r} failed ({exc}); the engine is unchanged") from exc
 

@@ -30,7 +30,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem, SavePlan, SavePlanner, WriteItem, WriteItemType
 
-__all__ = ["CachingLoadPlanner", "CachingSavePlanner", "PlansNotCachedError", "forget_plans", "plan_key"]
+__all__ = ["CachingLoadPlanner", "CachingSavePlanner", "PlansNotCachedError", "SmallObjects", "forget_plans",
+           "plan_key"]
 
 #: values cached by content: immutable, with a ``repr`` that identifies them (``bool`` and ``int`` kept apart by type)
 _SCALARS = (bool, int, float, str, type(None))
@@ -116,27 +117,35 @@ class CachingSavePlanner(DefaultSavePlanner):
         return io.BytesIO(data)
 
 
+class SmallObjects:
+    """Bytes entries unpickled (``torch.load``, as DCP's load planner does) once per distinct content: identical
+    bytes are identical pickles, and only immutable results (scalars, tuples of scalars) are shared. Memory: one
+    object per distinct entry."""
+
+    def __init__(self) -> None:
+        self._objects: dict[bytes, Any] = {}
+
+    def load(self, data: bytes) -> Any:
+        """The object pickled in ``data`` (a new one where it is mutable or large)."""
+        found = self._objects.get(data)
+        if found is not None or data in self._objects:
+            return found
+        loaded = torch.load(io.BytesIO(data), weights_only=False)
+        if len(data) <= _MAX_CACHED_BYTES and _immutable(loaded):
+            self._objects[data] = loaded
+        return loaded
+
+
 class CachingLoadPlanner(DefaultLoadPlanner):
-    """:class:`DefaultLoadPlanner` that unpickles each distinct small bytes entry once per load (entries with
-    identical bytes are identical pickles; only immutable results are shared). Memory: one object per distinct
-    entry."""
+    """:class:`DefaultLoadPlanner` that unpickles each distinct small bytes entry once per load
+    (:class:`SmallObjects`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._objects: dict[bytes, Any] = {}
+        self.objects = SmallObjects()
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        data = value.getvalue()
-        if len(data) > _MAX_CACHED_BYTES:
-            return super().load_bytes(read_item, value)
-        if data not in self._objects:
-            loaded = torch.load(io.BytesIO(data), weights_only=False)
-            if not _immutable(loaded):
-                value.seek(0)
-                return super().load_bytes(read_item, value)
-            self._objects[data] = loaded
-        self._set(read_item, self._objects[data])
-        return None
+        self._set(read_item, self.objects.load(value.getvalue()))
 
     def _set(self, read_item: ReadItem, obj: Any) -> None:
         """Put a loaded object where :meth:`DefaultLoadPlanner.load_bytes` puts it (torch 2.13)."""

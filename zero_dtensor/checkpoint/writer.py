@@ -3,7 +3,8 @@
 DCP's :class:`~torch.distributed.checkpoint.FileSystemWriter` ``torch.save``s every tensor entry into the rank's
 ``.distcp`` file: per entry a new pickler, torch's ``persistent_id`` for the storage, a Python wrapper around the
 stream that every chunk of the archive passes through, and a flush. That is about 0.07 ms of Python per entry, and
-a ZeRO checkpoint has hundreds of entries per rank (one per parameter and family).
+a ZeRO checkpoint has hundreds of entries per rank (one per parameter and family). Its bytes entries (thousands of
+pickled hyperparameters) each get the same wrapper class, built anew, and a flush.
 
 :class:`DirectWriter` writes the same bytes. The pickled header of a ``torch.save``d tensor (``data.pkl``) depends
 only on what the tensor looks like (dtype, shape, strides, storage offset and size), so the first entry of each
@@ -14,10 +15,10 @@ they keep ``torch.save``. So the file is what DCP writes, whatever the torch ver
 own, FSDP2's) reads it. Tensors with Python state, ``requires_grad``, or a layout other than strided take
 ``torch.save`` every time.
 
-Only the single-threaded writer without stream extensions is changed (``thread_count=1``, DCP's default);
-otherwise DCP's own path runs. Memory: besides DCP's, the first entry of each look in the process is held twice
-more, briefly (its ``torch.save`` archive and the direct one, to compare), and each look's header is kept (a few
-hundred bytes). No communication.
+Bytes entries are appended to the stream as they are. Only the single-threaded writer without stream extensions is
+changed (``thread_count=1``, DCP's default); otherwise DCP's own path runs. Memory: besides DCP's, the first entry
+of each look in the process is held twice more, briefly (its ``torch.save`` archive and the direct one, to
+compare), and each look's header is kept (a few hundred bytes). No communication.
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ from torch.distributed.checkpoint.filesystem import (
     _OverlappingCpuLoader,
     _SerialCpuLoader,
     _StorageInfo,
-    _StorageWriterTransforms,
-    _write_item,
 )
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
@@ -145,15 +144,17 @@ class DirectWriter(FileSystemWriter):
         results = []
         with self.fs.create_stream(path, "wb") as stream:
             for item in items:
-                if item.type == WriteItemType.BYTE_IO:
-                    results.append(_write_item(_StorageWriterTransforms(), stream, planner.resolve_data(item), item,
-                                               storage_key, SerializationFormat.TORCH_SAVE))
+                if item.type == WriteItemType.BYTE_IO:  # as DCP's _write_item, without its wrapper and flush
+                    data = planner.resolve_data(item)
+                    if not isinstance(data, io.BytesIO):
+                        raise AssertionError("Data must be io.BytesIO for BYTE_IO write items")
+                    offset = stream.tell()
+                    stream.write(data.getbuffer())
+                    results.append(_written(stream, item, storage_key, offset))
             for tensor, item in loader.values():
                 offset = stream.tell()
                 self.archives.write(stream, tensor)
-                length = stream.tell() - offset
-                results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                           storage_data=_StorageInfo(storage_key, offset, length)))
+                results.append(_written(stream, item, storage_key, offset))
             stream.flush()
             if self.sync_files:
                 try:
@@ -169,3 +170,9 @@ class DirectWriter(FileSystemWriter):
         if accelerator and self.per_thread_copy_ahead > 0:
             return _OverlappingCpuLoader(planner.resolve_data, inflight_threshhold=self.per_thread_copy_ahead)
         return _SerialCpuLoader(planner.resolve_data)
+
+
+def _written(stream: Any, item: WriteItem, storage_key: str, offset: int) -> WriteResult:
+    """DCP's record of ``item``, written into ``stream`` from ``offset`` to where the stream is now."""
+    length = stream.tell() - offset
+    return WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(storage_key, offset, length))

@@ -134,9 +134,10 @@ def test_state_dict_format(ranks) -> None:
 def test_collectives_counted(ranks, tmp_path) -> None:
     """What the docstrings promise, counted with CommDebugMode at 2 ranks on an 8-tensor ZeRO-2 and a 34-tensor
     ZeRO-3 engine: ``get_state_dict`` none; ``set_state_dict`` one agreement + the working weights' refresh;
-    ``save`` only DCP's object collectives (no tensor data), as many for either model; ``load`` one agreement
-    (after every rank read and checked its pieces) and the refresh, nothing else (each rank plans its own reads: no
-    DCP collective); ``load``'s staging buffers are freed before the refresh."""
+    ``save`` only DCP's object collectives (no tensor data), as many for either model; ``load`` of a stepped engine
+    two agreements (after every rank read and checked what it read, before its engine memory is written; and after
+    that) and the refresh, nothing else (each rank plans its own reads: no DCP collective), with no staging buffer;
+    of a never-stepped engine one agreement, its staging buffers freed before the refresh."""
     small, deep = ranks(2).run(ck.collective_counts, str(tmp_path), [EngineCase(stage=2),
                                                                      EngineCase(stage=3, model="deep")])[0]
     # at 2 gloo ranks an agreement is one small all_gather (zero_dtensor.collectives.prefers_all_reduce)
@@ -149,8 +150,13 @@ def test_collectives_counted(ranks, tmp_path) -> None:
         assert found["get_state_dict"] == 0, found
         assert found["sync"] == 1 and found["set_state_dict"] == 1 + found["sync"], found
         assert not set(found["refresh"]) & set(found["save"]) and agreement_op not in found["save"], found  # objects
-        assert Counter(found["load"]) == Counter({agreement_op: 1}) + Counter(found["refresh"]), found
-        assert found["staging alive at the refresh"] == [0], found  # load's memory: staging freed before it
+        # a stepped engine is read in place: no staging; one agreement before the engine is written, one after
+        assert Counter(found["load"]) == Counter({agreement_op: 2}) + Counter(found["refresh"]), found
+        assert found["staging"] == {"made": 0, "alive at the refresh": [0]}, found
+        # a never-stepped engine reads into staging (freed before the refresh); one agreement
+        assert Counter(found["load, never stepped"]) == Counter({agreement_op: 1}) + Counter(found["refresh"]), found
+        assert found["staging, never stepped"]["made"] > 0, found
+        assert found["staging, never stepped"]["alive at the refresh"] == [0], found
     assert small["save"] == deep["save"] and sum(small["save"].values()) == 9  # "about 9 at 2 ranks"
 
 
@@ -217,3 +223,9 @@ def test_plan_key_tells_apart_what_dcp_does_not_compare() -> None:
 
     assert key() == key() == key(value=0.2)  # values do not change a plan
     assert len({key(), key(dtype=torch.bfloat16), key(shape=(2, 4)), key(ranks=(0, 2)), key(value=1)}) == 5
+
+
+def test_failure_while_reading_into_the_engine_is_reported_on_every_rank(ranks, tmp_path) -> None:
+    rank0, rank1 = ranks(2).run(ck.second_pass_failure, str(tmp_path))
+    assert "the disk went away" in rank1 and "partly overwritten" in rank1, rank1
+    assert "another rank failed" in rank0 and "partly overwritten" in rank0, rank0

@@ -80,5 +80,7 @@ class IncompleteCheckpointError(RuntimeError):
 
 class CheckpointReadError(RuntimeError):
     """DCP failed to read the checkpoint (a missing or damaged data file) on some rank; raised on every rank,
-    ``__cause__`` is the read's own error where it failed, :class:`RankFailedError` elsewhere. The data was read
-    into staging buffers, so the engine is unchanged."""
+    ``__cause__`` is the read's own error where it failed, :class:`RankFailedError` elsewhere. Every entry is
+    checked (file sizes, archives, headers) before any of the engine's memory is written, so a missing, truncated
+    or damaged file leaves the engine unchanged; only an I/O error in the second pass, after those checks, leaves
+    the failing rank's masters and optimizer state partly overwritten (the message says so)."""

@@ -405,49 +405,54 @@ def _collective_counts(root: str, case: EngineCase) -> dict[str, Any]:
     with count_comms() as mode:
         save(engine, path)
     out["save"] = {str(k): v for k, v in mode.get_comm_counts().items()}
-    with count_comms() as mode, _staging_watched() as alive_at_refresh:
+    with count_comms() as mode, _staging_watched() as watched:
         load(engine, path)
     out["load"] = {str(k): v for k, v in mode.get_comm_counts().items()}
-    out["staging alive at the refresh"] = alive_at_refresh
+    out["staging"] = watched
+    fresh = build_engine(case)  # never stepped: no optimizer state to read into, staging buffers instead
+    with count_comms() as mode, _staging_watched() as watched:
+        load(fresh, path)
+    out["load, never stepped"] = {str(k): v for k, v in mode.get_comm_counts().items()}
+    out["staging, never stepped"] = watched
     return out
 
 
 @contextlib.contextmanager
-def _staging_watched() -> Iterator[list[int]]:
-    """During ``load``: how many of its staging buffers (the tensors ``_staging`` makes) are still alive when the
-    working-weight refresh starts (documented: none, they are freed before it; the collector is paused during
-    ``load``, so only what nothing refers to any more is freed)."""
+def _staging_watched() -> Iterator[dict[str, Any]]:
+    """During ``load``: how many staging buffers ``_destination`` makes (none where the optimizer state exists: the
+    engine's memory is read in place) and how many are still alive when the working-weight refresh starts
+    (documented: none, they are freed before it; the collector is paused during ``load``, so only what nothing
+    refers to any more is freed)."""
     import zero_dtensor.checkpoint.io as ckio
 
     buffers: list[weakref.ref] = []
-    alive: list[int] = []
-    staging, refresh = ckio._staging, ckio.sync_model_params
+    found: dict[str, Any] = {"alive at the refresh": []}
+    destination, refresh = ckio._destination, ckio.sync_model_params
 
-    def watched_staging(*args: Any) -> dict[str, Any]:
+    def watched_destination(*args: Any) -> tuple[dict[str, Any], set[int]]:
         empty_like = torch.empty_like
 
-        def recorded(*a: Any, **k: Any) -> torch.Tensor:  # every buffer _staging makes
+        def recorded(*a: Any, **k: Any) -> torch.Tensor:  # every buffer _destination makes
             made = empty_like(*a, **k)
             buffers.append(weakref.ref(made))
             return made
 
         torch.empty_like = recorded
         try:
-            staged = staging(*args)
+            return destination(*args)
         finally:
             torch.empty_like = empty_like
-        assert buffers, "no staging buffer seen"
-        return staged
+            found["made"] = len(buffers)
 
     def watched_refresh(engine: Any) -> None:
-        alive.append(sum(ref() is not None for ref in buffers))
+        found["alive at the refresh"].append(sum(ref() is not None for ref in buffers))
         refresh(engine)
 
-    ckio._staging, ckio.sync_model_params = watched_staging, watched_refresh
+    ckio._destination, ckio.sync_model_params = watched_destination, watched_refresh
     try:
-        yield alive
+        yield found
     finally:
-        ckio._staging, ckio.sync_model_params = staging, refresh
+        ckio._destination, ckio.sync_model_params = destination, refresh
 
 
 def cached_plans(root: str, case: EngineCase) -> dict[str, Any]:
@@ -503,3 +508,45 @@ def cached_plans(root: str, case: EngineCase) -> dict[str, Any]:
     found["cached"]["kept"] = [k in SavePlanner._cached_save_plan for k in keys]
     assert zio.plan_key is planners.plan_key
     return found
+
+
+def second_pass_failure(root: str) -> str:
+    """An I/O error on rank 1 while its checked entries are read into the engine (the second pass): every rank
+    raises (no hang in the refresh that would follow), saying the engine is partly overwritten; a new load
+    restores it."""
+    from zero_dtensor.checkpoint import reader
+
+    engine = build_engine(EngineCase(stage=2, world=dist.get_world_size()))
+    train(engine, range(1))
+    path = os.path.join(root, "second-pass")
+    save(engine, path)
+    expected = snapshot(engine)
+    train(engine, range(1, 2))
+    second_pass = reader.DirectReader._read_deferred
+
+    def failing(self, planner):
+        if dist.get_rank() != 1:
+            return second_pass(self, planner)
+        read_to = reader._read_to
+
+        def broken(stream, target, item):
+            raise OSError("the disk went away")
+
+        reader._read_to = broken
+        try:
+            return second_pass(self, planner)
+        finally:
+            reader._read_to = read_to
+
+    reader.DirectReader._read_deferred = failing
+    try:
+        load(engine, path)
+    except CheckpointReadError as exc:
+        message = f"{exc} {' '.join(getattr(exc, '__notes__', []))}"
+    else:
+        raise AssertionError("the failed second pass was not reported")
+    finally:
+        reader.DirectReader._read_deferred = second_pass
+    load(engine, path)
+    check_loaded(engine, expected, "after the failed load")
+    return message

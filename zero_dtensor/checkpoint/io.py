@@ -29,7 +29,7 @@ import gc
 import io
 import os
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -175,8 +175,8 @@ class _CheckedReader(DirectReader):
     """The file-system reader (:class:`~.reader.DirectReader`), handing DCP the metadata :func:`load` already read
     and checked (read once, and the load reads exactly what was checked)."""
 
-    def __init__(self, path: str, metadata: Metadata) -> None:
-        super().__init__(path)
+    def __init__(self, path: str, metadata: Metadata, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
         self._checked = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -185,7 +185,8 @@ class _CheckedReader(DirectReader):
         return self._checked
 
 
-def _read(staged: dict[str, Any], path: str, metadata: Metadata) -> None:
+def _read(staged: dict[str, Any], path: str, metadata: Metadata, in_engine: set[int],
+          between: Callable[[], None]) -> None:
     """``dcp.load`` of this rank's pieces into ``staged``, planned by each rank on its own (``no_dist``: every
     rank already holds the checked metadata, and a load plan needs no coordination: DCP's default global load plan
     is the local plans unchanged); a failed read raises :class:`CheckpointReadError` on this rank (:func:`load`'s
@@ -202,11 +203,13 @@ def _read(staged: dict[str, Any], path: str, metadata: Metadata) -> None:
             optim[key[len("optim."):]] = planner.objects.load(data)
         bulked = set(bulk)
         rest = {**staged, "optim": {k: v for k, v in optim.items() if k not in bulked}}
+        reader = _CheckedReader(path, metadata, defer=lambda t: t.untyped_storage().data_ptr() in in_engine,
+                                between=between)
         with warnings.catch_warnings():  # no_dist warns that it assumes a single process: here it is each rank's
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(rest, storage_reader=_CheckedReader(path, metadata), no_dist=True, planner=planner)
+            dcp.load(rest, storage_reader=reader, no_dist=True, planner=planner)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any failed read must reach every rank
-        raise CheckpointReadError(f"reading checkpoint {path!r} failed ({exc}); the engine is unchanged") from exc
+        raise CheckpointReadError(f"reading checkpoint {path!r} failed ({exc})") from exc
 
 
 def read_metadata(path: str | os.PathLike) -> Metadata:
@@ -262,24 +265,62 @@ def check_metadata(target: Target, metadata: Metadata) -> list[str]:
     return problems
 
 
-def _staging(engine: Any, target: Target, metadata: Metadata) -> dict[str, Any]:
-    """A state dict shaped like the engine's but over new memory, for ``dcp.load`` to read into: the engine is
-    written only once every read has succeeded."""
+def _destination(engine: Any, target: Target, metadata: Metadata) -> tuple[dict[str, Any], set[int]]:
+    """The state dict ``dcp.load`` reads into, and the storages (data pointers) in it that are the engine's own.
+    Where the optimizer state exists: the engine's masters, optimizer state and frozen weights themselves (read in
+    place, by :class:`~.reader.DirectReader`'s second pass, after the agreement). Before the first step: new
+    buffers (the state is created, by a zero-learning-rate step, only after the agreement), copied in afterwards.
+    Steps, hyperparameters and the extras entries are new objects either way."""
     entries = metadata.state_dict_metadata
-    masters = tuple(torch.empty_like(p) for p in target.masters.partitions)
-    frozen = {f.name: torch.empty_like(f.local) for f in target.frozen}
-    states = {k: tuple(torch.empty_like(p) for p in target.masters.partitions) for k in target.state_keys}
+    if target.ready:
+        masters = target.masters.partitions
+        frozen = {f.name: f.local for f in target.frozen}
+        states = state_partitions(engine, target)
+        own = (*masters, *frozen.values(), *(p for parts in states.values() for p in parts))
+        in_engine = {t.untyped_storage().data_ptr() for t in own}
+    else:
+        masters = tuple(torch.empty_like(p) for p in target.masters.partitions)
+        frozen = {f.name: torch.empty_like(f.local) for f in target.frozen}
+        states = {k: tuple(torch.empty_like(p) for p in target.masters.partitions) for k in target.state_keys}
+        in_engine = set()
     hparams = {name: {hp: v for hp, v in values.items() if f"optim.param_groups.{name}.{hp}" in entries}
                for name, values in hyperparameters_by_name(engine, target).items()}
     steps = (0.0,) * len(masters)
     extras = {k: io.BytesIO() for k in EXTRAS if f"zero_dtensor.{k}" in entries}
     model = {k: v for k, v in model_dict(target, masters, frozen).items() if f"model.{k}" in entries}  # aliases
-    return {"model": model, "optim": optim_dict(target, states, steps, hparams),
-            **({"zero_dtensor": extras} if extras else {})}
+    state = {"model": model, "optim": optim_dict(target, states, steps, hparams),
+             **({"zero_dtensor": extras} if extras else {})}
+    return state, in_engine
+
+
+class _Passes:
+    """One :func:`load`'s state between :class:`~.reader.DirectReader`'s passes: what was read, the checked copy
+    plan, and how the first agreement went."""
+
+    def __init__(self, engine: Any, target: Target, path: str | os.PathLike) -> None:
+        self.engine, self.target, self.path = engine, target, path
+        self.staged: dict[str, Any] = {}
+        self.checked: CheckedState | None = None
+        self.agreed = False
+        self.refusal: BaseException | None = None
+
+    def between(self) -> None:
+        """After this rank's first pass: check what it read, then the agreement (raises where any rank failed)."""
+        error: BaseException | None = None
+        try:
+            self.checked = check_state(self.engine, self.staged["model"], self.staged["optim"])
+        except Exception as exc:  # noqa: BLE001 - whatever failed here must reach every rank before any rank writes
+            error = exc
+        self.agreed = True
+        try:
+            _agree_loaded(self.path, error, self.target)
+        except BaseException as exc:
+            self.refusal = exc
+            raise
 
 
 def _agree_loaded(path: str | os.PathLike, error: BaseException | None, target: Target) -> None:
-    """:func:`load`'s one agreement: every rank raises where any rank could not read or check the checkpoint (its
+    """:func:`load`'s first agreement: every rank raises where any rank could not read or check the checkpoint (its
     own error there; elsewhere :class:`CheckpointReadError` or the refusal's class, caused by the agreement's
     :class:`~zero_dtensor.errors.RankFailedError`). One small collective."""
     try:
@@ -292,34 +333,52 @@ def _agree_loaded(path: str | os.PathLike, error: BaseException | None, target: 
                                   "engine is unchanged") from exc
 
 
+def _agree_read_in_place(path: str | os.PathLike, error: BaseException | None, target: Target) -> None:
+    """:func:`load`'s second agreement, after reading into the engine's memory: every rank raises where the read
+    failed on any rank (an I/O error after every entry was checked). One small collective."""
+    consequence = (f"Reading checkpoint {os.fspath(path)!r} into the engine failed after every entry was checked: "
+                   "the masters and optimizer state of the failing rank(s) are partly overwritten. Load a checkpoint "
+                   "again.")
+    try:
+        agree_outcome("checkpoint.load.in_place", error, [target.process_group], target.masters.device,
+                      consequence=consequence)
+    except RankFailedError as exc:
+        if error is not None:
+            raise
+        raise CheckpointReadError(f"zero_dtensor.load: another rank failed ({exc})") from exc
+
+
 @collector_paused()
 def load(engine: Any, path: str | os.PathLike) -> Any:
     """Load the checkpoint at ``path`` (written by :func:`save` at any world size and ZeRO stage, or by FSDP2, see
     the module docstring) into ``engine``; every rank of the data-parallel group must call it. Returns the saved
     ``client_state`` (``None`` if there is none).
 
-    Order: each rank reads ``.metadata`` (:class:`IncompleteCheckpointError` if absent), compares names, shapes
-    and optimizer-state keys with the engine (:class:`CheckpointMismatchError` naming what differs), reads its
-    pieces into **staging buffers** with ``dcp.load`` (:class:`~.reader.DirectReader`: tensor entries straight into
-    place; :class:`CheckpointReadError` for a missing or damaged file) and checks what it read against the engine
-    (:func:`~zero_dtensor.checkpoint.state_dict.check_state`). Then one agreement: where any rank failed, every
-    rank raises and the engine is unchanged. Only then are masters, optimizer state (created first on a
-    never-stepped engine, by a zero-learning-rate step), steps, hyperparameters, frozen weights, step counters, the
-    lr scheduler and the loss scaler written, and the working weights made the cast masters.
+    Order: each rank reads ``.metadata`` (:class:`IncompleteCheckpointError` if absent) and compares names, shapes
+    and optimizer-state keys with the engine (:class:`CheckpointMismatchError` naming what differs). Then
+    ``dcp.load`` with :class:`~.reader.DirectReader`, in two passes. The first reads the steps, hyperparameters
+    and extras, and checks every other entry: file sizes, each archive and header, where its bytes lie
+    (:class:`CheckpointReadError` for a missing, truncated or damaged file); then what was read is checked against
+    the engine (:func:`~zero_dtensor.checkpoint.state_dict.check_state`) and the ranks agree: where any rank
+    failed, every rank raises and the engine is unchanged. The second pass reads the masters, optimizer state and
+    frozen weights straight into the engine's memory, and a second agreement makes every rank raise where that
+    failed on any rank (an I/O error after the checks: the failing rank's state is then partly overwritten, and the
+    message says to load again). Then steps, hyperparameters, step counters, the lr scheduler and the loss scaler
+    are written, and the working weights made the cast masters. An engine that has never stepped has no optimizer
+    state to read into: its pieces are read into staging buffers in the first pass, the state is created (a
+    zero-learning-rate step) after the one agreement, and the buffers are copied in.
 
-    **Communication**: one agreement (one small collective; each rank plans and reads its own pieces, no DCP
-    collective), then ZeRO-1/2 one gather per param group (ZeRO-3: one of the persistent parameters together) to
-    refresh the working weights. Each rank reads only the bytes its pieces overlap. **Memory**: one staging copy
-    of this rank's partition (its masters and optimizer state, and the frozen parameters it holds) until it is
-    written into the engine (freed before the working-weight refresh, whose gather holds buffers of its own), plus
-    at most one saved piece at a time where an entry cannot be read straight into place (at most one parameter's
-    fp32 elements: a saved piece is part of one parameter). The hyperparameter entries are unpickled once per
-    distinct value. Python's garbage collector is paused during the
-    call (:func:`collector_paused`)."""
+    **Communication**: two agreements (one small collective each; one before the first step), each rank planning
+    and reading its own pieces (no DCP collective), then ZeRO-1/2 one gather per param group (ZeRO-3: one of the
+    persistent parameters together) to refresh the working weights. Each rank reads only the bytes its pieces
+    overlap. **Memory**: none for the pieces read in place; at most one saved piece at a time where an entry cannot
+    be read straight into place (at most one parameter's fp32 elements: a saved piece is part of one parameter),
+    held until the second pass; before the first step, one staging copy of this rank's partition, freed before the
+    working-weight refresh. The hyperparameter entries are read a few reads per file and unpickled once per
+    distinct value. Python's garbage collector is paused during the call (:func:`collector_paused`)."""
     target = describe(engine)
+    passes = _Passes(engine, target, path)
     error: BaseException | None = None
-    staged: dict[str, Any] = {}
-    checked: CheckedState | None = None
     try:
         metadata = read_metadata(path)
         problems = check_metadata(target, metadata)
@@ -328,18 +387,26 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
                                             if len(problems) > MAX_LINES else [])
             raise CheckpointMismatchError(f"checkpoint {os.fspath(path)!r} does not fit this engine:\n  "
                                           + "\n  ".join(shown) + "\nNothing was loaded.")
-        staged = _staging(engine, target, metadata)
-        _read(staged, os.fspath(path), metadata)
-        checked = check_state(engine, staged["model"], staged["optim"])
-    except Exception as exc:  # noqa: BLE001 - whatever failed here must reach every rank before any rank writes
+        passes.staged, in_engine = _destination(engine, target, metadata)
+        _read(passes.staged, os.fspath(path), metadata, in_engine, passes.between)
+    except Exception as exc:  # noqa: BLE001 - whatever failed here must reach every rank
         error = exc
-        staged.clear()
-    _agree_loaded(path, error, target)
+    if passes.refusal is not None:  # the agreement after the first pass raised: nothing was written
+        raise passes.refusal
+    if not passes.agreed:  # failed before the agreement: it is this rank's error, every rank raises
+        passes.staged.clear()
+        _agree_loaded(path, error, target)
+    if target.ready:  # the second pass read into the engine: did it succeed on every rank?
+        _agree_read_in_place(path, error, target)
+    elif error is not None:
+        raise error
+    checked = passes.checked
     assert checked is not None
     apply_state(engine, checked)
-    extras: Mapping[str, Any] = {k: _unblob(v) for k, v in staged.get("zero_dtensor", {}).items()}
+    extras: Mapping[str, Any] = {k: _unblob(v) for k, v in passes.staged.get("zero_dtensor", {}).items()}
     del checked  # the staging buffers go before the refresh allocates its own (ZeRO-1/2: the working model)
-    staged.clear()
+    passes.checked = None
+    passes.staged.clear()
     sync_model_params(engine)
     if "engine" in extras:
         ds.set_engine_counters(engine, extras["engine"])

@@ -23,7 +23,7 @@ import io
 import math
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any, cast
 
@@ -74,13 +74,35 @@ def _run(stored: _Stored, item: ReadItem) -> tuple[int, int] | None:
     return offsets[0] * row, lengths[0] * row
 
 
+@dataclass(frozen=True)
+class _Deferred:
+    """A checked read held back for the second pass: ``file_offset`` of the bytes for ``target`` in
+    ``relative_path``, or (``file_offset`` ``None``) a ``loaded`` source to copy."""
+
+    relative_path: str
+    file_offset: int | None
+    loaded: torch.Tensor | None
+    target: torch.Tensor
+    item: ReadItem
+
+
 class DirectReader(FileSystemReader):
     """:class:`~torch.distributed.checkpoint.FileSystemReader` whose ``read_data`` reads tensor entries straight into
-    their destinations where they allow it (module docstring); everything else as DCP does."""
+    their destinations where they allow it (module docstring); everything else as DCP does.
 
-    def __init__(self, path: str, *args: Any, **kwargs: Any) -> None:
+    Two passes, where ``defer`` says a destination must not be written before ``between`` has returned (the
+    engine's own memory, loaded in place): the first reads every other entry, and for these checks the file size,
+    the archive, its header and the bytes' place (an entry DCP's path must read is read into new memory then); then
+    ``between()`` (checks and an agreement between ranks: if it raises, nothing deferred is written); the second
+    pass reads the deferred bytes straight into place (and copies the entries read into new memory)."""
+
+    def __init__(self, path: str, *args: Any, defer: Callable[[torch.Tensor], bool] | None = None,
+                 between: Callable[[], None] | None = None, **kwargs: Any) -> None:
         super().__init__(path, *args, **kwargs)
         self._headers: dict[tuple[bytes, bytes], _Stored] = {}
+        self._defer, self._between = defer, between
+        self._deferred: list[_Deferred] = []
+        self._relative_path = ""
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[ReadItem]] = {}
@@ -89,11 +111,35 @@ class DirectReader(FileSystemReader):
         for relative_path, items in per_file.items():
             items.sort(key=lambda it: self.storage_data[it.storage_index].offset)
             with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
+                self._relative_path = relative_path
+                _check_size(cast(IO[bytes], stream), relative_path, items, self.storage_data)
                 for item in items:
                     self._read_item(cast(IO[bytes], stream), item, planner)
+        if self._between is not None:
+            self._between()
+        self._read_deferred(planner)
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+    def _read_deferred(self, planner: LoadPlanner) -> None:
+        """The second pass: every held-back read, file by file in file order."""
+        deferred, self._deferred = self._deferred, []
+        per_file: dict[str, list[_Deferred]] = {}
+        for read in deferred:
+            per_file.setdefault(read.relative_path, []).append(read)
+        for relative_path, reads in per_file.items():
+            with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
+                for read in reads:
+                    if read.file_offset is None:
+                        read.target.copy_(cast(torch.Tensor, read.loaded))
+                    else:
+                        stream.seek(read.file_offset)
+                        _read_to(cast(IO[bytes], stream), read.target, read.item)
+                    planner.commit_tensor(read.item, read.target)
+
+    def _deferring(self, target: torch.Tensor) -> bool:
+        return self._defer is not None and self._defer(target)
 
     def _read_item(self, stream: IO[bytes], item: ReadItem, planner: LoadPlanner) -> None:
         info = self.storage_data[item.storage_index]
@@ -119,11 +165,12 @@ class DirectReader(FileSystemReader):
         size, data = target.element_size(), archive.get_record_offset(_DATA)
         if data + (run[0] + run[1]) * size > info.length:  # the record would run past the entry: DCP's path
             return self._read_as_dcp(stream, item, planner)
+        if self._deferring(target):
+            self._deferred.append(_Deferred(self._relative_path, info.offset + data + run[0] * size, None, target,
+                                            item))
+            return None
         stream.seek(info.offset + data + run[0] * size)
-        host = target if target.device.type == "cpu" else torch.empty_like(target, device="cpu")
-        _read_into(stream, host, item)
-        if host is not target:
-            target.copy_(host)
+        _read_to(stream, target, item)
         planner.commit_tensor(item, target)
         return None
 
@@ -136,6 +183,9 @@ class DirectReader(FileSystemReader):
         target = planner.resolve_tensor(item).detach()
         if target.size() != tensor.size():
             raise AssertionError(f"req {item.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
+        if self._deferring(target):
+            self._deferred.append(_Deferred(self._relative_path, None, tensor, target, item))
+            return
         target.copy_(tensor)
         planner.commit_tensor(item, target)
 
@@ -149,6 +199,24 @@ class DirectReader(FileSystemReader):
             return
         seekable = source if source.seekable() else io.BytesIO(source.read(-1))
         self._copy(cast(torch.Tensor, torch.load(seekable, map_location="cpu", weights_only=True)), item, planner)
+
+
+def _check_size(stream: IO[bytes], relative_path: str, items: list[ReadItem], storage_data: Any) -> None:
+    """``OSError`` where the file ends before an entry ``items`` read (a truncated file), before any is read."""
+    size = os.fstat(stream.fileno()).st_size
+    end = max((storage_data[item.storage_index].offset + storage_data[item.storage_index].length for item in items),
+              default=0)
+    if end > size:
+        raise OSError(f"checkpoint file {relative_path!r} holds {size} bytes but its entries run to {end} "
+                      "(a truncated file?)")
+
+
+def _read_to(stream: IO[bytes], target: torch.Tensor, item: ReadItem) -> None:
+    """``target``'s bytes from ``stream`` (through a host copy for a tensor off the CPU)."""
+    host = target if target.device.type == "cpu" else torch.empty_like(target, device="cpu")
+    _read_into(stream, host, item)
+    if host is not target:
+        target.copy_(host)
 
 
 def _read_exactly(stream: IO[bytes], length: int, item: ReadItem) -> bytes:

@@ -467,7 +467,8 @@ def cached_plans(root: str, case: EngineCase) -> dict[str, Any]:
     usable: list[bool] = []
     refused: list[str] = []
     keys: set[str] = set()
-    local_plan, global_plan = planners.CachingSavePlanner.create_local_plan, planners.CachingSavePlanner.create_global_plan
+    local_plan = planners.CachingSavePlanner.create_local_plan
+    global_plan = planners.CachingSavePlanner.create_global_plan
 
     def recorded_local(self):
         plan = local_plan(self)

@@ -190,10 +190,11 @@ def _read(staged: dict[str, Any], path: str, metadata: Metadata, in_engine: set[
     """``dcp.load`` of this rank's pieces into ``staged``, planned by each rank on its own (``no_dist``: every
     rank already holds the checked metadata, and a load plan needs no coordination: DCP's default global load plan
     is the local plans unchanged); a failed read raises :class:`CheckpointReadError` on this rank (:func:`load`'s
-    agreement tells the others). The hyperparameter entries (thousands: one per parameter and hyperparameter) are
-    read apart, a few reads per file (:func:`~.reader.read_bytes_entries`), and unpickled once per distinct value.
-    No communication: none of DCP's gather and scatter of every rank's pickled plan (thousands of read items) and
-    its all_gather of the read results."""
+    agreements tell the others). Destinations whose storage is in ``in_engine`` are read in
+    :class:`~.reader.DirectReader`'s second pass, after ``between``. The hyperparameter entries (thousands: one per
+    parameter and hyperparameter) are read apart, a few reads per file (:func:`~.reader.read_bytes_entries`), and
+    unpickled once per distinct value. No communication here (``between`` agrees): none of DCP's gather and scatter
+    of every rank's pickled plan (thousands of read items) and its all_gather of the read results."""
     try:
         optim = staged["optim"]
         bulk = [k for k in optim if k.startswith("param_groups.")
@@ -368,14 +369,16 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
     state to read into: its pieces are read into staging buffers in the first pass, the state is created (a
     zero-learning-rate step) after the one agreement, and the buffers are copied in.
 
-    **Communication**: two agreements (one small collective each; one before the first step), each rank planning
-    and reading its own pieces (no DCP collective), then ZeRO-1/2 one gather per param group (ZeRO-3: one of the
-    persistent parameters together) to refresh the working weights. Each rank reads only the bytes its pieces
-    overlap. **Memory**: none for the pieces read in place; at most one saved piece at a time where an entry cannot
-    be read straight into place (at most one parameter's fp32 elements: a saved piece is part of one parameter),
-    held until the second pass; before the first step, one staging copy of this rank's partition, freed before the
-    working-weight refresh. The hyperparameter entries are read a few reads per file and unpickled once per
-    distinct value. Python's garbage collector is paused during the call (:func:`collector_paused`)."""
+    **Communication**: two agreements (one small collective each; before the first step one only), each rank
+    planning and reading its own pieces (no DCP collective), then ZeRO-1/2 one gather per param group (ZeRO-3:
+    one of the persistent parameters together) to refresh the working weights. Each rank reads only the bytes its
+    pieces overlap. **Memory**: none for the pieces read in place. An entry that cannot be read straight into place (a
+    box that cuts its rows, at another world size; another dtype) is read whole into new memory in the first pass
+    and held until the second: a few pieces where only boxes differ (each part of one parameter), up to this rank's
+    partition where the checkpoint holds another dtype. Before the first step, one staging copy of this rank's
+    partition, freed before the working-weight refresh. The hyperparameter entries are read a few reads per file
+    and unpickled once per distinct value. Python's garbage collector is paused during the call
+    (:func:`collector_paused`)."""
     target = describe(engine)
     passes = _Passes(engine, target, path)
     error: BaseException | None = None

@@ -12,9 +12,11 @@ in this load says what the entry holds (dtype, shape, strides, storage size: hea
 are); the first entry of each header is ``torch.load``ed as DCP does and its tensor describes the header. Where the
 entry is one contiguous little-endian storage of the destination's dtype and the wanted elements are one run of it
 (a whole entry, or whole rows of it), ``readinto`` puts the bytes straight into the destination (a CPU tensor; for
-another device, into a host buffer and one copy); otherwise, and for transformed entries, DCP's own path. A short
-read (a truncated file) raises. Entries are read in file order. Memory: no more than DCP's path (one entry at a
-time, and only for destinations off the CPU). No communication.
+another device, into a host buffer and one copy); otherwise, and for transformed entries, DCP's own path. A file
+shorter than its entries raises before any of them is read, a short read too. Entries are read in file order. With
+``defer`` the reads into some destinations wait for a second pass (:class:`DirectReader`). Memory: no more than
+DCP's path (one entry at a time, and only for destinations off the CPU), except that entries taking DCP's path into
+deferred destinations are held until the second pass. No communication (``between`` may communicate).
 """
 
 from __future__ import annotations
@@ -94,7 +96,8 @@ class DirectReader(FileSystemReader):
     engine's own memory, loaded in place): the first reads every other entry, and for these checks the file size,
     the archive, its header and the bytes' place (an entry DCP's path must read is read into new memory then); then
     ``between()`` (checks and an agreement between ranks: if it raises, nothing deferred is written); the second
-    pass reads the deferred bytes straight into place (and copies the entries read into new memory)."""
+    pass reads the deferred bytes straight into place (and copies the entries read into new memory, which are held
+    until then)."""
 
     def __init__(self, path: str, *args: Any, defer: Callable[[torch.Tensor], bool] | None = None,
                  between: Callable[[], None] | None = None, **kwargs: Any) -> None:

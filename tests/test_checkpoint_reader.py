@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
 from zero_dtensor.checkpoint import reader as direct
+from zero_dtensor.checkpoint.writer import DirectWriter
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # no_dist: one process
 
@@ -156,12 +157,13 @@ def test_storage_exact_aliases_only_its_bytes(tmp_path) -> None:
     assert storage_exact(flat) is flat  # already exact
     for value, clones in ((piece, 1), (exact, 0)):  # DCP clones a view before torch.save; not an exact alias
         assert _clones_in_save(value, tmp_path / str(clones)) == clones
+    assert _clones_in_save(exact, tmp_path / "direct", DirectWriter) == 0  # zd.save's writer: the same loader
     out = {"p": torch.zeros(5, 6)}
     dcp.load(out, storage_reader=direct.DirectReader(str(tmp_path / "0")), no_dist=True)
     assert torch.equal(out["p"], piece)
 
 
-def _clones_in_save(value: torch.Tensor, path) -> int:
+def _clones_in_save(value: torch.Tensor, path, writer=dcp.FileSystemWriter) -> int:
     calls = []
     original = torch.Tensor.clone
 
@@ -171,7 +173,7 @@ def _clones_in_save(value: torch.Tensor, path) -> int:
 
     torch.Tensor.clone = counted
     try:
-        dcp.save({"p": value}, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
+        dcp.save({"p": value}, storage_writer=writer(str(path)), no_dist=True)
     finally:
         torch.Tensor.clone = original
     return len(calls)

@@ -113,28 +113,6 @@ def test_fsync_as_asked(tmp_path, monkeypatch, sync_files: bool) -> None:
     assert len(synced) == (2 if sync_files else 0)
 
 
-def test_exact_alias_written_without_a_clone(tmp_path) -> None:
-    from zero_dtensor.checkpoint.boxes import storage_exact
-
-    piece = torch.arange(100, dtype=torch.float32)[10:40].view(5, 6)
-    calls = []
-    original = torch.Tensor.clone
-
-    def counted(self, *args, **kwargs):
-        calls.append(self.shape)
-        return original(self, *args, **kwargs)
-
-    torch.Tensor.clone = counted
-    try:
-        _save({"p": storage_exact(piece)}, direct.DirectWriter(str(tmp_path)))
-    finally:
-        torch.Tensor.clone = original
-    assert calls == []
-    out = {"p": torch.zeros(5, 6)}
-    dcp.load(out, storage_reader=FileSystemReader(str(tmp_path)), no_dist=True)
-    assert torch.equal(out["p"], piece)
-
-
 def test_only_plain_tensors_have_a_look() -> None:
     """A tensor whose pickle may hold more than its dtype, shape, strides and storage is always ``torch.save``d."""
     plain = torch.randn(4, 3)

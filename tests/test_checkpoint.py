@@ -108,6 +108,7 @@ def test_torch_style_get_load_set(ranks, saved, steps) -> None:
     EngineCase(stage=3, dtype="fp16"),
     EngineCase(stage=1, dtype="bf16", model="tied"),
     EngineCase(stage=3, offload=True, groups=2),
+    EngineCase(stage=1, dtype="bf16", bf16_optimizer=True, groups=2),  # read in place into BF16_Optimizer's state
 ], ids=lambda c: c.id)
 def test_training_continues_bit_for_bit(ranks, tmp_path, case) -> None:
     ranks(2).run(ck.continue_equals_uninterrupted, str(tmp_path), case)

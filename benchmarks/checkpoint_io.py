@@ -13,7 +13,8 @@ First load in a fresh process (``--fresh``): how a job resumes. A new process gr
 once (``zd.load`` or ``load_checkpoint``, alternating, ``--repeat`` launches of each): the loads above, repeated in
 one process, reuse the memory earlier calls freed, which a resuming job does not have.
 
-Per row: the median and the spread (min-max) of the rounds in seconds, the bytes the checkpoint takes on disk, and
+Every timed call starts after ``os.sync()`` (untimed): the earlier rows' written data is on disk, so an fsync
+waits for the call's own data only. Per row: the median and the spread (min-max) of the rounds in seconds, the bytes the checkpoint takes on disk, and
 the peak extra resident memory of rank 0 during the call (RSS sampled every 2 ms, minus the RSS before it; for the
 conversion: the largest peak RSS of its processes, absolute). Example, the benchmark model at 4 ranks::
 
@@ -99,6 +100,9 @@ class _PeakRSS:
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[float, int]:
+    """``fn``'s seconds from a barrier to a barrier after it, and rank 0's peak extra RSS. The page cache is flushed
+    first (``os.sync``, untimed), so a call that fsyncs does not also wait for the earlier rows' data."""
+    os.sync()
     dist.barrier()
     with _PeakRSS() as peak:
         start = time.perf_counter()

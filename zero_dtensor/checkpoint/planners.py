@@ -11,10 +11,10 @@ A save planner given a ``plan_key`` also uses DCP's plan cache (``enable_plan_ca
 not changed since its last save sends an empty plan, and the coordinator reuses the global plan and metadata it
 made then. DCP compares a cached plan by names, sizes and boxes only, so :func:`plan_key` adds what it does not
 compare (the process group's ranks, every entry's dtype and kind); the caches stay for the life of the process, one
-per key. DCP builds a broken checkpoint where the coordinator has no cache but another rank sends an empty plan (a
-coordinator that restarted while the others kept their caches): :class:`CachingSavePlanner` refuses that with
-:class:`PlansNotCachedError`, and :func:`forget_plans` lets every rank drop its cache before a full replan. Nothing
-here communicates.
+per key. Where the coordinator has no cache but another rank sends an empty plan (a coordinator that restarted while
+the others kept their caches), DCP's global planning cannot work (torch 2.13 fails with a ``TypeError``):
+:class:`CachingSavePlanner` refuses that with :class:`PlansNotCachedError`, and :func:`forget_plans` lets every rank
+drop its cache before a full replan. Nothing here communicates.
 """
 
 from __future__ import annotations

@@ -403,12 +403,10 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
         _agree_read_in_place(path, error, target)
     elif error is not None:
         raise error
-    checked = passes.checked
-    assert checked is not None
-    apply_state(engine, checked)
+    assert passes.checked is not None
+    apply_state(engine, passes.checked)
     extras: Mapping[str, Any] = {k: _unblob(v) for k, v in passes.staged.get("zero_dtensor", {}).items()}
-    del checked  # the staging buffers go before the refresh allocates its own (ZeRO-1/2: the working model)
-    passes.checked = None
+    passes.checked = None  # the staging buffers go before the refresh allocates its own (ZeRO-1/2: the working model)
     passes.staged.clear()
     sync_model_params(engine)
     if "engine" in extras:

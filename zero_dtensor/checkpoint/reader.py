@@ -78,10 +78,9 @@ def _run(stored: _Stored, item: ReadItem) -> tuple[int, int] | None:
 
 @dataclass(frozen=True)
 class _Deferred:
-    """A checked read held back for the second pass: ``file_offset`` of the bytes for ``target`` in
-    ``relative_path``, or (``file_offset`` ``None``) a ``loaded`` source to copy."""
+    """A checked read held back for the second pass: ``file_offset`` of the bytes for ``target`` in ``item``'s
+    file, or (``file_offset`` ``None``) a ``loaded`` source to copy."""
 
-    relative_path: str
     file_offset: int | None
     loaded: torch.Tensor | None
     target: torch.Tensor
@@ -105,7 +104,6 @@ class DirectReader(FileSystemReader):
         self._headers: dict[tuple[bytes, bytes], _Stored] = {}
         self._defer, self._between = defer, between
         self._deferred: list[_Deferred] = []
-        self._relative_path = ""
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[ReadItem]] = {}
@@ -114,7 +112,6 @@ class DirectReader(FileSystemReader):
         for relative_path, items in per_file.items():
             items.sort(key=lambda it: self.storage_data[it.storage_index].offset)
             with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
-                self._relative_path = relative_path
                 _check_size(cast(IO[bytes], stream), relative_path, items, self.storage_data)
                 for item in items:
                     self._read_item(cast(IO[bytes], stream), item, planner)
@@ -130,7 +127,7 @@ class DirectReader(FileSystemReader):
         deferred, self._deferred = self._deferred, []
         per_file: dict[str, list[_Deferred]] = {}
         for read in deferred:
-            per_file.setdefault(read.relative_path, []).append(read)
+            per_file.setdefault(self.storage_data[read.item.storage_index].relative_path, []).append(read)
         for relative_path, reads in per_file.items():
             with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
                 for read in reads:
@@ -169,8 +166,7 @@ class DirectReader(FileSystemReader):
         if data + (run[0] + run[1]) * size > info.length:  # the record would run past the entry: DCP's path
             return self._read_as_dcp(stream, item, planner)
         if self._deferring(target):
-            self._deferred.append(_Deferred(self._relative_path, info.offset + data + run[0] * size, None, target,
-                                            item))
+            self._deferred.append(_Deferred(info.offset + data + run[0] * size, None, target, item))
             return None
         stream.seek(info.offset + data + run[0] * size)
         _read_to(stream, target, item)
@@ -187,7 +183,7 @@ class DirectReader(FileSystemReader):
         if target.size() != tensor.size():
             raise AssertionError(f"req {item.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
         if self._deferring(target):
-            self._deferred.append(_Deferred(self._relative_path, None, tensor, target, item))
+            self._deferred.append(_Deferred(None, tensor, target, item))
             return
         target.copy_(tensor)
         planner.commit_tensor(item, target)

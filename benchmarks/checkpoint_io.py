@@ -2,7 +2,9 @@
 
 Same world size (``--nproc N``): ``zd.save`` (DCP's default ``fsync`` per file, and ``sync_files=False``, which
 is what ``torch.save`` in DeepSpeed's ``save_checkpoint`` does), the blocking part of ``zd.save(async_=True)``,
-``zd.load``, ``engine.save_checkpoint``, ``engine.load_checkpoint``, interleaved in each of ``--repeat`` rounds.
+``zd.load``, ``engine.save_checkpoint``, ``engine.load_checkpoint``, interleaved in each of ``--repeat`` rounds: the
+four saves, then the two loads, each in an order that rotates from round to round (every row at every place, after
+every other row: the first round writes new files and is slower for every row).
 
 Resume at another world size (``--resume-at M``): the checkpoints written at N ranks are resumed at M ranks, by
 ``zd.load`` and by DeepSpeed's route, ``python -m deepspeed.checkpoint.ds_to_universal`` (a separate process, timed
@@ -138,17 +140,34 @@ def same_world(hidden: int, layers: int, stage: int, root: str, repeat: int) -> 
         times[name].append(t)
         extra[name].append(e)
 
-    for _ in range(repeat):
-        record("zd.save", lambda: save(engine, paths["zd.save"]))
-        record("zd.save(sync_files=False)", lambda: save(engine, paths["zd.save"] + "-nosync", sync_files=False))
-        futures: list[Any] = []
-        record("zd.save(async_=True), blocking part",
-               lambda: futures.append(save(engine, paths["zd.save"] + "-async", async_=True)))
-        futures[0].result()
-        record("zd.load", lambda: load(engine, paths["zd.save"]))
-        record("ds.save_checkpoint", lambda: engine.save_checkpoint(paths["ds.save_checkpoint"], tag="t"))
-        record("ds.load_checkpoint", lambda: engine.load_checkpoint(paths["ds.save_checkpoint"], tag="t"))
+    futures: list[Any] = []
+
+    def save_async() -> None:
+        futures.append(save(engine, paths["zd.save"] + "-async", async_=True))
+
+    saves: dict[str, Callable[[], Any]] = {
+        "zd.save": lambda: save(engine, paths["zd.save"]),
+        "zd.save(sync_files=False)": lambda: save(engine, paths["zd.save"] + "-nosync", sync_files=False),
+        "zd.save(async_=True), blocking part": save_async,
+        "ds.save_checkpoint": lambda: engine.save_checkpoint(paths["ds.save_checkpoint"], tag="t")}
+    loads: dict[str, Callable[[], Any]] = {
+        "zd.load": lambda: load(engine, paths["zd.save"]),
+        "ds.load_checkpoint": lambda: engine.load_checkpoint(paths["ds.save_checkpoint"], tag="t")}
+    for r in range(repeat):
+        for name in _rotated(list(saves), r):
+            record(name, saves[name])
+            while futures:
+                futures.pop().result()
+        for name in _rotated(list(loads), r):
+            record(name, loads[name])
     return {k: _row(times[k], extra[k], paths.get(k)) for k in names}
+
+
+def _rotated(names: list[str], r: int) -> list[str]:
+    """``names`` started at its ``r``-th (round ``r`` of a benchmark): every row runs at every place in the order,
+    after every other row, as often as the rounds allow."""
+    k = r % len(names)
+    return names[k:] + names[:k]
 
 
 def write_both(hidden: int, layers: int, stage: int, root: str) -> None:
@@ -233,7 +252,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--stage", type=int, default=3)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--resume-at", type=int, default=0, help="also resume at this world size (0: no)")
     parser.add_argument("--skip-same", action="store_true", help="only the --resume-at (and --fresh) rows")
     parser.add_argument("--fresh", action="store_true",

@@ -132,6 +132,39 @@ def test_row_boxes_straight_into_place(saved, monkeypatch) -> None:
     assert torch.equal(cast["bf16"], values["bf16"].float())
 
 
+def test_entries_of_a_known_layout_are_not_opened(tmp_path, monkeypatch) -> None:
+    """An entry whose bytes before its data equal (but for the data's CRC-32) those of an entry of the same length
+    opened before is read without the zip reader; entries of the same length and another header (another shape,
+    another dtype) are opened and read right. Values equal DCP's reader's."""
+    g = torch.Generator().manual_seed(1)
+    values = {f"w{i}": torch.randn(4, 8, generator=g) for i in range(5)}
+    values |= {"transposed_shape": torch.randn(8, 4, generator=g), "ints": torch.arange(32, dtype=torch.int32).view(4, 8),
+               "w_after": torch.randn(4, 8, generator=g)}
+    dcp.save(dict(values), storage_writer=DirectWriter(str(tmp_path)), no_dist=True)
+    lengths = {index.fqn: info.length for index, info in FileSystemReader(str(tmp_path)).read_metadata()
+               .storage_data.items()}
+    assert lengths["transposed_shape"] == lengths["w0"] == lengths["ints"]  # the same length: headers tell apart
+    opened: list[str] = []
+    original = direct.DirectReader._opened
+
+    def counted(self, stream, info, item, planner):
+        opened.append(item.storage_index.fqn)
+        return original(self, stream, info, item, planner)
+
+    monkeypatch.setattr(direct.DirectReader, "_opened", counted)
+    straight = _counting(monkeypatch)
+    ours = _read(direct.DirectReader, str(tmp_path), _whole(values))
+    theirs = _read(FileSystemReader, str(tmp_path), _whole(values))
+    for name, value in values.items():
+        assert torch.equal(ours[name], value) and torch.equal(theirs[name], value), name
+    in_file_order = sorted(values, key=lambda n: _offset(str(tmp_path), n))
+    firsts = {}
+    for name in in_file_order:
+        firsts.setdefault((values[name].shape, values[name].dtype), name)
+    assert sorted(opened) == sorted(firsts.values())  # one archive opened per header, the rest located by layout
+    assert sorted(straight) == sorted(set(values) - set(firsts.values()))
+
+
 def test_truncated_file_raises(saved) -> None:
     """A file cut inside an entry that would be read straight into place: an error, never partial values."""
     path, values = saved

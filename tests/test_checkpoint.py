@@ -135,7 +135,7 @@ def test_state_dict_format(ranks) -> None:
 def test_collectives_counted(ranks, tmp_path) -> None:
     """What the docstrings promise, counted with CommDebugMode at 2 ranks on an 8-tensor ZeRO-2 and a 34-tensor
     ZeRO-3 engine: ``get_state_dict`` none; ``set_state_dict`` one agreement + the working weights' refresh;
-    ``save`` only DCP's object collectives (no tensor data), as many for either model; ``load`` of a stepped engine
+    ``save`` only DCP's object collectives (no tensor data), as many for either model, and no copy of a piece; ``load`` of a stepped engine
     two agreements (after every rank read and checked what it read, before its engine memory is written; and after
     that) and the refresh, nothing else (each rank plans its own reads: no DCP collective), with no staging buffer;
     of a never-stepped engine one agreement, its staging buffers freed before the refresh."""
@@ -151,6 +151,7 @@ def test_collectives_counted(ranks, tmp_path) -> None:
         assert found["get_state_dict"] == 0, found
         assert found["sync"] == 1 and found["set_state_dict"] == 1 + found["sync"], found
         assert not set(found["refresh"]) & set(found["save"]) and agreement_op not in found["save"], found  # objects
+        assert found["clones in save"] == [], found  # every piece handed to DCP over exactly its bytes: no copy
         # a stepped engine is read in place: no staging; one agreement before the engine is written, one after
         assert Counter(found["load"]) == Counter({agreement_op: 2}) + Counter(found["refresh"]), found
         assert found["staging"] == {"made": 0, "alive at the refresh": [0]}, found

@@ -405,9 +405,21 @@ def _collective_counts(root: str, case: EngineCase) -> dict[str, Any]:
     with count_comms() as mode:
         sync_model_params(engine)
     out["refresh"] = {str(k): v for k, v in mode.get_comm_counts().items()}
-    with count_comms() as mode:
-        save(engine, path)
+    clones: list[torch.Size] = []
+    original_clone = torch.Tensor.clone
+
+    def counted_clone(self, *args, **kwargs):
+        clones.append(self.shape)
+        return original_clone(self, *args, **kwargs)
+
+    torch.Tensor.clone = counted_clone  # DCP clones a CPU view whose storage holds more than it before writing it
+    try:
+        with count_comms() as mode:
+            save(engine, path)
+    finally:
+        torch.Tensor.clone = original_clone
     out["save"] = {str(k): v for k, v in mode.get_comm_counts().items()}
+    out["clones in save"] = clones
     with count_comms() as mode, _staging_watched() as watched:
         load(engine, path)
     out["load"] = {str(k): v for k, v in mode.get_comm_counts().items()}

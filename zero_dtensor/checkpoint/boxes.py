@@ -82,17 +82,19 @@ def local_boxes(fragment: torch.Tensor, found: tuple[Box, ...]) -> list[torch.Te
 
 
 
-def box_dtensor(fragment: torch.Tensor, shape: torch.Size | tuple[int, ...], start: int, mesh: DeviceMesh
-                ) -> DTensor | None:
+def box_dtensor(fragment: torch.Tensor, shape: torch.Size | tuple[int, ...], start: int, mesh: DeviceMesh, *,
+                exact: bool = False) -> DTensor | None:
     """This rank's fragment (elements ``[start, start + fragment.numel())`` of the flattened tensor) as a DTensor
     of the global ``shape`` over a ``LocalShardsWrapper`` of box views (a DCP container: its ``Shard(0)`` placement
     does not describe the pieces, so use it for checkpointing only). ``None`` for an empty fragment: the rank then
     omits the entry. Zero-copy (:func:`~zero_dtensor.dtensor_new.new_dtensor`: no autograd node, a cached spec);
-    ``fragment`` must be on ``mesh``'s device type."""
+    ``fragment`` must be on ``mesh``'s device type. ``exact``: each box made :func:`storage_exact` (for writing
+    only: what ``zd.save`` hands DCP)."""
     if fragment.numel() == 0:
         return None
     found = boxes(tuple(shape), start, start + fragment.numel())
-    wrapper = LocalShardsWrapper(local_boxes(fragment, found), [b.offsets for b in found])
+    views = local_boxes(fragment, found)
+    wrapper = LocalShardsWrapper([storage_exact(v) for v in views] if exact else views, [b.offsets for b in found])
     return new_dtensor(wrapper, mesh, Shard(0), tuple(shape), contiguous_stride(tuple(shape)))
 
 
@@ -109,13 +111,8 @@ def storage_exact(t: torch.Tensor) -> torch.Tensor:
 
 
 def storage_exact_entry(value: object) -> object:
-    """A state-dict value with its tensors made :func:`storage_exact`: a plain tensor, or a :func:`box_dtensor`
-    (its boxes); anything else as it is. For writing only: the result aliases the engine's memory."""
-    if isinstance(value, DTensor) and isinstance(value._local_tensor, LocalShardsWrapper):
-        local = value._local_tensor
-        wrapper = LocalShardsWrapper([storage_exact(b) for b in local.local_shards()],
-                                     [tuple(o) for o in local.local_offsets()])
-        return new_dtensor(wrapper, value.device_mesh, Shard(0), tuple(value.shape), tuple(value.stride()))
+    """A state-dict value made :func:`storage_exact` where it is a plain tensor; anything else (a DTensor: build it
+    with ``box_dtensor(..., exact=True)``) as it is. For writing only: the result aliases the engine's memory."""
     if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
         return storage_exact(value.detach())
     return value

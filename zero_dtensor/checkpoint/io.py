@@ -133,9 +133,9 @@ def save(engine: Any, path: str | os.PathLike, *, async_: bool = False, client_s
     soon after a save may leave a ``.metadata`` over data that never reached the disk. Python's garbage collector
     is paused during the call (:func:`collector_paused`)."""
     target = describe(engine)
-    model = model_dict(target, target.masters.partitions, {f.name: f.local for f in target.frozen})
+    model = model_dict(target, target.masters.partitions, {f.name: f.local for f in target.frozen}, exact=True)
     optim = optim_dict(target, state_partitions(engine, target), current_steps(engine, target),
-                       hyperparameters_by_name(engine, target))
+                       hyperparameters_by_name(engine, target), exact=True)
     path = os.fspath(path)
     rank, world = rank_in(target.process_group), world_size_of(target.process_group)
     first = rank == 0

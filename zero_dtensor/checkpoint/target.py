@@ -120,20 +120,21 @@ def fragment(target: Target, piece: Piece, partitions: tuple[torch.Tensor, ...])
     return partitions[piece.group][piece.local:piece.local + piece.stop - piece.start]
 
 
-def _entry(target: Target, fragment_: torch.Tensor, shape: torch.Size, start: int) -> Any:
+def _entry(target: Target, fragment_: torch.Tensor, shape: torch.Size, start: int, exact: bool) -> Any:
     mesh = mesh_for(target.process_group, fragment_.device.type)
-    return box_dtensor(fragment_, shape, start, mesh)
+    return box_dtensor(fragment_, shape, start, mesh, exact=exact)
 
 
 def model_dict(target: Target, partitions: tuple[torch.Tensor, ...],
-               frozen: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+               frozen: Mapping[str, torch.Tensor], *, exact: bool = False) -> dict[str, Any]:
     """``{fqn: value}``: trainable parameters as box DTensors over ``partitions`` (masters' geometry), frozen ones
     from ``frozen`` (this rank's 1-D piece; replicated ones as the plain full tensor). Ranks holding none of a
     parameter omit it. A tied parameter's further names hold the same value, as in torch's FSDP2 state dict (DCP
-    then writes its bytes once per name). No copy."""
+    then writes its bytes once per name). No copy. ``exact``: boxes over storages of exactly their bytes
+    (:func:`~.boxes.box_dtensor`; for writing only)."""
     out: dict[str, Any] = {}
     for piece in target.pieces:
-        value = _entry(target, fragment(target, piece, partitions), piece.shape, piece.start)
+        value = _entry(target, fragment(target, piece, partitions), piece.shape, piece.start, exact)
         if value is not None:
             out[piece.name] = value
     for f in target.frozen:
@@ -141,7 +142,7 @@ def model_dict(target: Target, partitions: tuple[torch.Tensor, ...],
         if f.replicated:
             out[f.name] = local.view(f.shape)
         else:
-            value = _entry(target, local, f.shape, f.start)
+            value = _entry(target, local, f.shape, f.start, exact)
             if value is not None:
                 out[f.name] = value
     for alias, name in target.aliases:
@@ -151,14 +152,15 @@ def model_dict(target: Target, partitions: tuple[torch.Tensor, ...],
 
 
 def optim_dict(target: Target, states: Mapping[str, tuple[torch.Tensor, ...]], steps: tuple[float, ...],
-               hyperparameters: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+               hyperparameters: Mapping[str, Mapping[str, Any]], *, exact: bool = False) -> dict[str, Any]:
     """torch's flattened optimizer state dict: ``state.<fqn>.<key>`` box DTensors over ``states[key]`` (per flat
     group partitions), ``state.<fqn>.step`` a 0-d float32 tensor per parameter (from ``steps``, per flat group), and
-    ``param_groups.<fqn>.<name>`` from ``hyperparameters[fqn]``. No copy of the state."""
+    ``param_groups.<fqn>.<name>`` from ``hyperparameters[fqn]``. No copy of the state. ``exact``: as in
+    :func:`model_dict`."""
     out: dict[str, Any] = {}
     for piece in target.pieces:
         for key in target.state_keys:
-            value = _entry(target, fragment(target, piece, states[key]), piece.shape, piece.start)
+            value = _entry(target, fragment(target, piece, states[key]), piece.shape, piece.start, exact)
             if value is not None:
                 out[f"state.{piece.name}.{key}"] = value
         if target.has_step:

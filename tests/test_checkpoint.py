@@ -202,6 +202,19 @@ def test_caching_planners_write_what_torch_save_writes() -> None:
     assert state["a"] is state["b"] and state["c"] is not state["d"]  # lists are never shared
 
 
+def test_load_planner_builds_dcps_plan(ranks, tmp_path) -> None:
+    """``zd.load``'s planner builds the local load plan itself (without DCP's runtime-protocol check per tensor): the
+    same read items as DCP's ``DefaultLoadPlanner`` and the same tensors looked up for them, on ZeRO-2 with a frozen
+    parameter group and on ZeRO-3, 2 ranks; a key the checkpoint lacks goes to DCP's plan and its error."""
+    found = ranks(2).run(ck.load_plans, str(tmp_path), [EngineCase(stage=2, groups=2), EngineCase(stage=3)])
+    for per_rank in found:
+        for case in per_rank:
+            assert case["same"] and case["items"] > 0, case
+            assert case["asked DCP's plan"] == ["DefaultLoadPlanner"], case  # only the reference asked DCP's plan
+            message, asked = case["missing key"]
+            assert "Missing key in checkpoint state_dict: model.extra" in message and asked == ["CachingLoadPlanner"]
+
+
 def test_repeated_saves_reuse_plans(ranks, tmp_path) -> None:
     """A save whose plans have not changed sends empty plans (DCP's plan cache); a coordinator without its cache
     (restarted) refuses once and every rank plans again; every checkpoint loads back what it saved."""

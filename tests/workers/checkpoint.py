@@ -566,3 +566,56 @@ def second_pass_failure(root: str) -> str:
     load(engine, path)
     check_loaded(engine, expected, "after the failed load")
     return message
+
+
+def load_plans(root: str, cases: list[EngineCase]) -> list[dict[str, Any]]:
+    """Per case (a stepped engine, saved): the local load plan of ``zd.load``'s state dict by ``CachingLoadPlanner``
+    (its own plan, DCP's default planner never asked) and by DCP's ``DefaultLoadPlanner``, each lookup of the read
+    items, and the same for a state dict of another shape (DCP's own plan)."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from zero_dtensor.checkpoint.io import _destination, read_metadata
+    from zero_dtensor.checkpoint.planners import CachingLoadPlanner
+    from zero_dtensor.checkpoint.target import describe
+
+    out = []
+    for case in cases:
+        engine = build_engine(case)
+        train(engine, range(1))
+        path = os.path.join(root, f"plans-{case.id}")
+        save(engine, path)
+        metadata = read_metadata(path)
+        state, _ = _destination(engine, describe(engine), metadata)
+        found: dict[str, Any] = {}
+        asked = []
+        original = DefaultLoadPlanner.create_local_plan
+
+        def recorded(self):
+            asked.append(type(self).__name__)
+            return original(self)
+
+        DefaultLoadPlanner.create_local_plan = recorded
+        try:
+            for name, planner in (("ours", CachingLoadPlanner(allow_partial_load=False)),
+                                  ("dcp", DefaultLoadPlanner(allow_partial_load=False))):
+                planner.set_up_planner(state, metadata, dist.get_rank() == 0)
+                plan = planner.create_local_plan()
+                looked_up = [planner.lookup_tensor(item.dest_index) for item in plan.items
+                             if item.type.name != "BYTE_IO"]
+                found[name] = (plan.items, [(t.data_ptr(), tuple(t.shape)) for t in looked_up])
+            found["asked DCP's plan"] = asked[:]
+            asked.clear()
+            other = {"model": {"extra": torch.zeros(3)}}  # a key the checkpoint lacks: DCP's own plan and error
+            planner = CachingLoadPlanner(allow_partial_load=False)
+            planner.set_up_planner(other, metadata, dist.get_rank() == 0)
+            try:
+                planner.create_local_plan()
+            except RuntimeError as exc:
+                found["missing key"] = (str(exc), asked[:])
+        finally:
+            DefaultLoadPlanner.create_local_plan = original
+        found["items"] = len(found["ours"][0])
+        found["same"] = found["ours"] == found["dcp"]
+        del found["ours"], found["dcp"]
+        out.append(found)
+    return out

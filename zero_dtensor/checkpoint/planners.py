@@ -14,7 +14,8 @@ compare (the process group's ranks, every entry's dtype and kind); the caches st
 per key. Where the coordinator has no cache but another rank sends an empty plan (a coordinator that restarted while
 the others kept their caches), DCP's global planning cannot work (torch 2.13 fails with a ``TypeError``):
 :class:`CachingSavePlanner` refuses that with :class:`PlansNotCachedError`, and :func:`forget_plans` lets every rank
-drop its cache before a full replan. Nothing here communicates.
+drop its cache before a full replan. :class:`CachingLoadPlanner` also builds DCP's local load plan without DCP's
+runtime-protocol check per tensor. Nothing here communicates.
 """
 
 from __future__ import annotations
@@ -27,8 +28,19 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import ReadItem, SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import (
+    _create_chunk_from_tensor,
+    _create_read_items,
+    create_read_items_for_chunk_list,
+)
+from torch.distributed.tensor import DTensor
 
 __all__ = ["CachingLoadPlanner", "CachingSavePlanner", "PlansNotCachedError", "SmallObjects", "forget_plans",
            "plan_key"]
@@ -138,11 +150,49 @@ class SmallObjects:
 
 class CachingLoadPlanner(DefaultLoadPlanner):
     """:class:`DefaultLoadPlanner` that unpickles each distinct small bytes entry once per load
-    (:class:`SmallObjects`)."""
+    (:class:`SmallObjects`), and plans a state dict of DTensors, plain tensors and bytes entries without DCP's
+    per-tensor runtime-protocol check (:meth:`create_local_plan`, :meth:`lookup_tensor`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.objects = SmallObjects()
+
+    def create_local_plan(self) -> LoadPlan:
+        """DCP's default local load plan, built as ``create_default_local_load_plan`` builds it, where every key of
+        the (flattened) state dict is in the checkpoint and every value is a DTensor, a plain ``torch.Tensor``, or
+        read from a bytes entry: the same read items, without DCP's ``isinstance`` check of each tensor against its
+        runtime-checkable protocol (``_is_checkpointable_tensor``: tens of microseconds each on Python 3.11, some
+        600 per load of a ZeRO-3 engine) and without its second flattening of the state dict to tell a pre-2.4
+        checkpoint's keys (no key is missing here). Any other state dict: DCP's own."""
+        if self.metadata is None:
+            raise AssertionError("set_up_planner must run first")
+        entries = self.metadata.state_dict_metadata
+        requests: list[ReadItem] = []
+        for fqn, obj in self.state_dict.items():
+            md = entries.get(fqn)
+            if md is None:
+                return super().create_local_plan()
+            if isinstance(md, BytesStorageMetadata) and not isinstance(obj, torch.Tensor):
+                requests += _create_read_items(fqn, md, obj)
+            elif isinstance(md, TensorStorageMetadata) and (isinstance(obj, DTensor) or type(obj) is torch.Tensor):
+                if md.size != obj.size():
+                    raise ValueError(f"Size mismatch between saved {md.size} and current: {obj.size()} for {fqn}")
+                if isinstance(obj, DTensor):  # DTensor's own chunk list, as DCP asks it
+                    if obj.device_mesh.get_coordinate() is not None:
+                        requests += _create_read_items(fqn, md, obj)
+                else:
+                    requests += create_read_items_for_chunk_list(fqn, md, [_create_chunk_from_tensor(obj)])
+            else:
+                return super().create_local_plan()
+        return LoadPlan(requests)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        """A plain tensor at offset zero as it is (DCP's lookup, without its protocol check); others as DCP finds
+        them."""
+        obj = self.state_dict.get(index.fqn)
+        if type(obj) is torch.Tensor and (index.offset is None or not any(index.offset)):
+            return obj
+        return super().lookup_tensor(index)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         self._set(read_item, self.objects.load(value.getvalue()))

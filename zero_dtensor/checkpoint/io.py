@@ -324,14 +324,8 @@ def _agree_loaded(path: str | os.PathLike, error: BaseException | None, target: 
     """:func:`load`'s first agreement: every rank raises where any rank could not read or check the checkpoint (its
     own error there; elsewhere :class:`CheckpointReadError` or the refusal's class, caused by the agreement's
     :class:`~zero_dtensor.errors.RankFailedError`). One small collective."""
-    try:
-        agree_outcome("checkpoint.load", error, [target.process_group], target.masters.device,
-                      consequence="Nothing was loaded into the engine on any rank.")
-    except RankFailedError as exc:
-        if error is not None:
-            raise
-        raise CheckpointReadError(f"loading checkpoint {os.fspath(path)!r} failed on another rank ({exc}); the "
-                                  "engine is unchanged") from exc
+    _agree("checkpoint.load", error, target, "Nothing was loaded into the engine on any rank.",
+           (f"loading checkpoint {os.fspath(path)!r} failed on another rank", "; the engine is unchanged"))
 
 
 def _agree_read_in_place(path: str | os.PathLike, error: BaseException | None, target: Target) -> None:
@@ -340,13 +334,21 @@ def _agree_read_in_place(path: str | os.PathLike, error: BaseException | None, t
     consequence = (f"Reading checkpoint {os.fspath(path)!r} into the engine failed after every entry was checked: "
                    "the masters and optimizer state of the failing rank(s) are partly overwritten. Load a checkpoint "
                    "again.")
+    _agree("checkpoint.load.in_place", error, target, consequence, ("zero_dtensor.load: another rank failed", ""))
+
+
+def _agree(what: str, error: BaseException | None, target: Target, consequence: str,
+           elsewhere: tuple[str, str]) -> None:
+    """One agreement of :func:`load` (:func:`~zero_dtensor.agreement.agree_outcome`): a failing rank raises its own
+    error; every other rank :class:`CheckpointReadError` (``elsewhere``: the text before and after the agreement's
+    :class:`~zero_dtensor.errors.RankFailedError`, which carries ``consequence``), or the refusal's class where
+    the agreement raises that."""
     try:
-        agree_outcome("checkpoint.load.in_place", error, [target.process_group], target.masters.device,
-                      consequence=consequence)
+        agree_outcome(what, error, [target.process_group], target.masters.device, consequence=consequence)
     except RankFailedError as exc:
         if error is not None:
             raise
-        raise CheckpointReadError(f"zero_dtensor.load: another rank failed ({exc})") from exc
+        raise CheckpointReadError(f"{elsewhere[0]} ({exc}){elsewhere[1]}") from exc
 
 
 @collector_paused()

@@ -1,11 +1,13 @@
 """``DirectWriter`` (zero_dtensor.checkpoint.writer) against DCP's own ``FileSystemWriter``, in one process: the same
 files byte for byte for every kind of entry, most tensor entries written without ``torch.save`` (counted), DCP's
-path where the direct archive would differ or where the writer is configured otherwise, and ``fsync`` as asked."""
+path where the direct archive would differ or where the writer is configured otherwise, ``fsync`` as asked, and the
+writeback started while later bytes are written."""
 
 from __future__ import annotations
 
 import io
 import os
+import sys
 
 import pytest
 import torch
@@ -111,6 +113,51 @@ def test_fsync_as_asked(tmp_path, monkeypatch, sync_files: bool) -> None:
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
     _save(_entries(), direct.DirectWriter(str(tmp_path), sync_files=sync_files))
     assert len(synced) == (2 if sync_files else 0)
+
+
+def test_writeback_started_while_writing(tmp_path, monkeypatch) -> None:
+    """With ``sync_files``, the kernel is asked to start writing every ``WRITEBACK_BYTES`` (the real call, on
+    Linux): back-to-back ranges from the file's start, each at least that long and already in the file; the files
+    are DCP's; without ``sync_files`` it is never asked."""
+    real = direct._START_WRITEBACK
+    if sys.platform == "linux":
+        assert real is not None
+    started: list[tuple[int, int, int, int]] = []
+
+    def start(fd: int, offset: int, nbytes: int, flags: int) -> int:
+        started.append((offset, nbytes, flags, os.fstat(fd).st_size))
+        answer = real(fd, offset, nbytes, flags) if real is not None else 0
+        assert answer == 0  # the kernel took it: the binding's argument types are right
+        return answer
+
+    monkeypatch.setattr(direct, "_START_WRITEBACK", start)
+    monkeypatch.setattr(direct, "WRITEBACK_BYTES", 1024)
+    values = _entries()
+    _save(values, FileSystemWriter(str(tmp_path / "dcp")))
+    _save(values, direct.DirectWriter(str(tmp_path / "direct")))
+    assert _files(tmp_path / "direct") == _files(tmp_path / "dcp")
+    assert len(started) >= 3
+    end = 0
+    for offset, nbytes, flags, size in started:
+        assert (offset, flags) == (end, 2) and nbytes >= 1024 and offset + nbytes <= size
+        end = offset + nbytes
+    started.clear()
+    _save(values, direct.DirectWriter(str(tmp_path / "unsynced"), sync_files=False))
+    assert not started
+
+
+def test_refused_writeback_leaves_the_fsync(tmp_path, monkeypatch) -> None:
+    """A file system that refuses the writeback hint is asked once; the file is DCP's, synced at the end."""
+    asked, synced = [], []
+    real_fsync = os.fsync
+    monkeypatch.setattr(direct, "_START_WRITEBACK", lambda fd, offset, nbytes, flags: asked.append(offset) or -1)
+    monkeypatch.setattr(direct, "WRITEBACK_BYTES", 1024)
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    values = _entries()
+    _save(values, direct.DirectWriter(str(tmp_path / "direct")))
+    assert asked == [0] and len(synced) == 2
+    _save(values, FileSystemWriter(str(tmp_path / "dcp")))
+    assert _files(tmp_path / "direct") == _files(tmp_path / "dcp")
 
 
 def test_only_plain_tensors_have_a_look() -> None:

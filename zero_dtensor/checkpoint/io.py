@@ -128,7 +128,8 @@ def save(engine: Any, path: str | os.PathLike, *, async_: bool = False, client_s
     once); it copies this rank's state to CPU memory before it returns and writes in a background thread: returns
     its ``Future`` (call ``.result()`` before the next save). Else returns ``None`` once the checkpoint is complete.
     ``sync_files``: ``fsync`` each file before ``.metadata`` is written
-    (DCP's default: a checkpoint that looks complete survives a power loss); ``False`` leaves the flush to the
+    (DCP's default: a checkpoint that looks complete survives a power loss; on Linux the kernel is asked to start
+    writing each file every 16 MiB while the rest is written, so the fsync waits only for the tail); ``False`` leaves the flush to the
     operating system, as DeepSpeed's ``save_checkpoint`` (``torch.save``) does: faster, but a crash of the machine
     soon after a save may leave a ``.metadata`` over data that never reached the disk. Python's garbage collector
     is paused during the call (:func:`collector_paused`)."""

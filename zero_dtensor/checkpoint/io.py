@@ -127,12 +127,12 @@ def save(engine: Any, path: str | os.PathLike, *, async_: bool = False, client_s
     ``async_=True``: :func:`torch.distributed.checkpoint.async_save` over a gloo group of the same ranks (made
     once); it copies this rank's state to CPU memory before it returns and writes in a background thread: returns
     its ``Future`` (call ``.result()`` before the next save). Else returns ``None`` once the checkpoint is complete.
-    ``sync_files``: ``fsync`` each file before ``.metadata`` is written
-    (DCP's default: a checkpoint that looks complete survives a power loss; on Linux the kernel is asked to start
-    writing each file every 16 MiB while the rest is written, so the fsync waits only for the tail); ``False`` leaves the flush to the
-    operating system, as DeepSpeed's ``save_checkpoint`` (``torch.save``) does: faster, but a crash of the machine
-    soon after a save may leave a ``.metadata`` over data that never reached the disk. Python's garbage collector
-    is paused during the call (:func:`collector_paused`)."""
+    ``sync_files``: ``fsync`` each file before ``.metadata`` is written (DCP's default: a checkpoint that looks
+    complete survives a power loss; on Linux the kernel is asked to start writing each file every 16 MiB while the
+    rest is written, so the fsync waits only for the tail); ``False`` leaves the flush to the operating system, as
+    DeepSpeed's ``save_checkpoint`` (``torch.save``) does: faster, but a crash of the machine soon after a save may
+    leave a ``.metadata`` over data that never reached the disk. Python's garbage collector is paused during the
+    call (:func:`collector_paused`)."""
     target = describe(engine)
     model = model_dict(target, target.masters.partitions, {f.name: f.local for f in target.frozen}, exact=True)
     optim = optim_dict(target, state_partitions(engine, target), current_steps(engine, target),

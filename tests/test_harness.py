@@ -27,3 +27,18 @@ def test_failure_and_hang_are_reported_and_pool_recovers() -> None:
             pool.run(harness.unpicklable_result, timeout=60.0)
         assert "pickle" in unpicklable.value.tracebacks[0]
         assert pool.run(harness.pid) != before
+
+
+def test_a_start_stuck_on_a_stale_build_lock_is_reported(tmp_path, monkeypatch) -> None:
+    """A rank stuck at start (here: DeepSpeed's comm op build waiting on the lock file a killed build left behind,
+    as torch waits, without limit) fails the start after ``start_timeout``, naming the lock and what to do, instead
+    of a pool that looks started and a first call that waits out its own timeout."""
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # the spawned rank inherits it
+    with pytest.raises(RankFailure, match="1 of 1 ranks failed to start") as failure:
+        RankPool(1, start_timeout=15.0)
+    message = failure.value.tracebacks[0]
+    assert "no answer at start within 15 s" in message and str(lock) in message and "Delete it" in message
+    assert lock.exists()  # reported, not removed: a build may be running

@@ -8,6 +8,7 @@ traceback; a rank that does not answer in time (e.g. stuck in a collective) is k
 from __future__ import annotations
 
 import contextlib
+import glob
 import io
 import logging
 import multiprocessing as mp
@@ -36,6 +37,20 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _build_lock_hint() -> str:
+    """What to do about torch's extension build locks left behind, if any: DeepSpeed JIT-builds ops (on the CPU
+    its comm op) when a rank initializes, under a lock file in the build folder; a build killed midway leaves the
+    file, and every later build of that op waits for it to go, without limit."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    locks = sorted(glob.glob(os.path.join(root, "**", "lock"), recursive=True))
+    if not locks:
+        return ""
+    return (f"; torch's extension build lock {', '.join(locks)} exists: a DeepSpeed op build killed midway leaves "
+            "it behind, and every later start waits on it. Delete it if no build is running")
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str, tasks: Any, results: Any) -> None:
@@ -78,10 +93,14 @@ class RankPool:
     ``start_method="spawn"`` (default) works everywhere; functions passed to :meth:`run` must then be importable
     (picklable by reference). A ``"fork"`` pool also knows functions of ``__main__`` or a notebook, but only those
     that existed when it started; :func:`launch` therefore forks a fresh pool per call.
+
+    A rank that has not answered ``start_timeout`` seconds after the start fails it (:class:`RankFailure`, every
+    rank killed). The first start on a machine includes DeepSpeed's JIT build of its CPU comm op (a minute or more
+    on 2 cores), hence the generous default.
     """
 
     def __init__(self, nprocs: int, *, start_method: str = "spawn", backend: str = "gloo",
-                 start_timeout: float = 180.0, grace_s: float = 15.0) -> None:
+                 start_timeout: float = 600.0, grace_s: float = 15.0) -> None:
         if nprocs < 1:
             raise ValueError(f"nprocs must be >= 1, got {nprocs}")
         self.nprocs = nprocs
@@ -106,6 +125,11 @@ class RankPool:
             p.start()
         answers = self._collect(None, self._start_timeout, expect="ready")
         errors = {r: v for r, (kind, v) in answers.items() if kind != "ready"}
+        late = [r for r in range(self.nprocs) if r not in answers]
+        if late:
+            hint = _build_lock_hint()
+            errors.update({r: f"no answer at start within {self._start_timeout:g} s, or {self._grace_s:g} s after "
+                              f"another rank failed; killed{hint}" for r in late})
         if errors:
             self.close()
             raise RankFailure(f"{len(errors)} of {self.nprocs} ranks failed to start", errors)

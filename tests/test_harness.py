@@ -32,7 +32,8 @@ def test_failure_and_hang_are_reported_and_pool_recovers() -> None:
 def test_a_start_stuck_on_a_stale_build_lock_is_reported(tmp_path, monkeypatch) -> None:
     """A rank stuck at start (here: DeepSpeed's comm op build waiting on the lock file a killed build left behind,
     as torch waits, without limit) fails the start after ``start_timeout``, naming the lock and what to do, instead
-    of a pool that looks started and a first call that waits out its own timeout."""
+    of a pool that looks started whose next calls wait out their own timeout (or, once the late ranks answer, fail
+    with a ``TypeError``)."""
     lock = tmp_path / "deepspeed_shm_comm" / "lock"
     lock.parent.mkdir()
     lock.touch()

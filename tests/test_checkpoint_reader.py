@@ -221,6 +221,7 @@ def test_bytes_entries_read_in_runs(tmp_path, monkeypatch) -> None:
     dcp.save(dict(values), storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
     metadata = FileSystemReader(str(tmp_path)).read_metadata()
     keys = ["lr", "betas", "amsgrad", "name"]
+    entries = {k: metadata.storage_data[MetadataIndex(k)] for k in keys}
     reads = []
     real_open = open
 
@@ -231,15 +232,15 @@ def test_bytes_entries_read_in_runs(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setattr("builtins.open", lambda path, mode="r", *a, **k: Counted(path, mode) if mode == "rb"
                         else real_open(path, mode, *a, **k))
-    found = direct.read_bytes_entries(str(tmp_path), metadata.storage_data, keys)
+    found = direct.read_bytes_entries(str(tmp_path), entries)
     assert {k: torch.load(io.BytesIO(v), weights_only=False) for k, v in found.items()} == {k: values[k] for k in keys}
     assert len(reads) == 1
     reads.clear()
     monkeypatch.setattr(direct, "_GAP", -1)  # every entry a run of its own
-    assert direct.read_bytes_entries(str(tmp_path), metadata.storage_data, keys) == found and len(reads) == 4
+    assert direct.read_bytes_entries(str(tmp_path), entries) == found and len(reads) == 4
     monkeypatch.undo()
     data_file = next(p for p in os.listdir(tmp_path) if p.endswith(".distcp"))
     last = max(metadata.storage_data[MetadataIndex(k)].offset for k in keys)
     os.truncate(tmp_path / data_file, last + 10)
     with pytest.raises(OSError, match="truncated"):
-        direct.read_bytes_entries(str(tmp_path), metadata.storage_data, keys)
+        direct.read_bytes_entries(str(tmp_path), entries)

@@ -36,7 +36,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
@@ -198,11 +198,13 @@ def _read(staged: dict[str, Any], path: str, metadata: Metadata, in_engine: set[
     of every rank's pickled plan (thousands of read items) and its all_gather of the read results."""
     try:
         optim = staged["optim"]
-        bulk = [k for k in optim if k.startswith("param_groups.")
-                and not metadata.storage_data[MetadataIndex(f"optim.{k}")].transform_descriptors]
+        # bytes entries by name, from one pass over the metadata (a lookup by MetadataIndex builds and hashes one)
+        stored = {index.fqn[len("optim."):]: info for index, info in metadata.storage_data.items()
+                  if index.offset is None and index.fqn.startswith("optim.param_groups.")}
+        bulk = {k: info for k in optim if (info := stored.get(k)) is not None and not info.transform_descriptors}
         planner = CachingLoadPlanner(allow_partial_load=False)
-        for key, data in read_bytes_entries(path, metadata.storage_data, [f"optim.{k}" for k in bulk]).items():
-            optim[key[len("optim."):]] = planner.objects.load(data)
+        for key, data in read_bytes_entries(path, bulk).items():
+            optim[key] = planner.objects.load(data)
         bulked = set(bulk)
         rest = {**staged, "optim": {k: v for k, v in optim.items() if k not in bulked}}
         reader = _CheckedReader(path, metadata, defer=lambda t: t.untyped_storage().data_ptr() in in_engine,
@@ -310,7 +312,7 @@ class _Passes:
         """After this rank's first pass: check what it read, then the agreement (raises where any rank failed)."""
         error: BaseException | None = None
         try:
-            self.checked = check_state(self.engine, self.staged["model"], self.staged["optim"])
+            self.checked = check_state(self.engine, self.staged["model"], self.staged["optim"], self.target)
         except Exception as exc:  # noqa: BLE001 - whatever failed here must reach every rank before any rank writes
             error = exc
         self.agreed = True

@@ -31,14 +31,13 @@ import os
 import struct
 import sys
 import zipfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import IO, Any, cast
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
@@ -310,15 +309,14 @@ def _read_into(stream: IO[bytes], host: torch.Tensor, item: ReadItem) -> None:
         got += n
 
 
-def read_bytes_entries(path: str, storage_data: Mapping[MetadataIndex, Any], keys: Sequence[str]) -> dict[str, bytes]:
-    """The stored bytes of the bytes entries ``keys`` (flattened DCP keys of untransformed entries; ``storage_data``
-    from the checkpoint's metadata), by one read per run of entries less than 64 KiB apart in a file (DCP writes a
-    file's bytes entries first, one after another: thousands of hyperparameter entries in a few reads, instead of
-    a planned read item, a seek and a read each). ``OSError`` on a short read. Memory: the runs read. No
-    communication."""
+def read_bytes_entries(path: str, entries: Mapping[str, Any]) -> dict[str, bytes]:
+    """The stored bytes of untransformed bytes entries, ``entries`` mapping a name to the entry's storage info
+    (``_StorageInfo`` from the checkpoint's metadata), by one read per run of entries less than 64 KiB apart in a
+    file (DCP writes a file's bytes entries first, one after another: thousands of hyperparameter entries in a few
+    reads, instead of a planned read item, a seek and a read each); by the same names. ``OSError`` on a short read.
+    Memory: the runs read. No communication."""
     per_file: dict[str, list[tuple[int, int, str]]] = {}
-    for key in keys:
-        info = storage_data[MetadataIndex(key)]
+    for key, info in entries.items():
         per_file.setdefault(info.relative_path, []).append((info.offset, info.length, key))
     found: dict[str, bytes] = {}
     for relative_path, entries in per_file.items():

@@ -109,6 +109,8 @@ def _split_key(key: str, prefix: str) -> tuple[str, str] | None:
 
 
 def _same(a: Any, b: Any) -> bool:
+    if a is b:  # a load unpickles each distinct hyperparameter value once
+        return True
     if torch.is_tensor(a) or torch.is_tensor(b):
         return torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and bool(torch.equal(a, b))
     return bool(a == b)
@@ -136,7 +138,9 @@ def _check_optim(target: Target, optim: Mapping[str, Any], hparams: Mapping[str,
     names = set(target.names)
     keys = set(target.entry_keys())
     extra = []
-    for key in optim:
+    expected = {f"state.{n}.{k}" for n in names for k in keys}
+    expected.update(f"param_groups.{n}.{h}" for n in names for h in hparams.get(n, ()))
+    for key in optim.keys() - expected:  # the entries an engine of this model and optimizer has pass unparsed
         if key.startswith("state."):
             split = _split_key(key, "state.")
             if split is None or split[0] not in names or split[1] not in keys:
@@ -236,11 +240,12 @@ class CheckedState:
 CHECK_ERRORS = (CheckpointMismatchError, TypeError, ValueError, KeyError)
 
 
-def check_state(engine: Any, model_state_dict: Mapping[str, Any], optim_state_dict: Mapping[str, Any]
-                ) -> CheckedState:
+@torch.no_grad()  # DTensor.to_local() where autograd records: 7.5 us a value (5.6 ms per 750 entries), 40x more
+def check_state(engine: Any, model_state_dict: Mapping[str, Any], optim_state_dict: Mapping[str, Any],
+                target: Target | None = None) -> CheckedState:
     """:func:`write_state`'s checks and copy plan, on this rank only (one of :data:`CHECK_ERRORS` where the dicts
-    do not fit). No communication; nothing is written."""
-    target = describe(engine)
+    do not fit); ``target``: ``engine``'s, where the caller has it. No communication; nothing is written."""
+    target = describe(engine) if target is None else target
     hparams = hyperparameters_by_name(engine, target)
     problems = _check_model(target, model_state_dict)
     more, steps, chosen = _check_optim(target, optim_state_dict, hparams)

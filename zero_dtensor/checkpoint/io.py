@@ -205,8 +205,7 @@ def _read(staged: dict[str, Any], path: str, metadata: Metadata, in_engine: set[
         planner = CachingLoadPlanner(allow_partial_load=False)
         for key, data in read_bytes_entries(path, bulk).items():
             optim[key] = planner.objects.load(data)
-        bulked = set(bulk)
-        rest = {**staged, "optim": {k: v for k, v in optim.items() if k not in bulked}}
+        rest = {**staged, "optim": {k: v for k, v in optim.items() if k not in bulk}}
         reader = _CheckedReader(path, metadata, defer=lambda t: t.untyped_storage().data_ptr() in in_engine,
                                 between=between)
         with warnings.catch_warnings():  # no_dist warns that it assumes a single process: here it is each rank's

@@ -309,14 +309,14 @@ def _read_into(stream: IO[bytes], host: torch.Tensor, item: ReadItem) -> None:
         got += n
 
 
-def read_bytes_entries(path: str, entries: Mapping[str, Any]) -> dict[str, bytes]:
-    """The stored bytes of untransformed bytes entries, ``entries`` mapping a name to the entry's storage info
+def read_bytes_entries(path: str, infos: Mapping[str, Any]) -> dict[str, bytes]:
+    """The stored bytes of untransformed bytes entries, ``infos`` mapping a name to the entry's storage info
     (``_StorageInfo`` from the checkpoint's metadata), by one read per run of entries less than 64 KiB apart in a
     file (DCP writes a file's bytes entries first, one after another: thousands of hyperparameter entries in a few
     reads, instead of a planned read item, a seek and a read each); by the same names. ``OSError`` on a short read.
     Memory: the runs read. No communication."""
     per_file: dict[str, list[tuple[int, int, str]]] = {}
-    for key, info in entries.items():
+    for key, info in infos.items():
         per_file.setdefault(info.relative_path, []).append((info.offset, info.length, key))
     found: dict[str, bytes] = {}
     for relative_path, entries in per_file.items():

@@ -244,3 +244,31 @@ def test_failure_while_reading_into_the_engine_is_reported_on_every_rank(ranks, 
     rank0, rank1 = ranks(2).run(ck.second_pass_failure, str(tmp_path))
     assert "the disk went away" in rank1 and "partly overwritten" in rank1, rank1
     assert "another rank failed" in rank0 and "partly overwritten" in rank0, rank0
+
+
+def test_optimizer_entries_the_engine_does_not_have_are_named() -> None:
+    """``_check_optim`` (what ``set_state_dict`` and ``zd.load`` check an optimizer state dict by): the engine's own
+    entries and unknown hyperparameters of its parameters pass; state entries of other keys or parameters, and
+    entries of any other form, are named (dotted names parsed as torch writes them)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from zero_dtensor.checkpoint.state_dict import _check_optim
+
+    pieces = tuple(SimpleNamespace(name=n, start=0, stop=4, group=0) for n in ("a.w", "a.b.w"))
+    target = SimpleNamespace(names=("a.w", "a.b.w"), entry_keys=lambda: ("exp_avg", "step"), pieces=pieces,
+                             state_keys=("exp_avg",), has_step=True, param_group=(0,),
+                             masters=SimpleNamespace(partitions=(torch.zeros(8),)))
+    hparams = {"a.w": {"lr": 0.1}, "a.b.w": {"lr": 0.1}}
+    optim = {f"state.{n}.{k}": v for n in target.names for k, v in (("exp_avg", torch.zeros(4)),
+                                                                        ("step", torch.tensor(3.0)))}
+    optim |= {f"param_groups.{n}.lr": 0.1 for n in target.names}
+    optim["param_groups.a.b.w.foreach"] = None  # a hyperparameter the engine's group lacks: accepted
+    problems, steps, chosen = _check_optim(target, optim, hparams)
+    assert problems == [] and steps == [3.0] and chosen == {0: {"lr": 0.1}}
+    strays = ["state.a.b.w.exp_avg_sq", "state.a.c.exp_avg", "state.a", "param_groups.a.c.lr", "param_groups.a",
+              "other"]
+    problems, _, _ = _check_optim(target, {**optim, **dict.fromkeys(strays, 0.0)}, hparams)
+    assert problems == ["optimizer entries the engine does not have (another model or optimizer?): "
+                        + ", ".join(sorted(strays))], problems

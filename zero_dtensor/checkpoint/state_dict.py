@@ -140,16 +140,11 @@ def _check_optim(target: Target, optim: Mapping[str, Any], hparams: Mapping[str,
     extra = []
     expected = {f"state.{n}.{k}" for n in names for k in keys}
     expected.update(f"param_groups.{n}.{h}" for n in names for h in hparams.get(n, ()))
-    for key in optim.keys() - expected:  # the entries an engine of this model and optimizer has pass unparsed
-        if key.startswith("state."):
-            split = _split_key(key, "state.")
-            if split is None or split[0] not in names or split[1] not in keys:
-                extra.append(key)
-        elif key.startswith("param_groups."):
-            split = _split_key(key, "param_groups.")
-            if split is None or split[0] not in names:
-                extra.append(key)
-        else:
+    # every state entry the engine has is expected; so is every hyperparameter it has, and a parameter's other
+    # hyperparameters are accepted (not written)
+    for key in optim.keys() - expected:
+        split = _split_key(key, "param_groups.")
+        if split is None or split[0] not in names:
             extra.append(key)
     if extra:
         problems.append(_listing("optimizer entries the engine does not have (another model or optimizer?)",

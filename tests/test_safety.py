@@ -36,6 +36,11 @@ def test_writes_record_no_history(ranks, case: EngineCase) -> None:
     ranks(case.world).run(safety.check_writes_record_no_history, case)
 
 
+@pytest.mark.parametrize("case", [EngineCase(2), EngineCase(3), BF16OPT], ids=["z2", "z3", "bf16opt"])
+def test_tensor_subclass_values_are_written(ranks, case: EngineCase) -> None:
+    ranks(case.world).run(safety.check_tensor_subclass_values, case)
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_bad_arguments_clear_errors(ranks, stage: int) -> None:
     messages = ranks(2).run(safety.check_bad_arguments, stage)[0]

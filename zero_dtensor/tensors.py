@@ -275,8 +275,8 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         holds nothing of are not read there, only their shapes and devices checked. Values must be equal on every
         rank (for replicated groups each rank writes the whole value). Everything is validated on every rank before
         the first write: a bad entry anywhere raises on every rank and nothing is changed. Values may be any
-        floating dtype (cast on write), on the engine's device or where the tensor is stored; writes never record
-        autograd history.
+        floating dtype (cast on write), on the engine's device or where the tensor is stored, plain tensors or
+        subclasses such as ``nn.Parameter`` (not DTensors); writes never record autograd history.
         """
         state = self._state
         state.check_current()

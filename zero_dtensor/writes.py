@@ -98,7 +98,9 @@ def validate_full(state: FlatState, mapping: Mapping[str, torch.Tensor]) -> Chec
     devices = frozenset({storage.device, *(p.device for p in storage.partitions)})
     names, values = list(mapping.keys()), list(mapping.values())
     request = _request(state, names)
-    types_ok = request is not None and all(map(operator.is_, map(type, values), repeat(torch.Tensor)))
+    # plain tensors by one identity pass; tensor subclasses (``nn.Parameter``, ...) by ``isinstance`` only then
+    types_ok = request is not None and (all(map(operator.is_, map(type, values), repeat(torch.Tensor)))
+                                        or all(map(_full_tensor_type, values)))
     accepted = _ACCEPTED.get(request) if types_ok else None
     # compared one value at a time: a list of 10,000 new (shape, dtype, device) tuples would set off the garbage
     # collector several times per call (and survive into its older generations). A request whose every value is
@@ -179,6 +181,11 @@ def _request(state: FlatState, names: list[Any]) -> _Request | None:
     return found
 
 
+def _full_tensor_type(value: object) -> bool:
+    """A value type ``set_full_`` takes: a ``torch.Tensor`` or a subclass (``nn.Parameter``), not a DTensor."""
+    return isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
+
+
 def _name_bad_entry(state: FlatState, names: list[Any], values: list[Any], devices: frozenset[torch.device]) -> None:
     """Raise for the first bad entry, in order (returns if there is none)."""
     for name, value in zip(names, values):
@@ -190,7 +197,7 @@ def _check_entry(state: FlatState, name: object, value: object, devices: frozens
     if param is None:
         raise KeyError(f"set_full_: {name!r} is not a trainable parameter of this engine; known: "
                        f"{short_names(state.layout.names)}")
-    if isinstance(value, DTensor) or not isinstance(value, torch.Tensor):
+    if not _full_tensor_type(value):
         raise TypeError(
             f"set_full_: value for {name!r} must be a full torch.Tensor of shape {tuple(param.shape)}, "
             f"got {type(value).__name__} (for a DTensor pass value.full_tensor())"

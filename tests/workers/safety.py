@@ -144,6 +144,36 @@ def check_writes_record_no_history(case: EngineCase) -> None:
         engine.step()
 
 
+class _PlainSubclass(torch.Tensor):
+    """A tensor subclass with no dispatch of its own, as user code makes them."""
+
+
+def check_tensor_subclass_values(case: EngineCase) -> None:
+    """``set_full_`` takes ``nn.Parameter`` values (leaves that require grad) and other plain tensor subclasses as
+    it takes tensors: a whole request (staged), one entry alone (the per-parameter path), each with new values and
+    then the same ones again (a repeated request's checks). What is read back is what was written, and DeepSpeed's
+    storage records no history."""
+    engine = build_engine(case)
+    forward_backward(engine)
+    grads = zd.sharded_grads(engine)
+    full = grads.full_tensors(dtype=torch.float32)
+    first = grads.names[0]
+    wraps = {"parameter": torch.nn.Parameter, "subclass": lambda t: t.as_subclass(_PlainSubclass)}
+    for kind, wrap in wraps.items():
+        for scale in (2.0, 3.0, 3.0):
+            values = {n: wrap(t * scale) for n, t in full.items()}
+            alone = {first: wrap(full[first] * (scale + 0.5))}
+            assert type(values[first]) is not torch.Tensor and values[first].requires_grad == (kind == "parameter")
+            grads.set_full_(values)
+            grads.set_full_(alone)
+            got = grads.full_tensors(dtype=torch.float32)
+            for n in full:
+                factor = scale + 0.5 if n == first else scale
+                assert torch.equal(got[n], (full[n] * factor).to(grads[n].dtype).float()), (kind, scale, n)
+    for storage in deepspeed_storage(engine):
+        assert storage.grad_fn is None and not storage.requires_grad
+
+
 # --- 4. bad arguments get a clear error ------------------------------------------------------------------------------
 def check_bad_arguments(stage: int) -> list[str]:
     engine = build_engine(EngineCase(stage))

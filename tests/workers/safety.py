@@ -12,6 +12,7 @@ import torch.distributed as dist
 from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
 
 import zero_dtensor as zd
+from zero_dtensor import writes
 from zero_dtensor.errors import RankDisagreementError
 
 from .bad_input import deepspeed_storage
@@ -148,11 +149,13 @@ class _PlainSubclass(torch.Tensor):
     """A tensor subclass with no dispatch of its own, as user code makes them."""
 
 
-def check_tensor_subclass_values(case: EngineCase) -> None:
+def check_tensor_subclass_values(case: EngineCase) -> dict[str, bool]:
     """``set_full_`` takes ``nn.Parameter`` values (leaves that require grad) and other plain tensor subclasses as
-    it takes tensors: a whole request (staged), one entry alone (the per-parameter path), each with new values and
-    then the same ones again (a repeated request's checks). What is read back is what was written, and DeepSpeed's
-    storage records no history."""
+    it takes tensors: the whole request, every other parameter in reverse order, one entry alone (the per-parameter
+    path), each with new values and then the same ones again (a repeated request's checks); where the parameters
+    are small some of these are staged (``"staged"``: on this rank). What is read back is what was written, and DeepSpeed's storage records no
+    history."""
+    writes._ROW_WRITES.clear()
     engine = build_engine(case)
     forward_backward(engine)
     grads = zd.sharded_grads(engine)
@@ -162,16 +165,19 @@ def check_tensor_subclass_values(case: EngineCase) -> None:
     for kind, wrap in wraps.items():
         for scale in (2.0, 3.0, 3.0):
             values = {n: wrap(t * scale) for n, t in full.items()}
+            subset = {n: wrap(full[n] * (scale + 0.25)) for n in reversed(grads.names[1::2])}  # not in model order
             alone = {first: wrap(full[first] * (scale + 0.5))}
             assert type(values[first]) is not torch.Tensor and values[first].requires_grad == (kind == "parameter")
-            grads.set_full_(values)
-            grads.set_full_(alone)
+            for request in (values, subset, alone):
+                grads.set_full_(request)
+            staged = any(w is not None for w in writes._ROW_WRITES.values())
             got = grads.full_tensors(dtype=torch.float32)
             for n in full:
-                factor = scale + 0.5 if n == first else scale
+                factor = scale + 0.5 if n == first else scale + 0.25 if n in subset else scale
                 assert torch.equal(got[n], (full[n] * factor).to(grads[n].dtype).float()), (kind, scale, n)
     for storage in deepspeed_storage(engine):
         assert storage.grad_fn is None and not storage.requires_grad
+    return {"staged": staged}
 
 
 # --- 4. bad arguments get a clear error ------------------------------------------------------------------------------

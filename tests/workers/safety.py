@@ -153,8 +153,8 @@ def check_tensor_subclass_values(case: EngineCase) -> dict[str, bool]:
     """``set_full_`` takes ``nn.Parameter`` values (leaves that require grad) and other plain tensor subclasses as
     it takes tensors: the whole request, every other parameter in reverse order, one entry alone (the per-parameter
     path), each with new values and then the same ones again (a repeated request's checks); where the parameters
-    are small some of these are staged (``"staged"``: on this rank). What is read back is what was written, and DeepSpeed's storage records no
-    history."""
+    are small some of these are staged (``"staged"``: on this rank). What is read back is what was written, and
+    DeepSpeed's storage records no history."""
     writes._ROW_WRITES.clear()
     engine = build_engine(case)
     forward_backward(engine)

@@ -88,8 +88,9 @@ def _picked(pick: Callable[[list[torch.Tensor]], Any], values: list[torch.Tensor
 
 def validate_full(state: FlatState, mapping: Mapping[str, torch.Tensor]) -> CheckedValues:
     """The entries of ``mapping`` (see ``ShardedGrads.set_full_``), checked with three C-level passes over the
-    values (type, ``numel``, dtype; the names' parameters come from the last request's when the names are the same);
-    the per-entry check runs only to name the first bad entry. When the names are the last request's and every
+    values (type, ``numel``, dtype; the names' parameters come from the last request's when the names are the same;
+    a request holding a tensor subclass such as ``nn.Parameter`` takes one more type pass, a Python ``isinstance``
+    per value); the per-entry check runs only to name the first bad entry. When the names are the last request's and every
     value's shape, dtype and device are those it was written with (a training loop's every step), two passes
     (type; shape, dtype and device together) check everything."""
     if not isinstance(mapping, Mapping):

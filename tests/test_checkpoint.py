@@ -135,7 +135,8 @@ def test_state_dict_format(ranks) -> None:
 def test_collectives_counted(ranks, tmp_path) -> None:
     """What the docstrings promise, counted with CommDebugMode at 2 ranks on an 8-tensor ZeRO-2 and a 34-tensor
     ZeRO-3 engine: ``get_state_dict`` none; ``set_state_dict`` one agreement + the working weights' refresh;
-    ``save`` only DCP's object collectives (no tensor data), as many for either model, and no copy of a piece; ``load`` of a stepped engine
+    ``save`` one agreement (issue 45: its path and ``async_``, before its first collective) and DCP's object
+    collectives (no tensor data), as many for either model, and no copy of a piece; ``load`` of a stepped engine
     two agreements (after every rank read and checked what it read, before its engine memory is written; and after
     that) and the refresh, nothing else (each rank plans its own reads: no DCP collective), with no staging buffer;
     of a never-stepped engine one agreement, its staging buffers freed before the refresh."""
@@ -150,7 +151,9 @@ def test_collectives_counted(ranks, tmp_path) -> None:
     for found in (small, deep):
         assert found["get_state_dict"] == 0, found
         assert found["sync"] == 1 and found["set_state_dict"] == 1 + found["sync"], found
-        assert not set(found["refresh"]) & set(found["save"]) and agreement_op not in found["save"], found  # objects
+        dcp_save = Counter(found["save"]) - Counter({agreement_op: 1})  # the agreement, then DCP's objects only
+        assert sum(dcp_save.values()) == sum(found["save"].values()) - 1, found
+        assert not set(found["refresh"]) & set(dcp_save) and agreement_op not in dcp_save, found
         assert found["clones in save"] == [], found  # every piece handed to DCP over exactly its bytes: no copy
         # a stepped engine is read in place: no staging; one agreement before the engine is written, one after
         assert Counter(found["load"]) == Counter({agreement_op: 2}) + Counter(found["refresh"]), found
@@ -159,7 +162,7 @@ def test_collectives_counted(ranks, tmp_path) -> None:
         assert Counter(found["load, never stepped"]) == Counter({agreement_op: 1}) + Counter(found["refresh"]), found
         assert found["staging, never stepped"]["made"] > 0, found
         assert found["staging, never stepped"]["alive at the refresh"] == [0], found
-    assert small["save"] == deep["save"] and sum(small["save"].values()) == 9  # "about 9 at 2 ranks"
+    assert small["save"] == deep["save"] and sum(small["save"].values()) == 1 + 9  # "about 9 at 2 ranks" + 1
 
 
 def test_load_at_one_rank(ranks, saved) -> None:
@@ -272,3 +275,33 @@ def test_optimizer_entries_the_engine_does_not_have_are_named() -> None:
     problems, _, _ = _check_optim(target, {**optim, **dict.fromkeys(strays, 0.0)}, hparams)
     assert problems == ["optimizer entries the engine does not have (another model or optimizer?): "
                         + ", ".join(sorted(strays))], problems
+
+
+DISAGREE_CASES = [EngineCase(stage=2), EngineCase(stage=3), EngineCase(stage=2, world=3),
+                  EngineCase(stage=3, world=3)]
+
+
+@pytest.mark.parametrize("case", DISAGREE_CASES, ids=lambda c: c.id)
+def test_saves_that_differ_between_ranks_raise_on_every_rank(ranks, tmp_path, case) -> None:
+    """Issue 45, items 4 and 5: a path per rank reported success (rank 0's directory looked complete and could not
+    be loaded); ``async_=True`` on some ranks hung past the process group's timeout. Both raise on every rank now,
+    before anything is written."""
+    results = ranks(case.world).run(ck.disagreeing_saves, str(tmp_path), case, timeout=180.0)
+    for rank, messages in enumerate(results):
+        for what, message in messages.items():
+            assert "checkpoint.save" in message, (what, message)
+        assert f"per-rank-{case.world - 1}" in messages["path per rank"], messages
+        assert "True" in messages["async on some ranks"] and "False" in messages["async on some ranks"], messages
+
+
+@pytest.mark.parametrize("case", DISAGREE_CASES, ids=lambda c: c.id)
+def test_loads_that_differ_between_ranks_raise_on_every_rank(ranks, tmp_path, case) -> None:
+    """Issue 45, item 2: ranks loading different checkpoints (another path, or the same path holding another
+    checkpoint) loaded a mixture with no error. They raise on every rank now, the engine unchanged."""
+    results = ranks(case.world).run(ck.disagreeing_loads, str(tmp_path), case, timeout=180.0)
+    for messages in results:
+        for what, message in messages.items():
+            assert "checkpoint.load" in message, (what, message)
+        assert "new" in messages["stepped: another path"] and "old" in messages["stepped: another path"], messages
+        ids = re.findall(r"save_id [0-9a-f-]+", messages["stepped: another checkpoint"])
+        assert len(set(ids)) == 2, messages  # the same path, two checkpoints: told apart by their save_id

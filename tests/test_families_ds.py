@@ -4,6 +4,7 @@ geometry (``zero_dtensor._deepspeed.families``), and the working-weight refresh 
 
 from __future__ import annotations
 
+import re
 from importlib.metadata import version
 
 import pytest
@@ -66,3 +67,37 @@ def test_set_optimizer_steps_validates_first(ranks) -> None:
 
 def test_refusals(ranks) -> None:
     ranks(2).run(families_ds.check_refusals)
+
+
+DISAGREE_CASES = [EngineCase(2), EngineCase(3), EngineCase(2, world=3), EngineCase(3, world=3)]
+
+
+@pytest.mark.parametrize("case", DISAGREE_CASES, ids=case_id)
+def test_calls_on_different_tensors_raise_on_every_rank(ranks, case: EngineCase) -> None:
+    """Issue 45, item 1: the rank agreement hashes the family (masters, each optimizer-state key, gradients, each
+    clone), so ranks naming the same parameters of different tensors raise instead of exchanging pieces of both
+    (``get_full_optimizer_state(engine, 'exp_avg')`` beside ``'exp_avg_sq'`` returned wrong values on every rank,
+    ``global_norm`` a norm of neither). Nothing is written; the group stays in step."""
+    needs_step(case.stage)
+    # a regression returns (the worker then fails at once) or hangs: fail after two minutes rather than ten
+    results = ranks(case.world).run(families_ds.disagreeing_families, case, timeout=120.0)
+    last = case.world - 1
+    for messages in results:
+        assert "optimizer state 'exp_avg_sq'" in messages["exp_avg / exp_avg_sq: full_tensors"], messages
+        assert "master weights" in messages["masters / exp_avg: global_norm"], messages
+        numbers = re.findall(r"clone #(\d+) of master weights", messages["clone / clone: to_dtensors"])
+        assert len(set(numbers)) == 2, messages  # two clones, two numbers (counted per process: the pool lives on)
+        assert f"rank {last}" in messages["get_full_optimizer_state"], messages
+
+
+@pytest.mark.parametrize("case", DISAGREE_CASES, ids=case_id)
+def test_fp32_writes_that_differ_between_ranks_raise_on_every_rank(ranks, case: EngineCase) -> None:
+    """Issue 45, item 6: ``set_full_fp32_params`` agrees on the names it writes, in the sync's agreement moved
+    before the write (no collective more): a value on one rank and ``{}`` on another wrote part of the parameter
+    (each rank its own fragment); now every rank raises and nothing is written."""
+    needs_step(case.stage)
+    results = ranks(case.world).run(families_ds.disagreeing_fp32_writes, case, timeout=120.0)
+    for messages in results:
+        assert "set_full_fp32_params" in messages["set_full_fp32_params value / {}"], messages
+        assert f"rank {case.world - 1}" in messages["set_full_fp32_params other names"], messages
+        assert "shape" in messages["set_full_fp32_params bad entry"], messages

@@ -66,6 +66,7 @@ __all__ = [
     "REFUSALS",
     "Refusal",
     "agree",
+    "agree_on",
     "agree_outcome",
     "distinct_groups",
     "error_code",
@@ -156,12 +157,15 @@ def _check_not_local(what: str) -> None:
 
 def agree(what: str, signature: Any, groups: Iterable[dist.ProcessGroup], device: torch.device, *,
           refused: Exception | None = None,
-          payload: Callable[[dist.ProcessGroup], Sequence[int]] | None = None) -> dict[int, list[list[int]]]:
+          payload: Callable[[dist.ProcessGroup], Sequence[int]] | None = None,
+          family: str | None = None) -> dict[int, list[list[int]]]:
     """Agree on a collective call before it moves data (see the module docstring); raise on every rank unless
     every rank passes an equal ``signature`` and the same settings and none refused.
 
     ``signature``: plain values (names, dtypes, ints, strategies) whose ``repr`` is identical across ranks; ignored
-    where ``refused`` (this rank's :class:`Refusal` error). ``groups``: the process groups the call communicates
+    where ``refused`` (this rank's :class:`Refusal` error). ``family``: the fingerprint of the tensors the call
+    reads or writes (:attr:`~zero_dtensor.storage.FlatStorage.family`; :func:`agree_on` passes it), hashed with the
+    signature. ``groups``: the process groups the call communicates
     on (single-rank ones and repeats are skipped; a refusing rank that cannot tell which groups the call uses
     passes all of them: their first must be the others' first). ``payload(group)``: extra int64 values to gather
     with the agreement (the same length on every rank), returned as ``{id(group): one row per group rank}``.
@@ -174,7 +178,8 @@ def agree(what: str, signature: Any, groups: Iterable[dist.ProcessGroup], device
     """
     _check_not_local(what)
     fingerprint = settings.fingerprint()
-    text = f"{what}{signature!r} with {fingerprint!r}" if refused is None else _refusal_text(what, refused)
+    on = "" if family is None else f" on {family}"
+    text = f"{what}{signature!r}{on} with {fingerprint!r}" if refused is None else _refusal_text(what, refused)
     mine = [_hash(text), error_code(refused)]
     gathered: dict[int, list[list[int]]] = {}
     for group in distinct_groups(groups):
@@ -204,6 +209,18 @@ def agree(what: str, signature: Any, groups: Iterable[dist.ProcessGroup], device
     if gathered:  # only an agreement that reached other ranks may arm or disarm the step checkpoint
         _arm(settings.is_debug())
     return gathered
+
+
+def agree_on(storage: Any, what: str, signature: Any, groups: Iterable[dist.ProcessGroup], *,
+             refused: Exception | None = None,
+             payload: Callable[[dist.ProcessGroup], Sequence[int]] | None = None) -> dict[int, list[list[int]]]:
+    """:func:`agree` for a call on one family's tensors (``storage``: its
+    :class:`~zero_dtensor.storage.FlatStorage`): the family's fingerprint (``storage.family``: the gradients, the
+    masters, one optimizer-state key, a numbered clone) is hashed with the signature, so that ranks naming the same
+    parameters of *different* tensors (``exp_avg`` on one rank, ``exp_avg_sq`` on another) raise on every rank
+    instead of exchanging pieces of different tensors. Every communicating call of
+    :class:`~zero_dtensor.tensors.ShardedTensors` agrees through here. The same collective as :func:`agree`."""
+    return agree(what, signature, groups, storage.device, refused=refused, payload=payload, family=storage.family)
 
 
 _HASH_BITS = (1 << 62) - 1  # a hash and its negation both fit an int64
@@ -285,23 +302,34 @@ def raise_outcome(what: str, error: BaseException | None, failed: Sequence[tuple
 
 
 def agree_outcome(what: str, error: BaseException | None, groups: Iterable[dist.ProcessGroup],
-                  device: torch.device, **kwargs: Any) -> None:
+                  device: torch.device, *, signature: Any = None, **kwargs: Any) -> None:
     """Every rank learns whether a user function failed on any rank, and raises if one did (:func:`raise_outcome`,
-    ``kwargs`` passed on). **Collective**: per distinct multi-rank group one ``all_gather`` of 2 int64 per rank, or
+    ``kwargs`` passed on). ``signature``: plain values whose ``repr`` must be equal on every rank that did not fail
+    (``zd.load``: the normalized path and the checkpoint's identity); where they differ and no rank failed, every
+    rank raises :class:`~zero_dtensor.errors.RankDisagreementError` listing every rank's (one
+    ``all_gather_object`` more, on that path only). A failure takes precedence: a failing rank may not know the
+    signature. **Collective**: per distinct multi-rank group one ``all_gather`` of 2 int64 per rank, or
     where :func:`~zero_dtensor.collectives.prefers_all_reduce` one ``all_reduce`` (MAX) of 4 int64 and, only
     where some rank failed, one ``all_gather`` of 2 int64 per rank more (which ranks)."""
     code = error_code(error)
     failed: dict[int, int] = {}
-    hashed = _hash(what)
+    text = what if signature is None or error is not None else f"{what}{signature!r}"
+    hashed = _hash(text)
     for group in distinct_groups(groups):
         if prefers_all_reduce(group):
             same, any_failed, _ = _max_check(what, hashed, code, group, device)
-            rows = _gather(what, [hashed, code], group, device) if same and any_failed else []
+            rows = _gather(what, [hashed, code], group, device) if any_failed else []
         else:
             rows = _gather(what, [hashed, code], group, device)
-            same = _row_check(rows)[0]
-        if not same:
-            raise RankDisagreementError(f"zero_dtensor: {what}: ranks reached different collective calls here")
+            same, any_failed, _ = _row_check(rows)
+        if not same and not any_failed:
+            detail = ""
+            if signature is not None:
+                texts: list[Any] = all_gather_objects(text, group)
+                detail = ":\n" + "\n".join(f"  rank {r}: {t}" for r, t in zip(group_ranks(group), texts))
+            raise RankDisagreementError(f"zero_dtensor: {what}: ranks reached different collective calls here, or "
+                                        f"called it with different arguments; every rank raised, nothing was "
+                                        f"written{detail}")
         failed.update({r: row[1] for r, row in zip(group_ranks(group), rows) if row[1]})
     raise_outcome(what, error, sorted(failed.items()), **kwargs)
 

@@ -137,11 +137,13 @@ def get_full_fp32_params(engine: Any, names: list[str] | None = None) -> dict[st
 
 def set_full_fp32_params(engine: Any, mapping: Mapping[str, torch.Tensor]) -> None:
     """Write full fp32 master weights and refresh the model's working weights from them, a drop-in for a
-    ``safe_set_full_fp32_param`` loop followed by the refresh DeepSpeed's step would do. **Collective** (the sync,
-    :func:`sync_model_params`; the write itself communicates nothing). Every entry is validated on every rank
-    before anything is written."""
-    sharded_master_params(engine).set_full_(mapping)
-    sync_model_params(engine)
+    ``safe_set_full_fp32_param`` loop followed by the refresh DeepSpeed's step would do. **Collective**: the rank
+    agreement, then the sync (:func:`sync_model_params`' collectives; the write itself communicates nothing). The
+    agreement comes first and hashes the names written: every entry is validated on every rank, and a bad entry
+    on any rank, or names that differ between ranks (one rank a value, another ``{}``), raise on every rank before
+    anything is written."""
+    check_engine(engine)
+    _master.set_full_and_sync(engine, mapping)
 
 
 def get_full_optimizer_state(engine: Any, key: str, names: list[str] | None = None) -> dict[str, torch.Tensor]:

@@ -38,7 +38,8 @@ import torch
 
 from ._deepspeed import families
 from ._deepspeed import sync as _sync
-from .agreement import agree
+from . import writes
+from .agreement import Refusal, agree, agree_on
 from .errors import ModelParamsNotSyncedError, StaleTensorsError
 from .storage import FlatStorage
 from .tensors import ShardedTensors
@@ -49,6 +50,7 @@ __all__ = [
     "master_front",
     "needs_sync",
     "optimizer_state_front",
+    "set_full_and_sync",
     "sync_model_params",
 ]
 
@@ -174,10 +176,40 @@ def sync_model_params(engine: Any) -> None:
     all_gather of the persistent parameters together after a local copy. Memory: none beyond DeepSpeed's own."""
     storage = master_front(engine).__zero_dtensor_state__().storage
     agree("sync_model_params", (), storage.process_groups, storage.device)
+    _sync_agreed(engine)
+
+
+def _sync_agreed(engine: Any) -> None:
+    """:func:`sync_model_params` after its agreement (the caller's)."""
     _sync.sync_model_params(engine)
     mark = _MARKS.get(engine)
     if mark is not None:
         mark.pending = False
+
+
+def set_full_and_sync(engine: Any, mapping: Any) -> None:
+    """Write full fp32 masters (:meth:`~zero_dtensor.tensors.ShardedTensors.set_full_`) and refresh the working
+    weights, agreeing first on the names written: the sync's own agreement, moved before the write and hashing the
+    written names (sorted; every trainable parameter: one marker), the masters' family and any rank's
+    refusal of the mapping (every entry's name, type, shape, dtype and device checked first). A mapping that
+    differs between ranks (one rank a value, another ``{}``) raises on every rank and nothing is written anywhere.
+    **Collective**: one agreement, then the sync (:func:`sync_model_params`' communication); no collective more
+    than ``set_full_`` + :func:`sync_model_params`."""
+    front = master_front(engine)
+    state = front.__zero_dtensor_state__()
+    state.check_current()
+    storage = state.storage
+    checked: Any = None
+    with Refusal() as refusal:
+        checked = writes.validate_full(state, mapping)
+        if not checked.exact:
+            writes.check_shapes(state, checked)  # the write would check them after the agreement: check them now
+    names: Any = None
+    if refusal.error is None:
+        names = "<all>" if len(checked.names) == len(state.layout.params) else sorted(checked.names)
+    agree_on(storage, "set_full_fp32_params", (names,), storage.process_groups, refused=refusal.error)
+    writes.set_full_(state, checked)
+    _sync_agreed(engine)
 
 
 # --- fronts, one per engine (and key) while DeepSpeed holds their tensors ------------------------------------------

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.distributed.tensor import DTensor
 
-from .agreement import Refusal, agree
+from .agreement import Refusal, agree_on
 from .layout import ParamLayout
 from .state import check_dtype
 
@@ -97,8 +97,7 @@ class ParamView:
         param = self._param
         pg = storage.process_groups[param.group]
         communicates = state.group(param.group).placement.is_sharded
-        agree(what, (self.name, str(dtype)), [pg] if communicates else [], storage.device,
-              refused=refusal.error)
+        agree_on(storage, what, (self.name, str(dtype)), [pg] if communicates else [], refused=refusal.error)
         group = state.group(param.group)
         full = group.placement.gather_param(group, param, storage.partitions[param.group], pg, storage.device)
         return state.finish(full.view(param.shape), dtype)

@@ -37,6 +37,11 @@ class FlatStorage:
         view_caches: per group, a :class:`~zero_dtensor.views.ViewCache` of its partition when the adapter keeps
             the partition tensor across steps (its per-parameter views are then made once, not every step); empty
             when every step's partition is new.
+        family: which tensors of the engine these are, the same on every rank and never shared by two different
+            ones: ``"gradients"``, ``"master weights"``, ``"optimizer state 'exp_avg'"`` …, ``"clone #3 of
+            master weights"`` (clones are numbered in the order this process made them from that family). Every
+            rank agreement of a call on the family hashes it (:func:`zero_dtensor.agreement.agree_on`): the
+            families share one layout and plan, so names alone cannot tell them apart.
     """
 
     layout: FlatLayout
@@ -48,6 +53,7 @@ class FlatStorage:
     after_write: Callable[[Sequence[str]], None] = _no_write_hook
     describe: str = ""
     view_caches: tuple[ViewCache, ...] = ()
+    family: str = "gradients"
 
     def to_true(self, stored: torch.Tensor) -> torch.Tensor:
         """Stored values in true units: ``stored`` itself without loss scaling, else an unscaled float32 tensor."""

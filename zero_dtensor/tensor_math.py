@@ -10,8 +10,10 @@ weights need :func:`zero_dtensor.sync_model_params` before the next forward).
 
 from __future__ import annotations
 
+import itertools
 import numbers
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,6 +25,16 @@ from .state import FlatState, ParamSelection, Selection
 from .transforms import Scalar
 
 __all__ = ["TensorMath"]
+
+#: per source family, the numbers of its clones (made in the same order on every rank, as every call is)
+_CLONES: dict[str, itertools.count] = {}
+
+
+def _clone_family(source: str) -> str:
+    """A new clone's family fingerprint: numbered per source family in the order this process makes clones of it,
+    so two clones (an EMA and a snapshot) never share one, and the k-th clone of a family is the same one on every
+    rank that made its clones in the same order."""
+    return f"clone #{next(_CLONES.setdefault(source, itertools.count(1)))} of {source}"
 
 
 class TensorMath:
@@ -163,7 +175,8 @@ class TensorMath:
         self._check_current()
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise TypeError(f"clone: dtype must be floating, got {dtype}")
-        return type(self)(transforms.clone_storage(self._state, dtype))
+        storage = transforms.clone_storage(self._state, dtype)
+        return type(self)(replace(storage, family=_clone_family(self._state.storage.family)))
 
     def norms(self, norm_type: float = 2.0, *, params: ParamSelection = None) -> ParamValues:
         """``{name: norm of the true values}`` as 0-d float32 tensors (on the storage device; no host sync): a
@@ -193,7 +206,7 @@ class TensorMath:
         if not isinstance(other, TensorMath):
             raise TypeError(f"dots takes another ShardedTensors or a clone, got {type(other).__name__}")
         self._check_same_layout(other)
-        sel = self._agreed_selection("dots", params, bool(with_norms))
+        sel = self._agreed_selection("dots", params, bool(with_norms), other._state.storage.family)
         return reductions.dots(self._state, other._state, sel, with_norms)
 
     def stats(self, *, params: ParamSelection = None) -> Mapping[str, GradStats]:

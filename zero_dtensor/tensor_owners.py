@@ -13,7 +13,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import redistribute as _redistribute
-from .agreement import Refusal, agree
+from .agreement import Refusal, agree_on
 from .layout import ParamLayout
 from .state import check_dtype
 from .storage import FlatStorage
@@ -77,8 +77,8 @@ class TensorOwners:
             selected = self._select(_redistribute.mapping_names(mapping, "set_dtensors_"))
             values = _redistribute.checked_dtensors(storage, selected, mapping)
         signature = () if refusal.error else ([p.name for p in selected], _redistribute.dtensor_signature(mapping))
-        agree("set_dtensors_", signature, _redistribute.agreement_groups(storage, selected), storage.device,
-              refused=refusal.error)
+        agree_on(storage, "set_dtensors_", signature, _redistribute.agreement_groups(storage, selected),
+                 refused=refusal.error)
         assert selected is not None  # a refusal raised above
         _redistribute.set_dtensors_(storage, selected, values)
 
@@ -159,8 +159,8 @@ class TensorOwners:
                                 f"{type(fn).__name__}")
             assignment = _redistribute.owners(storage, selected, owners)
         signature = () if refusal.error else ([p.name for p in selected], tuple(assignment.values()))
-        agree("map_full_", signature, _redistribute.agreement_groups(storage, selected), storage.device,
-              refused=refusal.error)
+        agree_on(storage, "map_full_", signature, _redistribute.agreement_groups(storage, selected),
+                 refused=refusal.error)
         assert selected is not None  # a refusal raised above
         _redistribute.map_full_(storage, selected, assignment, fn)
 

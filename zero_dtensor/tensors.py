@@ -28,7 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from . import reductions, writes
-from .agreement import Refusal, agree
+from .agreement import Refusal, agree_on
 from .collectives import mesh_for
 from .errors import StaleTensorsError
 from .layout import FlatLayout, ParamLayout
@@ -294,10 +294,10 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         used = range(len(self.layout.groups)) if selected is None else sorted(self._state.plan.by_group(selected))
         groups = [storage.process_groups[i] for i in used if self.layout.groups[i].placement.is_sharded]
         if refused is not None or selected is None:
-            agree(what, (), groups, storage.device, refused=refused)
+            agree_on(storage, what, (), groups, refused=refused)
             return
         names = "<all, model order>" if self._state.plan.is_everything(selected) else [p.name for p in selected]
-        agree(what, (names, *signature), groups, storage.device)
+        agree_on(storage, what, (names, *signature), groups)
 
     def _agreed_selection(self, what: str, params: ParamSelection, *signature: Any, norm_type: Any = None) -> Selection:
         """A reduction's ``params=`` selection, validated (with ``norm_type`` where given) and agreed on every rank
@@ -314,8 +314,8 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         if refusal.error is None:
             assert sel is not None
             names = "<all>" if params is None else sel.names
-        agree(what, (names, None if norm_type is None else float(norm_type), *signature),
-              reductions.communicating_groups(state), state.device, refused=refusal.error)
+        agree_on(state.storage, what, (names, None if norm_type is None else float(norm_type), *signature),
+                 reductions.communicating_groups(state), refused=refusal.error)
         assert sel is not None  # a refusal raised above
         return sel
 

@@ -48,7 +48,7 @@ from .plan import FlatPlan, GroupPlan
 from .rows import RowMap, row_map
 from .state import FlatState, short_names
 
-__all__ = ["CheckedValues", "set_full_", "validate_full"]
+__all__ = ["CheckedValues", "check_shapes", "set_full_", "validate_full"]
 
 _SHAPE = operator.attrgetter("shape")
 _NAME = operator.attrgetter("name")
@@ -230,7 +230,7 @@ def set_full_(state: FlatState, checked: CheckedValues) -> None:
             else:
                 direct.append((plan, ps, vs))
         if direct and not checked.exact:
-            _check_shapes(state, checked)
+            check_shapes(state, checked)
         for write, buffer in staged:  # nothing was written before this point
             write.commit(state, buffer)
         for plan, ps, vs in direct:
@@ -242,7 +242,7 @@ def set_full_(state: FlatState, checked: CheckedValues) -> None:
     state.storage.after_write(checked.names)
 
 
-def _check_shapes(state: FlatState, checked: CheckedValues) -> None:
+def check_shapes(state: FlatState, checked: CheckedValues) -> None:
     """Every value's exact shape and device (the per-parameter path's; staging checks them by concatenating)."""
     values = checked.values
     if not (all(map(operator.eq, map(_SHAPE, values), map(_SHAPE, checked.params)))

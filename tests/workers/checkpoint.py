@@ -619,3 +619,98 @@ def load_plans(root: str, cases: list[EngineCase]) -> list[dict[str, Any]]:
         del found["ours"], found["dcp"]
         out.append(found)
     return out
+
+
+# ---- issue 45: save and load calls that differ between ranks -------------------------------------------------------
+
+def _raises_everywhere(what: str, call: Any, error: type[BaseException]) -> str:
+    try:
+        call()
+    except error as exc:
+        return str(exc)
+    raise AssertionError(f"{what}: returned on rank {dist.get_rank()} (expected {error.__name__} on every rank)")
+
+
+def disagreeing_saves(root: str, case: EngineCase) -> dict[str, str]:
+    """Issue 45, items 4 and 5: ``save`` agrees on its normalized path and ``async_`` before its first collective.
+    A path per rank (each rank's own directory; or rank 0 over an existing checkpoint) and ``async_=True`` on some
+    ranks only (its first collective, a process group's creation, ran on those ranks only: a hang) raise
+    :class:`RankDisagreementError` on every rank; nothing is written (no directory made, an existing checkpoint
+    keeps its ``.metadata`` and still loads). Saves that agree work afterwards, async ones too."""
+    from zero_dtensor.errors import RankDisagreementError
+
+    rank, last = dist.get_rank(), dist.get_rank() == dist.get_world_size() - 1
+    engine = build_engine(case, seed=1)
+    train(engine, range(1))
+    existing = os.path.join(root, "existing")
+    save(engine, existing)
+    before = snapshot(engine)
+    messages = {
+        "path per rank": _raises_everywhere(
+            "path per rank", lambda: save(engine, os.path.join(root, f"per-rank-{rank}")), RankDisagreementError),
+        "over a checkpoint on rank 0": _raises_everywhere(
+            "over a checkpoint", lambda: save(engine, existing if rank == 0 else os.path.join(root, "elsewhere")),
+            RankDisagreementError),
+        "async on some ranks": _raises_everywhere(
+            "async on some ranks", lambda: save(engine, os.path.join(root, "async-some"), async_=not last),
+            RankDisagreementError),
+    }
+    dist.barrier()
+    made = sorted(set(os.listdir(root)) - {"existing"})
+    assert made == [], f"refused saves wrote {made}"
+    assert os.path.isfile(os.path.join(existing, ".metadata"))
+    after = snapshot(engine)
+    assert same(before, after), f"a refused save changed {diff(before, after)}"
+    # the group is in step: an async save on every rank, then a load of each checkpoint
+    future = save(engine, os.path.join(root, "async-all"), async_=True)
+    future.result()
+    dist.barrier()
+    for path in (existing, os.path.join(root, "async-all")):
+        target = build_engine(case, seed=3)
+        train(target, range(1))
+        load(target, path)
+        assert same(snapshot(target)["master"], before["master"]), path
+    return messages
+
+
+def disagreeing_loads(root: str, case: EngineCase) -> dict[str, str]:
+    """Issue 45, item 2: ``load`` with another checkpoint on some rank (each rank picking "the latest" itself)
+    loaded a mixture (some parameters from one checkpoint, some from the other, one half and half; ``global_steps``
+    differing between ranks). Its first agreement now hashes the normalized path and the checkpoint's identity
+    (DCP's ``save_id``): every rank raises :class:`RankDisagreementError` and no engine changes, stepped or never
+    stepped. The same path naming different checkpoints (node-local storage; simulated on the last rank by
+    patching the path normalization) is caught by the identity. Afterwards an agreeing load works."""
+    from unittest import mock
+
+    from zero_dtensor.checkpoint import io as ckio
+    from zero_dtensor.errors import RankDisagreementError
+
+    last = dist.get_rank() == dist.get_world_size() - 1
+    engine = build_engine(case, seed=1)
+    train(engine, range(1))
+    old, new = os.path.join(root, "old"), os.path.join(root, "new")
+    save(engine, old)
+    train(engine, range(1, 3))
+    save(engine, new)
+    target = build_engine(case, seed=3)
+    train(target, range(1))
+    fresh = build_engine(case, seed=4)  # never stepped: read into staging, one agreement
+    messages: dict[str, str] = {}
+    for name, engine_ in (("stepped", target), ("never stepped", fresh)):
+        before = snapshot(engine_)
+        messages[f"{name}: another path"] = _raises_everywhere(
+            f"{name}: another path", lambda: load(engine_, new if last else old), RankDisagreementError)
+        same_name = mock.patch.object(ckio, "normalized", lambda path: os.path.abspath(old)) if last \
+            else contextlib.nullcontext()
+        with same_name:  # the last rank reads `new` under the name `old`
+            messages[f"{name}: another checkpoint"] = _raises_everywhere(
+                f"{name}: another checkpoint", lambda: load(engine_, new if last else old), RankDisagreementError)
+        after = snapshot(engine_)
+        assert same(before, after), f"{name}: a refused load changed {diff(before, after)}"
+    assert not families.optimizer_state_ready(fresh)
+    load(target, new)
+    counters = [None] * dist.get_world_size()
+    dist.all_gather_object(counters, dsck.engine_counters(target))
+    assert all(c == counters[0] for c in counters), counters
+    assert same(snapshot(target)["master"], snapshot(engine)["master"])
+    return messages

@@ -390,3 +390,133 @@ def check_refusals() -> None:
                 raise AssertionError(call)
     finally:
         opt.swap_optimizer = False
+
+
+# ---- issue 45: calls that differ between ranks in what they read or write -------------------------------------------
+
+def _raises_everywhere(what: str, call: Any, error: type[BaseException]) -> str:
+    """``call()`` must raise ``error`` on this rank (every rank runs this, so: on every rank)."""
+    try:
+        call()
+    except error as exc:
+        return str(exc)
+    raise AssertionError(f"{what}: returned on rank {dist.get_rank()} (expected {error.__name__} on every rank)")
+
+
+def _family_bytes(engine: Any) -> dict[str, torch.Tensor]:
+    """This rank's partitions of the masters and of every optimizer-state key, copied."""
+    out = {f"master {i}": t.detach().clone() for i, t in enumerate(families.master_storage(engine).partitions)}
+    for key in families.optimizer_state_keys(engine):
+        parts = families.optimizer_state_storage(engine, key).partitions
+        out |= {f"{key} {i}": t.detach().clone() for i, t in enumerate(parts)}
+    return out
+
+
+def _unchanged(engine: Any, before: dict[str, torch.Tensor], what: str) -> None:
+    after = _family_bytes(engine)
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert not changed, f"{what} wrote {changed} on rank {dist.get_rank()}"
+
+
+def disagreeing_families(case: EngineCase) -> dict[str, Any]:
+    """Issue 45, item 1. Every communicating call of the masters, the optimizer state and clones, with the last
+    rank naming the same parameters of *another* tensor (``exp_avg_sq`` beside ``exp_avg``, masters beside
+    ``exp_avg``, one clone beside another): :class:`RankDisagreementError` on every rank, nothing written.
+    Afterwards every agreeing call still returns DeepSpeed's values (the group is in step)."""
+    import zero_dtensor as zd
+    from zero_dtensor.errors import RankDisagreementError
+
+    engine = build_engine(case)
+    step(engine, 0)
+    last = dist.get_rank() == dist.get_world_size() - 1
+    master = zd.sharded_master_params(engine)
+    avg, sq = zd.sharded_optimizer_state(engine, "exp_avg"), zd.sharded_optimizer_state(engine, "exp_avg_sq")
+    ema, snap = master.clone(), master.clone()  # two clones of one family: different tensors too
+    first = master.names[0]
+    pairs = {  # (what the other ranks use, what the last rank uses)
+        "exp_avg / exp_avg_sq": (avg, sq),
+        "masters / exp_avg": (master, avg),
+        "clone / clone": (ema, snap),
+        "masters / its clone": (master, ema),
+    }
+    calls: dict[str, Any] = {
+        "full_tensors": lambda t: t.full_tensors(),
+        "full_tensors names": lambda t: t.full_tensors([first]),
+        "iter_full": lambda t: list(t.iter_full()),
+        "to_dtensors": lambda t: t.to_dtensors(),
+        "owned": lambda t: t.owned(),
+        "norms": lambda t: t.norms(),
+        "global_norm": lambda t: t.global_norm(),
+        "stats": lambda t: t.stats(),
+        "clip_grad_norm_": lambda t: t.clip_grad_norm_(1e-6),
+        "clip_per_param_": lambda t: t.clip_per_param_(1e-6),
+        "set_owned_": lambda t: t.set_owned_({}),
+        "map_full_": lambda t: t.map_full_(lambda n, x: x * 0),
+        "param full_tensor": lambda t: t[first].full_tensor(),
+        "set_dtensors_": None,  # below: needs DTensors made by an agreeing call
+    }
+    before = _family_bytes(engine)
+    ema_before, snap_before = ema.full_tensors(), snap.full_tensors()
+    messages: dict[str, str] = {}
+    for pair, (mine, theirs) in pairs.items():
+        use = theirs if last else mine
+        for what, call in calls.items():
+            if call is None:
+                dts = mine.to_dtensors()  # the same on every rank: agrees
+                call = lambda t, dts=dts: t.set_dtensors_(dts)  # noqa: E731
+            messages[f"{pair}: {what}"] = _raises_everywhere(f"{pair}: {what}", lambda: call(use),
+                                                             RankDisagreementError)
+        messages[f"{pair}: dots"] = _raises_everywhere(
+            f"{pair}: dots", lambda: master.dots(theirs if last else mine), RankDisagreementError)
+        _unchanged(engine, before, pair)
+    messages["get_full_optimizer_state"] = _raises_everywhere(
+        "get_full_optimizer_state",
+        lambda: zd.get_full_optimizer_state(engine, "exp_avg_sq" if last else "exp_avg"), RankDisagreementError)
+    assert_same(ema.full_tensors(), ema_before, "clone after refusals")
+    assert_same(snap.full_tensors(), snap_before, "other clone after refusals")
+    # the group is still in step: agreeing calls return DeepSpeed's values
+    for key, front in (("exp_avg", avg), ("exp_avg_sq", sq)):
+        assert_same(front.full_tensors(dtype=torch.float32), ds_full_state(engine, key), key)
+    assert_same(master.full_tensors(dtype=torch.float32), ds_full_masters(engine), "masters")
+    return messages
+
+
+def disagreeing_fp32_writes(case: EngineCase) -> dict[str, Any]:
+    """Issue 45, item 6: ``set_full_fp32_params`` with a value on the other ranks and ``{}`` on the last wrote
+    part of the parameter (each rank its fragment); other names per rank, or a bad entry on one rank, likewise.
+    Now :class:`RankDisagreementError` (the bad entry: its class) on every rank, nothing written, no sync mark;
+    an agreeing call costs what it did (one agreement + the sync) and writes DeepSpeed's values."""
+    import zero_dtensor as zd
+    from zero_dtensor.errors import RankDisagreementError
+
+    engine = build_engine(case)
+    step(engine, 0)
+    last = dist.get_rank() == dist.get_world_size() - 1
+    master = zd.sharded_master_params(engine)
+    first = master.names[0]
+    before = _family_bytes(engine)
+    messages: dict[str, str] = {}
+    value = {first: torch.full_like(master.full_tensors([first])[first], 0.25)}
+    messages["set_full_fp32_params value / {}"] = _raises_everywhere(
+        "set_full_fp32_params", lambda: zd.set_full_fp32_params(engine, {} if last else value),
+        RankDisagreementError)
+    names = list(master.names)
+    messages["set_full_fp32_params other names"] = _raises_everywhere(
+        "set_full_fp32_params names", lambda: zd.set_full_fp32_params(
+            engine, {n: torch.zeros(master[n].shape) for n in (names[-1:] if last else names[:1])}),
+        RankDisagreementError)
+    bad = {first: value[first].flatten()[:1]} if last else value  # a bad entry on one rank: its class everywhere
+    messages["set_full_fp32_params bad entry"] = _raises_everywhere(
+        "set_full_fp32_params bad entry", lambda: zd.set_full_fp32_params(engine, bad), ValueError)
+    _unchanged(engine, before, "set_full_fp32_params")
+    assert not zd.master.needs_sync(engine), "a refused set_full_fp32_params set the sync mark"
+
+    # the group is still in step; the agreeing write costs what it did
+    assert_same(master.full_tensors(dtype=torch.float32), ds_full_masters(engine), "masters")
+    with count_comms() as mode:
+        zd.set_full_fp32_params(engine, value)
+    multi = dist.get_world_size() > 1
+    assert mode.get_total_counts() == sync_collectives(engine) + int(multi), mode.get_comm_counts()
+    assert torch.equal(ds_full_masters(engine)[first], value[first])
+    assert torch.equal(zd.get_full_fp32_params(engine, [first])[first], value[first])
+    return messages

@@ -215,9 +215,15 @@ def _storage(engine: Any, masters: _Masters, family: str, tensors: tuple[torch.T
         loss_scale=1.0,
         device=engine.device,
         is_current=is_current,
-        describe=f"{masters.describe} {'master weights' if family == MASTER else f'optimizer state {family!r}'}",
+        describe=f"{masters.describe} {_family_name(family)}",
         view_caches=caches,
+        family=_family_name(family),
     )
+
+
+def _family_name(family: str) -> str:
+    """The family's fingerprint (:attr:`~zero_dtensor.storage.FlatStorage.family`) and name in messages."""
+    return "master weights" if family == MASTER else f"optimizer state {family!r}"
 
 
 def _same_masters(masters: _Masters) -> bool:

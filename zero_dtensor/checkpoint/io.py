@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor
 
 from .._deepspeed import checkpointing as ds
 from .._deepspeed.sync import sync_model_params
-from ..agreement import agree_outcome
+from ..agreement import agree, agree_outcome
 from ..errors import CheckpointMismatchError, CheckpointReadError, IncompleteCheckpointError, RankFailedError
 from ..process_groups import cpu_group_for, group_ranks, rank_in, world_size_of
 from .boxes import storage_exact_entry
@@ -74,6 +74,24 @@ def collector_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+def normalized(path: str | os.PathLike) -> str:
+    """``path`` as :func:`save` and :func:`load` agree on it: absolute and normalized (``os.path.abspath``), so a
+    relative path means the same directory on every rank only where the working directories agree too."""
+    return os.path.abspath(os.fspath(path))
+
+
+def identity(metadata: Metadata) -> str:
+    """The checkpoint's identity, as :func:`load`'s agreement compares it: DCP's ``save_id`` (a new UUID per save,
+    written into ``.metadata`` by every writer built on ``FileSystemWriter``), else the number of entries and the
+    first and last entry names (a checkpoint written without storage metadata)."""
+    meta = getattr(metadata, "storage_meta", None)
+    save_id = getattr(meta, "save_id", None)
+    if save_id:
+        return f"save_id {save_id}"
+    names = sorted(metadata.state_dict_metadata)
+    return f"{len(names)} entries {names[:1]}..{names[-1:]}"
 
 
 def _blob(value: Any) -> io.BytesIO:
@@ -117,13 +135,17 @@ def save(engine: Any, path: str | os.PathLike, *, async_: bool = False, client_s
     ``client_state``: any picklable object, saved as rank 0 passes it. A ``.metadata`` left by an earlier checkpoint
     in ``path`` is removed first, so a save that does not finish never looks finished.
 
-    **Communication**: DCP's own small object collectives (plans and metadata: about 9 at 2 ranks), none of tensor
-    data. **Memory**: none for pieces in CPU memory (each is handed to DCP as an alias of exactly its bytes,
-    :func:`~.boxes.storage_exact`, which DCP writes without the clone it makes of views); a piece on a GPU is
-    copied to the CPU as it is written (at most one parameter's fp32 elements); two more copies of the first piece
-    of each shape and dtype, briefly (:class:`~.writer.DirectWriter` checks its archive against ``torch.save``'s);
-    plus one pickle per distinct hyperparameter value; before the first
-    step, one zero-filled partition per optimizer-state key. A tied parameter is written under each of its names.
+    **Communication**: first the rank agreement (one small collective, :func:`~zero_dtensor.agreement.agree`) on the
+    normalized path (:func:`normalized`), ``async_`` and ``sync_files``: a path that differs between ranks, or
+    ``async_=True`` on some ranks only, raises :class:`~zero_dtensor.errors.RankDisagreementError` on every rank
+    before any other collective and before anything is written or removed. Then DCP's own small object collectives
+    (plans and metadata: about 9 at 2 ranks), none of tensor data. **Memory**: none for pieces in CPU memory (each
+    is handed to DCP as an alias of exactly its bytes, :func:`~.boxes.storage_exact`, which DCP writes without the
+    clone it makes of views); a piece on a GPU is copied to the CPU as it is written (at most one parameter's fp32
+    elements); two more copies of the first piece of each shape and dtype, briefly (:class:`~.writer.DirectWriter`
+    checks its archive against ``torch.save``'s); plus one pickle per distinct hyperparameter value; before the
+    first step, one zero-filled partition per optimizer-state key. A tied parameter is written under each of its
+    names.
     ``async_=True``: :func:`torch.distributed.checkpoint.async_save` over a gloo group of the same ranks (made
     once); it copies this rank's state to CPU memory before it returns and writes in a background thread: returns
     its ``Future`` (call ``.result()`` before the next save). Else returns ``None`` once the checkpoint is complete.
@@ -134,10 +156,13 @@ def save(engine: Any, path: str | os.PathLike, *, async_: bool = False, client_s
     leave a ``.metadata`` over data that never reached the disk. Python's garbage collector is paused during the
     call (:func:`collector_paused`)."""
     target = describe(engine)
+    path = os.fspath(path)
+    # before the first collective (DCP's, or async_'s process group creation) and before anything is written
+    agree("checkpoint.save", (normalized(path), bool(async_), bool(sync_files)), [target.process_group],
+          target.masters.device)
     model = model_dict(target, target.masters.partitions, {f.name: f.local for f in target.frozen}, exact=True)
     optim = optim_dict(target, state_partitions(engine, target), current_steps(engine, target),
                        hyperparameters_by_name(engine, target), exact=True)
-    path = os.fspath(path)
     rank, world = rank_in(target.process_group), world_size_of(target.process_group)
     first = rank == 0
     state: dict[str, Any] = {k: {name: storage_exact_entry(v) for name, v in _share_of(d, rank, world).items()}
@@ -306,6 +331,8 @@ class _Passes:
         self.checked: CheckedState | None = None
         self.agreed = False
         self.refusal: BaseException | None = None
+        #: what every rank's first agreement compares: the normalized path and the checkpoint's identity
+        self.signature: tuple[str, str] | None = None
 
     def between(self) -> None:
         """After this rank's first pass: check what it read, then the agreement (raises where any rank failed)."""
@@ -316,18 +343,22 @@ class _Passes:
             error = exc
         self.agreed = True
         try:
-            _agree_loaded(self.path, error, self.target)
+            _agree_loaded(self.path, error, self.target, self.signature)
         except BaseException as exc:
             self.refusal = exc
             raise
 
 
-def _agree_loaded(path: str | os.PathLike, error: BaseException | None, target: Target) -> None:
+def _agree_loaded(path: str | os.PathLike, error: BaseException | None, target: Target,
+                  signature: tuple[str, str] | None) -> None:
     """:func:`load`'s first agreement: every rank raises where any rank could not read or check the checkpoint (its
     own error there; elsewhere :class:`CheckpointReadError` or the refusal's class, caused by the agreement's
-    :class:`~zero_dtensor.errors.RankFailedError`). One small collective."""
+    :class:`~zero_dtensor.errors.RankFailedError`), or where the ranks' normalized paths or checkpoint identities
+    (``signature``) differ (:class:`~zero_dtensor.errors.RankDisagreementError` listing every rank's): each rank
+    picking its own "latest" checkpoint would otherwise load a mixture. One small collective."""
     _agree("checkpoint.load", error, target, "Nothing was loaded into the engine on any rank.",
-           (f"loading checkpoint {os.fspath(path)!r} failed on another rank", "; the engine is unchanged"))
+           (f"loading checkpoint {os.fspath(path)!r} failed on another rank", "; the engine is unchanged"),
+           signature)
 
 
 def _agree_read_in_place(path: str | os.PathLike, error: BaseException | None, target: Target) -> None:
@@ -340,13 +371,14 @@ def _agree_read_in_place(path: str | os.PathLike, error: BaseException | None, t
 
 
 def _agree(what: str, error: BaseException | None, target: Target, consequence: str,
-           elsewhere: tuple[str, str]) -> None:
+           elsewhere: tuple[str, str], signature: Any = None) -> None:
     """One agreement of :func:`load` (:func:`~zero_dtensor.agreement.agree_outcome`): a failing rank raises its own
     error; every other rank :class:`CheckpointReadError` (``elsewhere``: the text before and after the agreement's
     :class:`~zero_dtensor.errors.RankFailedError`, which carries ``consequence``), or the refusal's class where
     the agreement raises that."""
     try:
-        agree_outcome(what, error, [target.process_group], target.masters.device, consequence=consequence)
+        agree_outcome(what, error, [target.process_group], target.masters.device, consequence=consequence,
+                      signature=signature)
     except RankFailedError as exc:
         if error is not None:
             raise
@@ -373,6 +405,10 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
     state to read into: its pieces are read into staging buffers in the first pass, the state is created (a
     zero-learning-rate step) after the one agreement, and the buffers are copied in.
 
+    The first agreement also compares every rank's normalized path (:func:`normalized`) and the checkpoint's
+    identity (:func:`identity`: its ``save_id``): ranks that name different checkpoints (each picking "the latest"
+    itself) raise :class:`~zero_dtensor.errors.RankDisagreementError` on every rank, the engine unchanged.
+
     **Communication**: two agreements (one small collective each; before the first step one only), each rank
     planning and reading its own pieces (no DCP collective), then ZeRO-1/2 one gather per param group (ZeRO-3:
     one of the persistent parameters together) to refresh the working weights. Each rank reads only the bytes its
@@ -388,6 +424,7 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
     error: BaseException | None = None
     try:
         metadata = read_metadata(path)
+        passes.signature = (normalized(path), identity(metadata))
         problems = check_metadata(target, metadata)
         if problems:
             shown = problems[:MAX_LINES] + ([f"... and {len(problems) - MAX_LINES} more"]
@@ -402,7 +439,7 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
         raise passes.refusal
     if not passes.agreed:  # failed before the agreement: it is this rank's error, every rank raises
         passes.staged.clear()
-        _agree_loaded(path, error, target)
+        _agree_loaded(path, error, target, passes.signature)
     if target.ready:  # the second pass read into the engine: did it succeed on every rank?
         _agree_read_in_place(path, error, target)
     elif error is not None:

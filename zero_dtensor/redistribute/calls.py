@@ -9,7 +9,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import collectives, process_groups
-from ..agreement import Refusal, agree, error_code, local_only, raise_outcome
+from ..agreement import Refusal, agree_on, error_code, local_only, raise_outcome
 from ..layout import ParamLayout
 from ..storage import FlatStorage
 from .checks import check_dtensor, check_full, build_dtensor, agreement_groups, mapping_names
@@ -121,8 +121,8 @@ def set_owned_(storage: FlatStorage, mapping: Mapping[str, torch.Tensor], *,
     for p in layout.params:
         pg = storage.process_groups[p.group]
         by_pg.setdefault(id(pg), (pg, []))[1].append(p)
-    rows = agree("set_owned_", signature, agreement_groups(storage, None), storage.device, refused=refusal.error,
-                 payload=lambda pg: [int(p.name in values) for p in by_pg[id(pg)][1]])
+    rows = agree_on(storage, "set_owned_", signature, agreement_groups(storage, None), refused=refusal.error,
+                    payload=lambda pg: [int(p.name in values) for p in by_pg[id(pg)][1]])
     provider = _providers(storage, values, rows, by_pg)
     selection = [p.name for p in layout.params if p.name in provider]
     plan = plan_for(storage, [layout.by_name[n] for n in selection], OWNERS, provider)

@@ -272,3 +272,17 @@ def test_optimizer_entries_the_engine_does_not_have_are_named() -> None:
     problems, _, _ = _check_optim(target, {**optim, **dict.fromkeys(strays, 0.0)}, hparams)
     assert problems == ["optimizer entries the engine does not have (another model or optimizer?): "
                         + ", ".join(sorted(strays))], problems
+
+
+@pytest.mark.parametrize("world,stage", [(2, 2), (3, 3)], ids=["2ranks-z2", "3ranks-z3"])
+def test_damaged_checkpoints_and_the_write_mark(ranks, tmp_path, world, stage) -> None:
+    """Issue 45: a flipped bit in a master piece and in an ``exp_avg_sq`` piece (rank 1's file), a truncated
+    ``.metadata``: ``CheckpointReadError`` on every rank naming the checkpoint (rank 1 also the file and the entry),
+    the engine unchanged; ``zd.load`` / ``zd.set_state_dict`` clear the write mark they make obsolete;
+    ``engine.save_checkpoint`` while marked syncs first (checked inside the worker)."""
+    messages = ranks(world).run(ck.integrity, str(tmp_path), stage)
+    for rank, per_rank in enumerate(messages):
+        assert set(per_rank) == {"master", "exp_avg_sq", "truncated .metadata"}
+        assert ".metadata cannot be read" in per_rank["truncated .metadata"], per_rank
+        if rank != 1:
+            assert "failed on another rank" in per_rank["master"], per_rank

@@ -42,8 +42,15 @@ from torch.distributed.tensor import DTensor
 
 from .._deepspeed import checkpointing as ds
 from .._deepspeed.sync import sync_model_params
+from ..master import clear_write_mark
 from ..agreement import agree_outcome
-from ..errors import CheckpointMismatchError, CheckpointReadError, IncompleteCheckpointError, RankFailedError
+from ..errors import (
+    CheckpointMismatchError,
+    CheckpointReadError,
+    IncompleteCheckpointError,
+    RankDisagreementError,
+    RankFailedError,
+)
 from ..process_groups import cpu_group_for, group_ranks, rank_in, world_size_of
 from .boxes import storage_exact_entry
 from .planners import CachingLoadPlanner, CachingSavePlanner, PlansNotCachedError, forget_plans, plan_key
@@ -217,13 +224,17 @@ def _read(staged: dict[str, Any], path: str, metadata: Metadata, in_engine: set[
 
 def read_metadata(path: str | os.PathLike) -> Metadata:
     """The checkpoint's DCP metadata; :class:`IncompleteCheckpointError` where there is none (a save that did not
-    finish). No communication."""
+    finish), :class:`CheckpointReadError` where it cannot be read (truncated, damaged). No communication."""
     path = os.fspath(path)
     if not os.path.isfile(os.path.join(path, METADATA)):
         state = "does not exist" if not os.path.isdir(path) else "has no .metadata (a save that did not finish?)"
         raise IncompleteCheckpointError(f"checkpoint {path!r} {state}; nothing was loaded")
-    with collector_paused():  # thousands of entries unpickled
-        return FileSystemReader(path).read_metadata()
+    try:
+        with collector_paused():  # thousands of entries unpickled
+            return FileSystemReader(path).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - a truncated or damaged .metadata: unpickling fails any way it likes
+        raise CheckpointReadError(f"checkpoint {path!r}: its .metadata cannot be read ({type(exc).__name__}: {exc}); "
+                                  "a truncated or damaged file? Nothing was loaded") from exc
 
 
 def _tensor_shape(meta: Any) -> tuple[int, ...] | None:
@@ -313,13 +324,36 @@ class _Passes:
         try:
             self.checked = check_state(self.engine, self.staged["model"], self.staged["optim"], self.target)
         except Exception as exc:  # noqa: BLE001 - whatever failed here must reach every rank before any rank writes
-            error = exc
+            error = _documented(exc, self.path)
         self.agreed = True
         try:
             _agree_loaded(self.path, error, self.target)
         except BaseException as exc:
             self.refusal = exc
             raise
+
+
+#: the classes a failed :func:`load` raises (each naming the checkpoint)
+_DOCUMENTED = (CheckpointMismatchError, CheckpointReadError, IncompleteCheckpointError)
+
+
+def _documented(error: Exception, path: str | os.PathLike) -> Exception:
+    """``error`` as :func:`load` raises it: one of the documented checkpoint classes, naming the checkpoint. Any
+    other failure becomes :class:`CheckpointReadError` (caused by it); a documented one whose message does not
+    name the checkpoint gets a new one of its class that does (caused by it); the agreement's own errors
+    (:class:`~zero_dtensor.errors.RankDisagreementError`) are kept."""
+    if isinstance(error, RankDisagreementError):
+        return error
+    shown = os.fspath(path)
+    if isinstance(error, _DOCUMENTED):
+        if repr(shown) in str(error):
+            return error
+        named: Exception = type(error)(f"checkpoint {shown!r}: {error}")
+    else:
+        named = CheckpointReadError(f"loading checkpoint {shown!r} failed ({type(error).__name__}: {error}); "
+                                    "nothing was loaded")
+    named.__cause__ = error
+    return named
 
 
 def _agree_loaded(path: str | os.PathLike, error: BaseException | None, target: Target) -> None:
@@ -397,7 +431,7 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
         passes.staged, in_engine = _destination(engine, target, metadata)
         _read(passes.staged, os.fspath(path), metadata, in_engine, passes.between)
     except Exception as exc:  # noqa: BLE001 - whatever failed here must reach every rank
-        error = exc
+        error = _documented(exc, path)
     if passes.refusal is not None:  # the agreement after the first pass raised: nothing was written
         raise passes.refusal
     if not passes.agreed:  # failed before the agreement: it is this rank's error, every rank raises
@@ -413,6 +447,7 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
     passes.checked = None  # the staging buffers go before the refresh allocates its own (ZeRO-1/2: the working model)
     passes.staged.clear()
     sync_model_params(engine)
+    clear_write_mark(engine)  # the refresh made the working weights from the masters: an earlier write is gone
     if "engine" in extras:
         ds.set_engine_counters(engine, extras["engine"])
     ds.set_lr_scheduler_state(engine, extras.get("lr_scheduler"))

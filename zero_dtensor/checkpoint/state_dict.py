@@ -41,6 +41,7 @@ from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from .._deepspeed import checkpointing as ds
 from .._deepspeed import families
 from .._deepspeed.sync import sync_model_params
+from ..master import clear_write_mark
 from ..agreement import agree_outcome
 from .boxes import boxes
 from ..errors import CheckpointMismatchError
@@ -218,6 +219,7 @@ def set_state_dict(engine: Any, model_state_dict: Mapping[str, Any], optim_state
     every rank, before anything is written, when the dicts do not fit."""
     write_state(engine, model_state_dict, optim_state_dict)
     sync_model_params(engine)
+    clear_write_mark(engine)  # the refresh made the working weights from the masters: an earlier write is gone
 
 
 @dataclass(frozen=True)

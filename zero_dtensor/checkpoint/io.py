@@ -396,21 +396,26 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
     Order: each rank reads ``.metadata`` (:class:`IncompleteCheckpointError` if absent) and compares names, shapes
     and optimizer-state keys with the engine (:class:`CheckpointMismatchError` naming what differs). Then
     ``dcp.load`` with :class:`~.reader.DirectReader`, in two passes. The first reads the steps, hyperparameters
-    and extras, and checks every other entry: file sizes, each archive and header, where its bytes lie
-    (:class:`CheckpointReadError` for a missing, truncated or damaged file); then what was read is checked against
+    and extras, and checks every other entry: file sizes, each archive and header, where its bytes lie, the CRC-32
+    of its tensor data (:class:`CheckpointReadError` for a missing, truncated or damaged file, naming the file and
+    the entry; also for an unreadable ``.metadata``); then what was read is checked against
     the engine (:func:`~zero_dtensor.checkpoint.state_dict.check_state`) and the ranks agree: where any rank
     failed, every rank raises and the engine is unchanged. The second pass reads the masters, optimizer state and
     frozen weights straight into the engine's memory, and a second agreement makes every rank raise where that
     failed on any rank (an I/O error after the checks: the failing rank's state is then partly overwritten, and the
     message says to load again). Then steps, hyperparameters, step counters, the lr scheduler and the loss scaler
-    are written, and the working weights made the cast masters. An engine that has never stepped has no optimizer
-    state to read into: its pieces are read into staging buffers in the first pass, the state is created (a
+    are written, and the working weights made the cast masters (which clears the masters' write mark). Every
+    failure raises one of the three documented classes naming the checkpoint (:func:`_documented`). An engine that
+    has never stepped has no optimizer state to read into: its pieces are read into staging buffers in the first pass, the state is created (a
     zero-learning-rate step) after the one agreement, and the buffers are copied in.
 
     **Communication**: two agreements (one small collective each; before the first step one only), each rank
     planning and reading its own pieces (no DCP collective), then ZeRO-1/2 one gather per param group (ZeRO-3:
-    one of the persistent parameters together) to refresh the working weights. Each rank reads only the bytes its
-    pieces overlap. **Memory**: none for the pieces read in place. An entry that cannot be read straight into place (a
+    one of the persistent parameters together) to refresh the working weights. Each rank reads the bytes its
+    pieces overlap, and, to check their CRC-32, the rest of each record they cut (at another world size); records
+    read into the engine's memory are read twice (CRC-checked through an 8 MiB buffer in the first pass, then into
+    place; the second time from the page cache as a rule). **Memory**: none for the pieces read in place (the 8 MiB
+    scratch buffer). An entry that cannot be read straight into place (a
     box that cuts its rows, at another world size; another dtype) is read whole into new memory in the first pass
     and held until the second: a few pieces where only boxes differ (each part of one parameter), up to this rank's
     partition where the checkpoint holds another dtype. Before the first step, one staging copy of this rank's

@@ -17,10 +17,18 @@ data is then not read). Where the
 entry is one contiguous little-endian storage of the destination's dtype and the wanted elements are one run of it
 (a whole entry, or whole rows of it), ``readinto`` puts the bytes straight into the destination (a CPU tensor; for
 another device, into a host buffer and one copy); otherwise, and for transformed entries, DCP's own path. A file
-shorter than its entries raises before any of them is read, a short read too. Entries are read in file order. With
+shorter than its entries raises before any of them is read, a short read too. Every tensor entry's data is
+checked against the CRC-32 its archive records (torch's zip reader does not: a flipped bit loaded silently): bytes
+read straight into place are CRC-ed there (``zlib.crc32``), an entry ``torch.load``ed over its loaded storage, and a
+record read only in part, or bound for a deferred destination, is read whole through an 8 MiB scratch buffer in the
+first pass and CRC-ed there (a deferred one is read again, into place, in the second pass); the CRC-32 is the data
+record's zip data descriptor's (torch's writer puts one after the data) or its local header's. A mismatch raises
+``OSError`` naming the file and the entry, in the first pass (before ``between``). A recorded 0 is none
+(``torch.serialization.set_crc32_options(False)``): not checked. Bytes entries carry no CRC-32 here. Entries are read
+in file order. With
 ``defer`` the reads into some destinations wait for a second pass (:class:`DirectReader`). Memory: no more than
 DCP's path (one entry at a time, and only for destinations off the CPU), except that entries taking DCP's path into
-deferred destinations are held until the second pass. No communication (``between`` may communicate).
+deferred destinations are held until the second pass, and the 8 MiB scratch buffer. No communication (``between`` may communicate).
 """
 
 from __future__ import annotations

@@ -272,9 +272,15 @@ def _flip_bit(path: str, name: str, at: float = 0.5) -> str:
     ("bf16", ((0, 0), (6, 5))),
 ])
 @pytest.mark.parametrize("deferred", [False, True], ids=["new-memory", "deferred"])
-def test_flipped_bit_is_refused_naming_file_and_entry(saved, name, box, deferred) -> None:
+@pytest.mark.parametrize("threaded", [False, True], ids=["inline", "threaded"])
+def test_flipped_bit_is_refused_naming_file_and_entry(saved, name, box, deferred, threaded, monkeypatch) -> None:
     """One flipped bit in an entry's tensor data: ``OSError`` naming the file and the entry, on every path the
-    reader takes, before ``between`` runs (nothing deferred is written); the bits before and after the box too."""
+    reader takes, before ``between`` runs (nothing deferred is written); the bits before and after the box too.
+    ``threaded``: records checked apart are CRC-ed by ``_Checksums``' thread in 128-byte chunks (as records of
+    1 MiB and more are, in 4 MiB chunks)."""
+    if threaded:
+        monkeypatch.setattr(direct, "_THREADED", 0)
+        monkeypatch.setattr(direct, "_CHUNK", 128)
     path, values = saved
     file = _flip_bit(path, name, at=0.1 if box[0][0] else 0.5)  # row boxes from row 3 on: flip before the box
     boxes = {"matrix": ((0, 0), (12, 8)), name: box} if name != "matrix" else {name: box}
@@ -305,3 +311,22 @@ def test_archives_without_crc_are_read(tmp_path) -> None:
         torch.serialization.set_crc32_options(True)
     ours = _read(direct.DirectReader, str(tmp_path), _whole(values))
     assert all(torch.equal(ours[n], v) for n, v in values.items())
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["inline", "threaded"])
+def test_checked_deferred_reads_equal_dcp(saved, threaded, monkeypatch) -> None:
+    """Undamaged entries read into deferred destinations (checked whole in the first pass, read into place in the
+    second), and row boxes of records (the rest read to check them): the values DCP's reader gives, no false
+    mismatch; ``threaded`` as above."""
+    if threaded:
+        monkeypatch.setattr(direct, "_THREADED", 0)
+        monkeypatch.setattr(direct, "_CHUNK", 100)  # not a multiple of an element: chunks cut elements
+    path, values = saved
+    boxes = {**_whole(values), "same_shape": ((3, 0), (5, 8))}
+    reader = direct.DirectReader(path, defer=lambda t: t.numel() % 2 == 0)
+    reader.set_up_storage_reader(reader.read_metadata(), True)
+    targets = {n: torch.full(lengths, -1.0, dtype=values[n].dtype) for n, (_, lengths) in boxes.items()}
+    items = [_item(n, offsets, lengths) for n, (offsets, lengths) in boxes.items()]
+    reader.read_data(type("Plan", (), {"items": items})(), _Planner(targets))
+    for name, (offsets, lengths) in boxes.items():
+        assert torch.equal(targets[name], values[name][tuple(slice(o, o + n) for o, n in zip(offsets, lengths))])

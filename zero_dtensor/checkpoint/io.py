@@ -413,9 +413,9 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
     planning and reading its own pieces (no DCP collective), then ZeRO-1/2 one gather per param group (ZeRO-3:
     one of the persistent parameters together) to refresh the working weights. Each rank reads the bytes its
     pieces overlap, and, to check their CRC-32, the rest of each record they cut (at another world size); records
-    read into the engine's memory are read twice (CRC-checked through an 8 MiB buffer in the first pass, then into
-    place; the second time from the page cache as a rule). **Memory**: none for the pieces read in place (the 8 MiB
-    scratch buffer). An entry that cannot be read straight into place (a
+    read into the engine's memory are read twice (CRC-checked in the first pass, then read into place; the second
+    time from the page cache as a rule). **Memory**: none for the pieces read in place (two 4 MiB buffers for the
+    checks, and one thread computing CRC-32s while the reader reads on). An entry that cannot be read straight into place (a
     box that cuts its rows, at another world size; another dtype) is read whole into new memory in the first pass
     and held until the second: a few pieces where only boxes differ (each part of one parameter), up to this rank's
     partition where the checkpoint holds another dtype. Before the first step, one staging copy of this rank's

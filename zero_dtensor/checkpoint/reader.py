@@ -20,15 +20,17 @@ another device, into a host buffer and one copy); otherwise, and for transformed
 shorter than its entries raises before any of them is read, a short read too. Every tensor entry's data is
 checked against the CRC-32 its archive records (torch's zip reader does not: a flipped bit loaded silently): bytes
 read straight into place are CRC-ed there (``zlib.crc32``), an entry ``torch.load``ed over its loaded storage, and a
-record read only in part, or bound for a deferred destination, is read whole through an 8 MiB scratch buffer in the
-first pass and CRC-ed there (a deferred one is read again, into place, in the second pass); the CRC-32 is the data
+record read only in part, or bound for a deferred destination, is read whole in the first pass and CRC-ed there
+(a deferred one is read again, into place, in the second pass): one of 1 MiB or more through two 4 MiB buffers,
+CRC-ed by a thread while the reader reads on (:class:`_Checksums`); the CRC-32 is the data
 record's zip data descriptor's (torch's writer puts one after the data) or its local header's. A mismatch raises
 ``OSError`` naming the file and the entry, in the first pass (before ``between``). A recorded 0 is none
 (``torch.serialization.set_crc32_options(False)``): not checked. Bytes entries carry no CRC-32 here. Entries are read
 in file order. With
 ``defer`` the reads into some destinations wait for a second pass (:class:`DirectReader`). Memory: no more than
 DCP's path (one entry at a time, and only for destinations off the CPU), except that entries taking DCP's path into
-deferred destinations are held until the second pass, and the 8 MiB scratch buffer. No communication (``between`` may communicate).
+deferred destinations are held until the second pass, and :class:`_Checksums`' two 4 MiB buffers (one thread,
+for the first pass). No communication (``between`` may communicate).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ import sys
 import zipfile
 import zlib
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future as _TaskFuture
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import IO, Any, cast
 
@@ -56,8 +60,11 @@ __all__ = ["DirectReader", "read_bytes_entries"]
 _HEADER, _BYTE_ORDER, _DATA = "data.pkl", "byteorder", "data/0"
 #: :func:`read_bytes_entries` reads entries less than this many bytes apart with one read (the bytes between too)
 _GAP = 1 << 16
-#: bytes read at a time where a record's data is checked without being read into place (deferred, or a part of it)
-_CHUNK = 8 << 20
+#: bytes read at a time where a record's data is checked without being read into place (deferred, or a part of it);
+#: :class:`_Checksums` holds two such buffers
+_CHUNK = 4 << 20
+#: records at least this long are CRC-ed by :class:`_Checksums`' thread while the reader reads on; shorter ones inline
+_THREADED = 1 << 20
 #: the optional signature of a zip data descriptor (torch's writer puts one, with the CRC-32, after every record)
 _DESCRIPTOR = b"PK\x07\x08"
 #: a local file header's general-purpose flag saying that the CRC-32 and sizes follow the data (a data descriptor)
@@ -163,9 +170,17 @@ class DirectReader(FileSystemReader):
         self._layouts: dict[int, list[_Layout]] = {}  # per entry length, the layouts seen (:meth:`_located`)
         self._defer, self._between = defer, between
         self._deferred: list[_Deferred] = []
-        self._scratch: memoryview | None = None  # :meth:`_check_record`'s buffer
+        self._checksums: _Checksums | None = None  # :meth:`_check_record`'s buffers and thread (one load's)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        try:
+            return self._read_data(plan, planner)
+        finally:
+            if self._checksums is not None:  # a failed first pass: end the thread, its results unused
+                self._checksums.close()
+                self._checksums = None
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
@@ -175,6 +190,9 @@ class DirectReader(FileSystemReader):
                 _check_size(cast(IO[bytes], stream), relative_path, items, self.storage_data)
                 for item in items:
                     self._read_item(cast(IO[bytes], stream), item, planner)
+        if self._checksums is not None:  # every record's CRC-32 compared before anything deferred is written
+            checksums, self._checksums = self._checksums, None
+            checksums.finish()
         if self._between is not None:
             self._between()
         self._read_deferred(planner)
@@ -248,19 +266,20 @@ class DirectReader(FileSystemReader):
         return where.crc if where.crc is not None else _descriptor_crc(stream.read(8))
 
     def _check_record(self, stream: IO[bytes], item: ReadItem, where: _Where, start: int, record: int) -> None:
-        """Read the data record at ``start`` (``record`` bytes) through a scratch buffer of at most :data:`_CHUNK`
-        bytes and compare its CRC-32 with the archive's; ``OSError`` on a mismatch or a short read."""
-        if self._scratch is None or (len(self._scratch) < min(record, _CHUNK)):
-            self._scratch = memoryview(bytearray(min(max(record, 1), _CHUNK)))
+        """Read the data record at ``start`` (``record`` bytes) and compare its CRC-32 with the archive's: a short
+        record inline, a long one through :class:`_Checksums` (its mismatch raised by :meth:`read_data` before
+        ``between``); ``OSError`` on a mismatch or a short read."""
+        entry = self._entry(item)
         stream.seek(start)
-        crc, left = 0, record
-        while left:
-            n = stream.readinto(self._scratch[:min(left, len(self._scratch))])
-            if not n:
-                raise OSError(f"{self._entry(item)}: {record - left} of {record} bytes in the file (a truncated file?)")
-            crc = zlib.crc32(self._scratch[:n], crc)
-            left -= n
-        _compare(self._recorded(stream, where), crc, self._entry(item))
+        if record < _THREADED:
+            data = stream.read(record)
+            if len(data) != record:
+                raise OSError(f"{entry}: {len(data)} of {record} bytes in the file (a truncated file?)")
+            _compare(self._recorded(stream, where), zlib.crc32(data), entry)
+            return
+        if self._checksums is None:
+            self._checksums = _Checksums()
+        self._checksums.check(stream, record, lambda: self._recorded(stream, where), entry)
 
     def _located(self, stream: IO[bytes], info: Any) -> _Where | None:
         """What the entry holds, where its data starts and its CRC-32 lies, where its bytes before the data are
@@ -334,6 +353,63 @@ class DirectReader(FileSystemReader):
         loaded = cast(torch.Tensor, torch.load(seekable, map_location="cpu", weights_only=True))
         _check_loaded(seekable, loaded, self._entry(item))
         self._copy(loaded, item, planner)
+
+
+class _Checksums:
+    """CRC-32s of long records, computed by one thread while the reader reads on (``readinto`` and ``zlib.crc32``
+    release the GIL): each record is read in chunks of :data:`_CHUNK` bytes into two buffers taken in turn (a buffer
+    is read into again once the thread has CRC-ed it); the thread runs its tasks in order, so a record's running
+    CRC-32 is its own state. :meth:`finish` waits for every comparison and raises the first mismatch. Memory: the
+    two buffers. No communication."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="zero_dtensor-crc32")
+        self._buffers: list[memoryview] = []
+        self._busy: list[_TaskFuture[Any] | None] = [None, None]
+        self._turn = 0
+        self._running = 0  # the record's CRC-32 so far: touched by the thread only
+        self._compared: list[_TaskFuture[Any]] = []
+
+    def check(self, stream: IO[bytes], record: int, recorded: Callable[[], int], entry: str) -> None:
+        """Read the ``record`` bytes at ``stream``'s position and have their CRC-32 compared with ``recorded()``
+        (called here, once the data is read: ``stream`` right after it)."""
+        left, first = record, True
+        while left:
+            buffer = self._buffer()
+            n = stream.readinto(buffer[:min(left, len(buffer))])
+            if not n:
+                raise OSError(f"{entry}: {record - left} of {record} bytes in the file (a truncated file?)")
+            self._busy[self._turn] = self._pool.submit(self._update, buffer[:n], first)
+            self._turn ^= 1
+            left -= n
+            first = False
+        self._compared.append(self._pool.submit(self._compare, recorded(), entry))
+
+    def _buffer(self) -> memoryview:
+        """The next buffer, once the thread is done with it."""
+        if len(self._buffers) <= self._turn:
+            self._buffers.append(memoryview(bytearray(_CHUNK)))
+        busy = self._busy[self._turn]
+        if busy is not None:
+            busy.result()
+        return self._buffers[self._turn]
+
+    def _update(self, data: memoryview, first: bool) -> None:
+        self._running = zlib.crc32(data, 0 if first else self._running)
+
+    def _compare(self, recorded: int, entry: str) -> None:
+        _compare(recorded, self._running, entry)
+
+    def finish(self) -> None:
+        """Wait for every comparison; ``OSError`` for the first mismatch (in reading order)."""
+        try:
+            for compared in self._compared:
+                compared.result()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 @dataclass(frozen=True)

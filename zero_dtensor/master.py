@@ -157,7 +157,7 @@ def _sync_before_save(engine: Any) -> None:
     storage = master_front(engine).__zero_dtensor_state__().storage
     marks = agree("engine.save_checkpoint", (), storage.process_groups, storage.device,
                   payload=lambda group: [int(needs_sync(engine))])
-    if needs_sync(engine) or any(row[0] for rows in marks.values() for row in rows):
+    if needs_sync(engine) or any(row[2] for rows in marks.values() for row in rows):  # [hash, code, mark]
         sync_model_params(engine)
 
 

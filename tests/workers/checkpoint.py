@@ -661,7 +661,10 @@ def integrity(root: str, stage: int) -> dict[str, str]:
     ``zd.set_state_dict`` after an unsynced master write clear it (a forward runs), and ``engine.save_checkpoint``
     while marked syncs first (the original engine's working weights are the cast masters afterwards, and so are those
     of an engine resumed by ``load_checkpoint``). Returns this rank's messages."""
+    from unittest import mock
+
     import zero_dtensor as zd
+    from zero_dtensor import master as master_module
     from zero_dtensor.master import needs_sync
 
     case = EngineCase(stage=stage, dtype="bf16", world=dist.get_world_size())
@@ -713,10 +716,18 @@ def integrity(root: str, stage: int) -> dict[str, str]:
 
     master.mul_(1.5)  # unsynced: DeepSpeed's save_checkpoint must not save the stale working weights
     ds_dir = os.path.join(root, f"ds-{stage}")
-    target.save_checkpoint(ds_dir, tag="t")
-    if stage < 3:  # ZeRO-3's load_checkpoint makes the working weights from the masters itself
-        resumed = build_engine(case, seed=4)
-        resumed.load_checkpoint(ds_dir, tag="t")
-        assert _cast_masters_equal_working(resumed), "the resumed engine's working weights are not its masters"
-    assert not needs_sync(target) and _cast_masters_equal_working(target)
+    with mock.patch.object(master_module, "sync_model_params", side_effect=master_module.sync_model_params) as sync:
+        target.save_checkpoint(ds_dir, tag="t")
+        if stage < 3:  # ZeRO-3's load_checkpoint makes the working weights from the masters itself
+            resumed = build_engine(case, seed=4)
+            resumed.load_checkpoint(ds_dir, tag="t")
+            assert _cast_masters_equal_working(resumed), "the resumed engine's working weights are not its masters"
+        assert sync.call_count == 1 and not needs_sync(target) and _cast_masters_equal_working(target)
+        target.save_checkpoint(ds_dir, tag="u")  # unmarked: the agreement only, no sync
+        assert sync.call_count == 1, sync.call_count
+        if dist.get_rank() == 0:  # marked on one rank only (a write through live views): every rank syncs, none hangs
+            master.mark_written()
+        target.save_checkpoint(ds_dir, tag="v")
+        assert sync.call_count == 2 and not needs_sync(target), sync.call_count
     return messages
+

@@ -406,8 +406,8 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
     message says to load again). Then steps, hyperparameters, step counters, the lr scheduler and the loss scaler
     are written, and the working weights made the cast masters (which clears the masters' write mark). Every
     failure raises one of the three documented classes naming the checkpoint (:func:`_documented`). An engine that
-    has never stepped has no optimizer state to read into: its pieces are read into staging buffers in the first pass, the state is created (a
-    zero-learning-rate step) after the one agreement, and the buffers are copied in.
+    has never stepped has no optimizer state to read into: its pieces are read into staging buffers in the first
+    pass, the state is created (a zero-learning-rate step) after the one agreement, and the buffers are copied in.
 
     **Communication**: two agreements (one small collective each; before the first step one only), each rank
     planning and reading its own pieces (no DCP collective), then ZeRO-1/2 one gather per param group (ZeRO-3:
@@ -415,8 +415,9 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
     pieces overlap, and, to check their CRC-32, the rest of each record they cut (at another world size); records
     read into the engine's memory are read twice (CRC-checked in the first pass, then read into place; the second
     time from the page cache as a rule). **Memory**: none for the pieces read in place (two 4 MiB buffers for the
-    checks, and one thread computing CRC-32s while the reader reads on). An entry that cannot be read straight into place (a
-    box that cuts its rows, at another world size; another dtype) is read whole into new memory in the first pass
+    checks, and one thread computing CRC-32s while the reader reads on). An entry that cannot be read straight into
+    place (a box that cuts its rows, at another world size; another dtype) is read whole into new memory in the first
+    pass
     and held until the second: a few pieces where only boxes differ (each part of one parameter), up to this rank's
     partition where the checkpoint holds another dtype. Before the first step, one staging copy of this rank's
     partition, freed before the working-weight refresh. The hyperparameter entries are read a few reads per file

@@ -305,3 +305,15 @@ def test_loads_that_differ_between_ranks_raise_on_every_rank(ranks, tmp_path, ca
         assert "new" in messages["stepped: another path"] and "old" in messages["stepped: another path"], messages
         ids = re.findall(r"save_id [0-9a-f-]+", messages["stepped: another checkpoint"])
         assert len(set(ids)) == 2, messages  # the same path, two checkpoints: told apart by their save_id
+@pytest.mark.parametrize("world,stage", [(2, 2), (3, 3)], ids=["2ranks-z2", "3ranks-z3"])
+def test_damaged_checkpoints_and_the_write_mark(ranks, tmp_path, world, stage) -> None:
+    """Issue 45: a flipped bit in a master piece and in an ``exp_avg_sq`` piece (rank 1's file), a truncated
+    ``.metadata``: ``CheckpointReadError`` on every rank naming the checkpoint (rank 1 also the file and the entry),
+    the engine unchanged; ``zd.load`` / ``zd.set_state_dict`` clear the write mark they make obsolete;
+    ``engine.save_checkpoint`` while marked syncs first (checked inside the worker)."""
+    messages = ranks(world).run(ck.integrity, str(tmp_path), stage)
+    for rank, per_rank in enumerate(messages):
+        assert set(per_rank) == {"master", "exp_avg_sq", "truncated .metadata"}
+        assert ".metadata cannot be read" in per_rank["truncated .metadata"], per_rank
+        if rank != 1:
+            assert "failed on another rank" in per_rank["master"], per_rank

@@ -244,3 +244,89 @@ def test_bytes_entries_read_in_runs(tmp_path, monkeypatch) -> None:
     os.truncate(tmp_path / data_file, last + 10)
     with pytest.raises(OSError, match="truncated"):
         direct.read_bytes_entries(str(tmp_path), entries)
+
+
+def _flip_bit(path: str, name: str, at: float = 0.5) -> str:
+    """Flip one bit of entry ``name``'s tensor data (``at``: where in its data), as a damaged disk would; the
+    ``.distcp`` file's name."""
+    md = FileSystemReader(path).read_metadata()
+    info = next(info for index, info in md.storage_data.items() if index.fqn == name)
+    with open(os.path.join(path, info.relative_path), "r+b") as f:
+        f.seek(info.offset)
+        archive = torch._C.PyTorchFileReader(__import__("io").BytesIO(f.read(info.length)))
+        size = len(archive.get_record("data/0"))
+        where = info.offset + archive.get_record_offset("data/0") + int(size * at)
+        f.seek(where)
+        byte = f.read(1)[0]
+        f.seek(where)
+        f.write(bytes([byte ^ 0x10]))
+    return info.relative_path
+
+
+@pytest.mark.parametrize("name,box", [
+    ("matrix", ((0, 0), (12, 8))),  # the first entry of its header: torch.load
+    ("same_shape", ((0, 0), (12, 8))),  # a known header: straight into place
+    ("same_shape", ((3, 0), (5, 8))),  # whole rows, a part of the record: the rest is read to check it
+    ("same_shape", ((2, 1), (4, 6))),  # a box that cuts rows: DCP's path
+    ("transposed", ((0, 0), (12, 8))),  # non-contiguous: DCP's path
+    ("bf16", ((0, 0), (6, 5))),
+])
+@pytest.mark.parametrize("deferred", [False, True], ids=["new-memory", "deferred"])
+@pytest.mark.parametrize("threaded", [False, True], ids=["inline", "threaded"])
+def test_flipped_bit_is_refused_naming_file_and_entry(saved, name, box, deferred, threaded, monkeypatch) -> None:
+    """One flipped bit in an entry's tensor data: ``OSError`` naming the file and the entry, on every path the
+    reader takes, before ``between`` runs (nothing deferred is written); the bits before and after the box too.
+    ``threaded``: records checked apart are CRC-ed by ``_Checksums``' thread in 128-byte chunks (as records of
+    1 MiB and more are, in 4 MiB chunks)."""
+    if threaded:
+        monkeypatch.setattr(direct, "_THREADED", 0)
+        monkeypatch.setattr(direct, "_CHUNK", 128)
+    path, values = saved
+    file = _flip_bit(path, name, at=0.1 if box[0][0] else 0.5)  # row boxes from row 3 on: flip before the box
+    boxes = {"matrix": ((0, 0), (12, 8)), name: box} if name != "matrix" else {name: box}
+    reader = direct.DirectReader(path, defer=(lambda t: True) if deferred else None,
+                                 between=lambda: pytest.fail("between ran after a damaged entry"))
+    metadata = reader.read_metadata()
+    reader.set_up_storage_reader(metadata, True)
+    targets = {n: torch.full(lengths, -1.0, dtype=values[n].dtype) for n, (_, lengths) in boxes.items()}
+    planner = _Planner(targets)
+    items = [_item(n, offsets, lengths) for n, (offsets, lengths) in boxes.items()]
+    with pytest.raises(OSError, match="CRC-32") as raised:
+        reader.read_data(type("Plan", (), {"items": items})(), planner)
+    assert repr(file) in str(raised.value) and repr(name) in str(raised.value), raised.value
+    if deferred:
+        assert all((t == -1).all() for t in targets.values())  # nothing read into the deferred destinations
+    # the undamaged checkpoint reads (the check does not refuse good data): same boxes, fresh copy of the values
+    good = _read(direct.DirectReader, path, {n: b for n, b in _whole(values).items() if n not in (name, "empty")})
+    assert all(torch.equal(good[n], values[n]) for n in good)
+
+
+def test_archives_without_crc_are_read(tmp_path) -> None:
+    """``torch.serialization.set_crc32_options(False)`` writes 0 for every CRC-32: such checkpoints still load."""
+    values = _entries()
+    torch.serialization.set_crc32_options(False)
+    try:
+        dcp.save(dict(values), storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    ours = _read(direct.DirectReader, str(tmp_path), _whole(values))
+    assert all(torch.equal(ours[n], v) for n, v in values.items())
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["inline", "threaded"])
+def test_checked_deferred_reads_equal_dcp(saved, threaded, monkeypatch) -> None:
+    """Undamaged entries read into deferred destinations (checked whole in the first pass, read into place in the
+    second), and row boxes of records (the rest read to check them): the values DCP's reader gives, no false
+    mismatch; ``threaded`` as above."""
+    if threaded:
+        monkeypatch.setattr(direct, "_THREADED", 0)
+        monkeypatch.setattr(direct, "_CHUNK", 100)  # not a multiple of an element: chunks cut elements
+    path, values = saved
+    boxes = {**_whole(values), "same_shape": ((3, 0), (5, 8))}
+    reader = direct.DirectReader(path, defer=lambda t: t.numel() % 2 == 0)
+    reader.set_up_storage_reader(reader.read_metadata(), True)
+    targets = {n: torch.full(lengths, -1.0, dtype=values[n].dtype) for n, (_, lengths) in boxes.items()}
+    items = [_item(n, offsets, lengths) for n, (offsets, lengths) in boxes.items()]
+    reader.read_data(type("Plan", (), {"items": items})(), _Planner(targets))
+    for name, (offsets, lengths) in boxes.items():
+        assert torch.equal(targets[name], values[name][tuple(slice(o, o + n) for o, n in zip(offsets, lengths))])

@@ -91,7 +91,9 @@ def sharded_master_params(engine: Any) -> ShardedMasterParams:
     tensors). Writes change what the next ``engine.step()`` starts from and mark the engine: call
     :func:`sync_model_params` on every rank before the next forward, or that forward raises
     :class:`~zero_dtensor.errors.ModelParamsNotSyncedError` (a forward pre-hook on ``engine.module``, installed
-    here once per engine). ``BF16_Optimizer`` keeps its masters sharded (its gradient is replicated). ZeRO-3 with
+    here once per engine; a submodule called directly, ``engine.module.fc1(x)``, is not guarded). From here on
+    ``engine.save_checkpoint`` syncs first where any rank is marked (one small agreement per call, see
+    :mod:`zero_dtensor.master`). ``BF16_Optimizer`` keeps its masters sharded (its gradient is replicated). ZeRO-3 with
     NVMe offload is refused (:class:`~zero_dtensor.errors.UnsupportedDeepSpeedError`).
     """
     check_engine(engine)

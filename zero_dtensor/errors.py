@@ -79,8 +79,9 @@ class IncompleteCheckpointError(RuntimeError):
 
 
 class CheckpointReadError(RuntimeError):
-    """DCP failed to read the checkpoint (a missing or damaged data file) on some rank; raised on every rank,
+    """DCP failed to read the checkpoint (a missing or damaged data file, tensor data whose CRC-32 differs from the
+    one its archive records, an unreadable ``.metadata``) on some rank; raised on every rank, naming the checkpoint,
     ``__cause__`` is the read's own error where it failed, :class:`RankFailedError` elsewhere. Every entry is
-    checked (file sizes, archives, headers) before any of the engine's memory is written, so a missing, truncated
-    or damaged file leaves the engine unchanged; only an I/O error in the second pass, after those checks, leaves
+    checked (file sizes, archives, headers, the CRC-32 of its data) before any of the engine's memory is written, so
+    a missing, truncated or damaged file leaves the engine unchanged; only an I/O error in the second pass, after those checks, leaves
     the failing rank's masters and optimizer state partly overwritten (the message says so)."""

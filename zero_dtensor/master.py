@@ -25,10 +25,23 @@ batch of ``isend``/``irecv`` per param group, the same bytes); ZeRO-3: a local c
 master → working partition per sub-group, then DeepSpeed's own bulk gather of the persistent parameters (one
 all_gather for all of them, per process group and dtype; the others are gathered by the next forward as usual).
 Memory: none beyond DeepSpeed's.
+
+**DeepSpeed's ``engine.save_checkpoint`` syncs first.** It saves the working weights beside the masters (ZeRO-1/2:
+the module's state dict), so a save while the mark is set would write stale working weights that
+``engine.load_checkpoint`` then runs forward on. Once the masters' front exists, ``engine.save_checkpoint`` (wrapped
+on the engine instance by :func:`_install_guard`) starts with one agreement (an ``all_gather`` of 3 int64 per rank,
+carrying each rank's mark) and, where any rank's mark is set, runs :func:`sync_model_params` on every rank before
+DeepSpeed's save. :func:`zero_dtensor.load` and :func:`zero_dtensor.set_state_dict` refresh the working weights
+themselves and clear the mark (:func:`clear_write_mark`).
+
+**The guard sees ``engine.module``'s forward only.** A submodule called directly (``engine.module.fc1(x)``) runs no
+hook of ``engine.module`` and is not refused: a pre-hook on every submodule would put Python on every module call
+of every forward. Sync before such calls as before any forward.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -47,6 +60,7 @@ from .tensors import ShardedTensors
 __all__ = [
     "ShardedMasterParams",
     "ShardedOptimizerState",
+    "clear_write_mark",
     "master_front",
     "needs_sync",
     "optimizer_state_front",
@@ -131,6 +145,42 @@ def _mark_written(engine_ref: weakref.ref[Any], names: Sequence[str]) -> None:
     mark.at_step = _sync.applied_steps(engine)
 
 
+def clear_write_mark(engine: Any) -> None:
+    """Clear ``engine``'s write mark: its working weights were just made from its masters (a sync, a load). No
+    communication."""
+    mark = _MARKS.get(engine)
+    if mark is not None:
+        mark.pending = False
+
+
+def _sync_before_save(engine: Any) -> None:
+    """What ``engine.save_checkpoint`` runs first: one agreement carrying every rank's write mark, then, where any
+    is set, :func:`sync_model_params` on every rank (module docstring)."""
+    storage = master_front(engine).__zero_dtensor_state__().storage
+    marks = agree("engine.save_checkpoint", (), storage.process_groups, storage.device,
+                  payload=lambda group: [int(needs_sync(engine))])
+    if needs_sync(engine) or any(row[2] for rows in marks.values() for row in rows):  # [hash, code, mark]
+        sync_model_params(engine)
+
+
+def _guard_save_checkpoint(engine: Any) -> None:
+    """Wrap ``engine.save_checkpoint`` on the instance so that it runs :func:`_sync_before_save` first (the engine
+    held weakly: the wrapper keeps no engine alive)."""
+    original = engine.__dict__.get("save_checkpoint")
+    unbound = type(engine).save_checkpoint if original is None else None
+    engine_ref = weakref.ref(engine)
+
+    @functools.wraps(type(engine).save_checkpoint)
+    def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        current = engine_ref()
+        if current is None:
+            raise ReferenceError("the engine was freed")
+        _sync_before_save(current)
+        return original(*args, **kwargs) if original is not None else unbound(current, *args, **kwargs)
+
+    engine.save_checkpoint = save_checkpoint
+
+
 class _ForwardGuard:
     """The forward pre-hook that refuses a forward while ``engine``'s masters wait for a sync. It holds the engine
     weakly; a pickled copy (``torch.save`` of the whole module) guards nothing."""
@@ -162,10 +212,12 @@ def _nothing() -> None:
 
 def _install_guard(engine: Any) -> None:
     """Install :class:`_ForwardGuard` on ``engine.module`` once per engine (prepended, so it runs before DeepSpeed's
-    own ZeRO-3 gather hooks and a refused forward gathers nothing)."""
+    own ZeRO-3 gather hooks and a refused forward gathers nothing), and make ``engine.save_checkpoint`` sync first
+    (:func:`_guard_save_checkpoint`)."""
     mark = _MARKS.setdefault(engine, _SyncMark())
     if mark.hook is None:
         mark.hook = engine.module.register_forward_pre_hook(_ForwardGuard(engine), prepend=True)
+        _guard_save_checkpoint(engine)
 
 
 def sync_model_params(engine: Any) -> None:
@@ -182,9 +234,7 @@ def sync_model_params(engine: Any) -> None:
 def _sync_agreed(engine: Any) -> None:
     """:func:`sync_model_params` after its agreement (the caller's)."""
     _sync.sync_model_params(engine)
-    mark = _MARKS.get(engine)
-    if mark is not None:
-        mark.pending = False
+    clear_write_mark(engine)
 
 
 def set_full_and_sync(engine: Any, mapping: Any) -> None:

@@ -714,3 +714,113 @@ def disagreeing_loads(root: str, case: EngineCase) -> dict[str, str]:
     assert all(c == counters[0] for c in counters), counters
     assert same(snapshot(target)["master"], snapshot(engine)["master"])
     return messages
+# ---- integrity: damaged data, the write mark (issue 45) --------------------------------------------------------------
+
+def _flip_in_rank_file(path: str, prefix: str, rank: int) -> tuple[str, str]:
+    """A copy of checkpoint ``path`` with one bit flipped in the tensor data of the largest entry whose name starts
+    with ``prefix`` in rank ``rank``'s ``.distcp`` file (this rank does it: call on one rank); its path and the
+    entry's name."""
+    import io as _io
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    damaged = f"{path}-{prefix.replace('.', '-')}-flipped"
+    shutil.copytree(path, damaged)
+    file = f"__{rank}_0.distcp"
+    entries = [(info.length, index.fqn, info) for index, info in FileSystemReader(path).read_metadata()
+               .storage_data.items() if index.fqn.startswith(prefix) and info.relative_path == file]
+    _, fqn, info = max(entries, key=lambda e: e[0])
+    with open(os.path.join(damaged, file), "r+b") as f:
+        f.seek(info.offset)
+        archive = torch._C.PyTorchFileReader(_io.BytesIO(f.read(info.length)))
+        where = info.offset + archive.get_record_offset("data/0") + len(archive.get_record("data/0")) // 2
+        f.seek(where)
+        byte = f.read(1)[0]
+        f.seek(where)
+        f.write(bytes([byte ^ 0x01]))
+    return damaged, fqn
+
+
+def _cast_masters_equal_working(engine: Any) -> bool:
+    """Whether every trainable parameter's working weights are its fp32 master cast to their dtype (collective)."""
+    masters, weights = assemble(families.master_storage(engine)), working(engine)
+    return all(torch.equal(weights[n], m.to(weights[n].dtype).view_as(weights[n])) for n, m in masters.items())
+
+
+def integrity(root: str, stage: int) -> dict[str, str]:
+    """Damaged checkpoints refused on every rank with a documented class naming the checkpoint (and, on the rank
+    that read it, the file and entry), the engine unchanged: one flipped bit in a master piece and in an
+    ``exp_avg_sq`` piece of rank 1's file, a truncated ``.metadata``. Then the write mark: ``zd.load`` and
+    ``zd.set_state_dict`` after an unsynced master write clear it (a forward runs), and ``engine.save_checkpoint``
+    while marked syncs first (the original engine's working weights are the cast masters afterwards, and so are those
+    of an engine resumed by ``load_checkpoint``). Returns this rank's messages."""
+    from unittest import mock
+
+    import zero_dtensor as zd
+    from zero_dtensor import master as master_module
+    from zero_dtensor.master import needs_sync
+
+    case = EngineCase(stage=stage, dtype="bf16", world=dist.get_world_size())
+    source = build_engine(case)
+    train(source, range(1))
+    good = os.path.join(root, f"good-{stage}")
+    save(source, good)
+    damaged: dict[str, tuple[str, str]] = {}
+    if dist.get_rank() == 0:
+        damaged["master"] = _flip_in_rank_file(good, "model.", 1)
+        damaged["exp_avg_sq"] = _flip_in_rank_file(good, "optim.state.", 1)
+        while not damaged["exp_avg_sq"][1].endswith("exp_avg_sq"):  # the largest state entry may be exp_avg
+            shutil.rmtree(damaged["exp_avg_sq"][0])
+            damaged["exp_avg_sq"] = _flip_in_rank_file(good, "optim.state." + damaged["exp_avg_sq"][1]
+                                                       [len("optim.state."):].rpartition(".")[0] + ".exp_avg_sq", 1)
+        truncated = os.path.join(root, f"truncated-{stage}")
+        shutil.copytree(good, truncated)
+        with open(os.path.join(truncated, ".metadata"), "r+b") as f:
+            f.truncate(os.path.getsize(os.path.join(truncated, ".metadata")) // 2)
+    shared = [damaged]
+    dist.broadcast_object_list(shared, src=0)
+    damaged = shared[0]
+    target = source  # refused loads must leave it as it is (``_refused`` compares)
+    messages = {}
+    for kind, (path, fqn) in damaged.items():
+        message = _refused(target, path, CheckpointReadError)
+        assert repr(path) in message, message
+        if dist.get_rank() == 1:  # the rank that read the damaged entry names the file and the entry
+            assert "CRC-32" in message and "'__1_0.distcp'" in message and repr(fqn) in message, message
+        messages[kind] = message
+    truncated = os.path.join(root, f"truncated-{stage}")
+    messages["truncated .metadata"] = _refused(target, truncated, CheckpointReadError)
+    assert repr(truncated) in messages["truncated .metadata"], messages["truncated .metadata"]
+
+    master = zd.sharded_master_params(target)
+    master.mul_(1.5)  # an unsynced write; the load overwrites every master and refreshes the working weights
+    load(target, good)
+    assert not needs_sync(target) and _cast_masters_equal_working(target)
+    forward_backward(target, 1)  # no ModelParamsNotSyncedError
+    target.step()
+    model, optim = get_state_dict(target)
+    model, optim = ({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in d.items()}
+                    for d in (model, optim))
+    master.mul_(1.5)
+    set_state_dict(target, model, optim)
+    assert not needs_sync(target) and _cast_masters_equal_working(target)
+    forward_backward(target, 2)
+    target.step()
+
+    master.mul_(1.5)  # unsynced: DeepSpeed's save_checkpoint must not save the stale working weights
+    ds_dir = os.path.join(root, f"ds-{stage}")
+    with mock.patch.object(master_module, "sync_model_params", side_effect=master_module.sync_model_params) as sync:
+        target.save_checkpoint(ds_dir, tag="t")
+        if stage < 3:  # ZeRO-3's load_checkpoint makes the working weights from the masters itself
+            resumed = build_engine(case, seed=4)
+            resumed.load_checkpoint(ds_dir, tag="t")
+            assert _cast_masters_equal_working(resumed), "the resumed engine's working weights are not its masters"
+        assert sync.call_count == 1 and not needs_sync(target) and _cast_masters_equal_working(target)
+        target.save_checkpoint(ds_dir, tag="u")  # unmarked: the agreement only, no sync
+        assert sync.call_count == 1, sync.call_count
+        if dist.get_rank() == 0:  # marked on one rank only (a write through live views): every rank syncs, none hangs
+            master.mark_written()
+        target.save_checkpoint(ds_dir, tag="v")
+        assert sync.call_count == 2 and not needs_sync(target), sync.call_count
+    return messages
+

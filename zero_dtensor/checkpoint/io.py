@@ -43,7 +43,14 @@ from torch.distributed.tensor import DTensor
 from .._deepspeed import checkpointing as ds
 from .._deepspeed.sync import sync_model_params
 from ..agreement import agree, agree_outcome
-from ..errors import CheckpointMismatchError, CheckpointReadError, IncompleteCheckpointError, RankFailedError
+from ..errors import (
+    CheckpointMismatchError,
+    CheckpointReadError,
+    IncompleteCheckpointError,
+    RankDisagreementError,
+    RankFailedError,
+)
+from ..master import clear_write_mark
 from ..process_groups import cpu_group_for, group_ranks, rank_in, world_size_of
 from .boxes import storage_exact_entry
 from .planners import CachingLoadPlanner, CachingSavePlanner, PlansNotCachedError, forget_plans, plan_key
@@ -242,13 +249,17 @@ def _read(staged: dict[str, Any], path: str, metadata: Metadata, in_engine: set[
 
 def read_metadata(path: str | os.PathLike) -> Metadata:
     """The checkpoint's DCP metadata; :class:`IncompleteCheckpointError` where there is none (a save that did not
-    finish). No communication."""
+    finish), :class:`CheckpointReadError` where it cannot be read (truncated, damaged). No communication."""
     path = os.fspath(path)
     if not os.path.isfile(os.path.join(path, METADATA)):
         state = "does not exist" if not os.path.isdir(path) else "has no .metadata (a save that did not finish?)"
         raise IncompleteCheckpointError(f"checkpoint {path!r} {state}; nothing was loaded")
-    with collector_paused():  # thousands of entries unpickled
-        return FileSystemReader(path).read_metadata()
+    try:
+        with collector_paused():  # thousands of entries unpickled
+            return FileSystemReader(path).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - a truncated or damaged .metadata: unpickling fails any way it likes
+        raise CheckpointReadError(f"checkpoint {path!r}: its .metadata cannot be read ({type(exc).__name__}: {exc}); "
+                                  "a truncated or damaged file? Nothing was loaded") from exc
 
 
 def _tensor_shape(meta: Any) -> tuple[int, ...] | None:
@@ -340,13 +351,36 @@ class _Passes:
         try:
             self.checked = check_state(self.engine, self.staged["model"], self.staged["optim"], self.target)
         except Exception as exc:  # noqa: BLE001 - whatever failed here must reach every rank before any rank writes
-            error = exc
+            error = _documented(exc, self.path)
         self.agreed = True
         try:
             _agree_loaded(self.path, error, self.target, self.signature)
         except BaseException as exc:
             self.refusal = exc
             raise
+
+
+#: the classes a failed :func:`load` raises (each naming the checkpoint)
+_DOCUMENTED = (CheckpointMismatchError, CheckpointReadError, IncompleteCheckpointError)
+
+
+def _documented(error: Exception, path: str | os.PathLike) -> Exception:
+    """``error`` as :func:`load` raises it: one of the documented checkpoint classes, naming the checkpoint. Any
+    other failure becomes :class:`CheckpointReadError` (caused by it); a documented one whose message does not
+    name the checkpoint gets a new one of its class that does (caused by it); the agreement's own errors
+    (:class:`~zero_dtensor.errors.RankDisagreementError`) are kept."""
+    if isinstance(error, RankDisagreementError):
+        return error
+    shown = os.fspath(path)
+    if isinstance(error, _DOCUMENTED):
+        if repr(shown) in str(error):
+            return error
+        named: Exception = type(error)(f"checkpoint {shown!r}: {error}")
+    else:
+        named = CheckpointReadError(f"loading checkpoint {shown!r} failed ({type(error).__name__}: {error}); "
+                                    "nothing was loaded")
+    named.__cause__ = error
+    return named
 
 
 def _agree_loaded(path: str | os.PathLike, error: BaseException | None, target: Target,
@@ -394,16 +428,18 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
     Order: each rank reads ``.metadata`` (:class:`IncompleteCheckpointError` if absent) and compares names, shapes
     and optimizer-state keys with the engine (:class:`CheckpointMismatchError` naming what differs). Then
     ``dcp.load`` with :class:`~.reader.DirectReader`, in two passes. The first reads the steps, hyperparameters
-    and extras, and checks every other entry: file sizes, each archive and header, where its bytes lie
-    (:class:`CheckpointReadError` for a missing, truncated or damaged file); then what was read is checked against
+    and extras, and checks every other entry: file sizes, each archive and header, where its bytes lie, the CRC-32
+    of its tensor data (:class:`CheckpointReadError` for a missing, truncated or damaged file, naming the file and
+    the entry; also for an unreadable ``.metadata``); then what was read is checked against
     the engine (:func:`~zero_dtensor.checkpoint.state_dict.check_state`) and the ranks agree: where any rank
     failed, every rank raises and the engine is unchanged. The second pass reads the masters, optimizer state and
     frozen weights straight into the engine's memory, and a second agreement makes every rank raise where that
     failed on any rank (an I/O error after the checks: the failing rank's state is then partly overwritten, and the
     message says to load again). Then steps, hyperparameters, step counters, the lr scheduler and the loss scaler
-    are written, and the working weights made the cast masters. An engine that has never stepped has no optimizer
-    state to read into: its pieces are read into staging buffers in the first pass, the state is created (a
-    zero-learning-rate step) after the one agreement, and the buffers are copied in.
+    are written, and the working weights made the cast masters (which clears the masters' write mark). Every
+    failure raises one of the three documented classes naming the checkpoint (:func:`_documented`). An engine that
+    has never stepped has no optimizer state to read into: its pieces are read into staging buffers in the first
+    pass, the state is created (a zero-learning-rate step) after the one agreement, and the buffers are copied in.
 
     The first agreement also compares every rank's normalized path (:func:`normalized`) and the checkpoint's
     identity (:func:`identity`: its ``save_id``): ranks that name different checkpoints (each picking "the latest"
@@ -411,9 +447,13 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
 
     **Communication**: two agreements (one small collective each; before the first step one only), each rank
     planning and reading its own pieces (no DCP collective), then ZeRO-1/2 one gather per param group (ZeRO-3:
-    one of the persistent parameters together) to refresh the working weights. Each rank reads only the bytes its
-    pieces overlap. **Memory**: none for the pieces read in place. An entry that cannot be read straight into place (a
-    box that cuts its rows, at another world size; another dtype) is read whole into new memory in the first pass
+    one of the persistent parameters together) to refresh the working weights. Each rank reads the bytes its
+    pieces overlap, and, to check their CRC-32, the rest of each record they cut (at another world size); records
+    read into the engine's memory are read twice (CRC-checked in the first pass, then read into place; the second
+    time from the page cache as a rule). **Memory**: none for the pieces read in place (two 4 MiB buffers for the
+    checks, and one thread computing CRC-32s while the reader reads on). An entry that cannot be read straight into
+    place (a box that cuts its rows, at another world size; another dtype) is read whole into new memory in the first
+    pass
     and held until the second: a few pieces where only boxes differ (each part of one parameter), up to this rank's
     partition where the checkpoint holds another dtype. Before the first step, one staging copy of this rank's
     partition, freed before the working-weight refresh. The hyperparameter entries are read a few reads per file
@@ -434,7 +474,7 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
         passes.staged, in_engine = _destination(engine, target, metadata)
         _read(passes.staged, os.fspath(path), metadata, in_engine, passes.between)
     except Exception as exc:  # noqa: BLE001 - whatever failed here must reach every rank
-        error = exc
+        error = _documented(exc, path)
     if passes.refusal is not None:  # the agreement after the first pass raised: nothing was written
         raise passes.refusal
     if not passes.agreed:  # failed before the agreement: it is this rank's error, every rank raises
@@ -450,6 +490,7 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
     passes.checked = None  # the staging buffers go before the refresh allocates its own (ZeRO-1/2: the working model)
     passes.staged.clear()
     sync_model_params(engine)
+    clear_write_mark(engine)  # the refresh made the working weights from the masters: an earlier write is gone
     if "engine" in extras:
         ds.set_engine_counters(engine, extras["engine"])
     ds.set_lr_scheduler_state(engine, extras.get("lr_scheduler"))

@@ -17,10 +17,20 @@ data is then not read). Where the
 entry is one contiguous little-endian storage of the destination's dtype and the wanted elements are one run of it
 (a whole entry, or whole rows of it), ``readinto`` puts the bytes straight into the destination (a CPU tensor; for
 another device, into a host buffer and one copy); otherwise, and for transformed entries, DCP's own path. A file
-shorter than its entries raises before any of them is read, a short read too. Entries are read in file order. With
+shorter than its entries raises before any of them is read, a short read too. Every tensor entry's data is
+checked against the CRC-32 its archive records (torch's zip reader does not: a flipped bit loaded silently): bytes
+read straight into place are CRC-ed there (``zlib.crc32``), an entry ``torch.load``ed over its loaded storage, and a
+record read only in part, or bound for a deferred destination, is read whole in the first pass and CRC-ed there
+(a deferred one is read again, into place, in the second pass): one of 1 MiB or more through two 4 MiB buffers,
+CRC-ed by a thread while the reader reads on (:class:`_Checksums`); the CRC-32 is the data
+record's zip data descriptor's (torch's writer puts one after the data) or its local header's. A mismatch raises
+``OSError`` naming the file and the entry, in the first pass (before ``between``). A recorded 0 is none
+(``torch.serialization.set_crc32_options(False)``): not checked. Bytes entries carry no CRC-32 here. Entries are read
+in file order. With
 ``defer`` the reads into some destinations wait for a second pass (:class:`DirectReader`). Memory: no more than
 DCP's path (one entry at a time, and only for destinations off the CPU), except that entries taking DCP's path into
-deferred destinations are held until the second pass. No communication (``between`` may communicate).
+deferred destinations are held until the second pass, and :class:`_Checksums`' two 4 MiB buffers (one thread,
+for the first pass). No communication (``between`` may communicate).
 """
 
 from __future__ import annotations
@@ -31,8 +41,11 @@ import os
 import struct
 import sys
 import zipfile
+import zlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from concurrent.futures import Future as _TaskFuture
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from typing import IO, Any, cast
 
 import torch
@@ -47,6 +60,15 @@ __all__ = ["DirectReader", "read_bytes_entries"]
 _HEADER, _BYTE_ORDER, _DATA = "data.pkl", "byteorder", "data/0"
 #: :func:`read_bytes_entries` reads entries less than this many bytes apart with one read (the bytes between too)
 _GAP = 1 << 16
+#: bytes read at a time where a record's data is checked without being read into place (deferred, or a part of it);
+#: :class:`_Checksums` holds two such buffers
+_CHUNK = 4 << 20
+#: records at least this long are CRC-ed by :class:`_Checksums`' thread while the reader reads on; shorter ones inline
+_THREADED = 1 << 20
+#: the optional signature of a zip data descriptor (torch's writer puts one, with the CRC-32, after every record)
+_DESCRIPTOR = b"PK\x07\x08"
+#: a local file header's general-purpose flag saying that the CRC-32 and sizes follow the data (a data descriptor)
+_HAS_DESCRIPTOR = 0x08
 
 
 @dataclass(frozen=True)
@@ -91,6 +113,8 @@ class _Layout:
     after: bytes
     data: int
     stored: _Stored
+    #: the data record's CRC-32 follows its data (a data descriptor) rather than sitting in its local header
+    descriptor: bool
 
     @classmethod
     def of(cls, head: bytes, stored: _Stored) -> _Layout | None:
@@ -106,7 +130,12 @@ class _Layout:
                 or not head[start + zipfile.sizeFileHeader:name_end].endswith(_DATA.encode())):
             return None
         crc = start + 14  # the local file header's CRC-32: 4 bytes, after signature, versions, flags, method, time
-        return cls(head[:crc], head[crc + 4:], len(head), stored)
+        descriptor = bool(fields[zipfile._FH_GENERAL_PURPOSE_FLAG_BITS] & _HAS_DESCRIPTOR)
+        return cls(head[:crc], head[crc + 4:], len(head), stored, descriptor)
+
+    def header_crc(self, head: bytes) -> int:
+        """The CRC-32 in the data record's local header of an entry that :meth:`fits` (0 with a descriptor)."""
+        return int.from_bytes(head[len(self.before):len(self.before) + 4], "little")
 
     def fits(self, head: bytes) -> bool:
         return head.startswith(self.before) and head[len(self.before) + 4:self.data] == self.after
@@ -141,8 +170,17 @@ class DirectReader(FileSystemReader):
         self._layouts: dict[int, list[_Layout]] = {}  # per entry length, the layouts seen (:meth:`_located`)
         self._defer, self._between = defer, between
         self._deferred: list[_Deferred] = []
+        self._checksums: _Checksums | None = None  # :meth:`_check_record`'s buffers and thread (one load's)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        try:
+            return self._read_data(plan, planner)
+        finally:
+            if self._checksums is not None:  # a failed first pass: end the thread, its results unused
+                self._checksums.close()
+                self._checksums = None
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
@@ -152,6 +190,9 @@ class DirectReader(FileSystemReader):
                 _check_size(cast(IO[bytes], stream), relative_path, items, self.storage_data)
                 for item in items:
                     self._read_item(cast(IO[bytes], stream), item, planner)
+        if self._checksums is not None:  # every record's CRC-32 compared before anything deferred is written
+            checksums, self._checksums = self._checksums, None
+            checksums.finish()
         if self._between is not None:
             self._between()
         self._read_deferred(planner)
@@ -186,31 +227,64 @@ class DirectReader(FileSystemReader):
             stream.seek(info.offset)
             planner.load_bytes(item, io.BytesIO(_read_exactly(stream, info.length, item)))
             return None
-        located = self._located(stream, info)
-        if located is None:
-            located = self._opened(stream, info, item, planner)
-            if located is None:  # the first entry of its header: read by torch.load
+        where = self._located(stream, info)
+        if where is None:
+            where = self._opened(stream, info, item, planner)
+            if where is None:  # the first entry of its header: read (and checked) by torch.load
                 return None
-        stored, data = located
+        stored, data = where.stored, where.data
         run = _run(stored, item) if stored.direct else None
         target = planner.resolve_tensor(item).detach()
         if run is None or target.dtype != stored.dtype or not target.is_contiguous() \
                 or target.numel() != run[1]:
             return self._read_as_dcp(stream, item, planner)
         size = target.element_size()
-        if data + (run[0] + run[1]) * size > info.length:  # the record would run past the entry: DCP's path
+        record = math.prod(stored.shape) * size  # the data record's bytes (the entry's whole storage)
+        if data + record + (8 if where.crc is None else 0) > info.length:  # would run past the entry: DCP's path
             return self._read_as_dcp(stream, item, planner)
+        whole = run[0] == 0 and run[1] * size == record
+        if self._deferring(target) or not whole:  # checked here, read into place later (or only a part of it)
+            self._check_record(stream, item, where, info.offset + data, record)
         if self._deferring(target):
             self._deferred.append(_Deferred(info.offset + data + run[0] * size, None, target, item))
             return None
         stream.seek(info.offset + data + run[0] * size)
-        _read_to(stream, target, item)
+        crc = _read_to(stream, target, item, crc=whole)
+        if whole:
+            _compare(self._recorded(stream, where), cast(int, crc), self._entry(item))
         planner.commit_tensor(item, target)
         return None
 
-    def _located(self, stream: IO[bytes], info: Any) -> tuple[_Stored, int] | None:
-        """What the entry holds and where its data starts, where its bytes before the data are those of an entry
-        of the same length read before (but for the data's checksum): one read of those bytes, no zip reader."""
+    def _entry(self, item: ReadItem) -> str:
+        """The entry ``item`` reads, as an error names it: the file and the entry (name, and offset of a piece)."""
+        index = item.storage_index
+        piece = f" (the piece at {tuple(index.offset)})" if index.offset is not None and any(index.offset) else ""
+        return f"checkpoint file {self.storage_data[index].relative_path!r}, entry {index.fqn!r}{piece}"
+
+    def _recorded(self, stream: IO[bytes], where: _Where) -> int:
+        """The CRC-32 the archive records for the data record just read (``stream`` right after its data)."""
+        return where.crc if where.crc is not None else _descriptor_crc(stream.read(8))
+
+    def _check_record(self, stream: IO[bytes], item: ReadItem, where: _Where, start: int, record: int) -> None:
+        """Read the data record at ``start`` (``record`` bytes) and compare its CRC-32 with the archive's: a short
+        record inline, a long one through :class:`_Checksums` (its mismatch raised by :meth:`read_data` before
+        ``between``); ``OSError`` on a mismatch or a short read."""
+        entry = self._entry(item)
+        stream.seek(start)
+        if record < _THREADED:
+            data = stream.read(record)
+            if len(data) != record:
+                raise OSError(f"{entry}: {len(data)} of {record} bytes in the file (a truncated file?)")
+            _compare(self._recorded(stream, where), zlib.crc32(data), entry)
+            return
+        if self._checksums is None:
+            self._checksums = _Checksums()
+        self._checksums.check(stream, record, lambda: self._recorded(stream, where), entry)
+
+    def _located(self, stream: IO[bytes], info: Any) -> _Where | None:
+        """What the entry holds, where its data starts and its CRC-32 lies, where its bytes before the data are
+        those of an entry of the same length read before (but for the data's checksum): one read of those bytes,
+        no zip reader."""
         layouts = self._layouts.get(info.length)
         if not layouts:
             return None
@@ -218,22 +292,23 @@ class DirectReader(FileSystemReader):
         head = stream.read(max(layout.data for layout in layouts))
         for layout in layouts:
             if layout.fits(head):
-                return layout.stored, layout.data
+                return _Where(layout.stored, layout.data, None if layout.descriptor else layout.header_crc(head))
         return None
 
-    def _opened(self, stream: IO[bytes], info: Any, item: ReadItem, planner: LoadPlanner
-                ) -> tuple[_Stored, int] | None:
-        """The entry read by torch's zip reader: what it holds and where its data starts (learning its layout for
-        :meth:`_located`). The first entry of each header is read here, by ``torch.load`` (then ``None``)."""
+    def _opened(self, stream: IO[bytes], info: Any, item: ReadItem, planner: LoadPlanner) -> _Where | None:
+        """The entry read by torch's zip reader: what it holds and where its data and CRC-32 lie (learning its
+        layout for :meth:`_located`). The first entry of each header is read here, by ``torch.load`` and checked
+        (then ``None``); an entry whose data record's zip header is not found takes DCP's path (checked there)."""
         archive = torch._C.PyTorchFileReader(self._slice_file(stream, info))
         key = (archive.get_record(_HEADER), archive.get_record(_BYTE_ORDER) if archive.has_record(_BYTE_ORDER)
                else b"")
         stored = self._headers.get(key)
         first = stored is None
         if first:
-            loaded = self._load(stream, info)
+            loaded = self._load(stream, info, item)
             stored = self._headers[key] = _describe(loaded, key[1], archive.get_all_records())
         data = archive.get_record_offset(_DATA) if stored.direct else -1
+        layout = None
         if stored.direct and archive.get_record_offset(_BYTE_ORDER) < data:  # the byte order before the data
             stream.seek(info.offset)
             layout = _Layout.of(stream.read(data), stored)
@@ -242,10 +317,16 @@ class DirectReader(FileSystemReader):
         if first:
             self._copy(loaded, item, planner)
             return None
-        return stored, data
+        if layout is None:  # where its CRC-32 lies is not known here: DCP's path
+            return _Where(replace(stored, direct=False), -1, None)
+        stream.seek(info.offset)
+        return _Where(stored, data, None if layout.descriptor else layout.header_crc(stream.read(data)))
 
-    def _load(self, stream: IO[bytes], info: Any) -> torch.Tensor:
-        return cast(torch.Tensor, torch.load(self._slice_file(stream, info), map_location="cpu", weights_only=True))
+    def _load(self, stream: IO[bytes], info: Any, item: ReadItem) -> torch.Tensor:
+        archive = self._slice_file(stream, info)
+        loaded = cast(torch.Tensor, torch.load(archive, map_location="cpu", weights_only=True))
+        _check_loaded(archive, loaded, self._entry(item))
+        return loaded
 
     def _copy(self, loaded: torch.Tensor, item: ReadItem, planner: LoadPlanner) -> None:
         """DCP's copy of a loaded entry into the destination."""
@@ -260,7 +341,8 @@ class DirectReader(FileSystemReader):
         planner.commit_tensor(item, target)
 
     def _read_as_dcp(self, stream: IO[bytes], item: ReadItem, planner: LoadPlanner) -> None:
-        """DCP's own read of ``item`` (transforms included)."""
+        """DCP's own read of ``item`` (transforms included), the loaded tensor's data checked against its
+        CRC-32."""
         info = self.storage_data[item.storage_index]
         source = self.transforms.transform_load_stream(item, info.transform_descriptors or (),
                                                        self._slice_file(stream, info))
@@ -268,7 +350,117 @@ class DirectReader(FileSystemReader):
             planner.load_bytes(item, io.BytesIO(source.read(-1)))
             return
         seekable = source if source.seekable() else io.BytesIO(source.read(-1))
-        self._copy(cast(torch.Tensor, torch.load(seekable, map_location="cpu", weights_only=True)), item, planner)
+        loaded = cast(torch.Tensor, torch.load(seekable, map_location="cpu", weights_only=True))
+        _check_loaded(seekable, loaded, self._entry(item))
+        self._copy(loaded, item, planner)
+
+
+class _Checksums:
+    """CRC-32s of long records, computed by one thread while the reader reads on (``readinto`` and ``zlib.crc32``
+    release the GIL): each record is read in chunks of :data:`_CHUNK` bytes into two buffers taken in turn (a buffer
+    is read into again once the thread has CRC-ed it); the thread runs its tasks in order, so a record's running
+    CRC-32 is its own state. :meth:`finish` waits for every comparison and raises the first mismatch. Memory: the
+    two buffers. No communication."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="zero_dtensor-crc32")
+        self._buffers: list[memoryview] = []
+        self._busy: list[_TaskFuture[Any] | None] = [None, None]
+        self._turn = 0
+        self._running = 0  # the record's CRC-32 so far: touched by the thread only
+        self._compared: list[_TaskFuture[Any]] = []
+
+    def check(self, stream: IO[bytes], record: int, recorded: Callable[[], int], entry: str) -> None:
+        """Read the ``record`` bytes at ``stream``'s position and have their CRC-32 compared with ``recorded()``
+        (called here, once the data is read: ``stream`` right after it)."""
+        left, first = record, True
+        while left:
+            buffer = self._buffer()
+            n = stream.readinto(buffer[:min(left, len(buffer))])
+            if not n:
+                raise OSError(f"{entry}: {record - left} of {record} bytes in the file (a truncated file?)")
+            self._busy[self._turn] = self._pool.submit(self._update, buffer[:n], first)
+            self._turn ^= 1
+            left -= n
+            first = False
+        self._compared.append(self._pool.submit(self._compare, recorded(), entry))
+
+    def _buffer(self) -> memoryview:
+        """The next buffer, once the thread is done with it."""
+        if len(self._buffers) <= self._turn:
+            self._buffers.append(memoryview(bytearray(_CHUNK)))
+        busy = self._busy[self._turn]
+        if busy is not None:
+            busy.result()
+        return self._buffers[self._turn]
+
+    def _update(self, data: memoryview, first: bool) -> None:
+        self._running = zlib.crc32(data, 0 if first else self._running)
+
+    def _compare(self, recorded: int, entry: str) -> None:
+        _compare(recorded, self._running, entry)
+
+    def finish(self) -> None:
+        """Wait for every comparison; ``OSError`` for the first mismatch (in reading order)."""
+        try:
+            for compared in self._compared:
+                compared.result()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass(frozen=True)
+class _Where:
+    """Where a direct entry's data lies (``data`` bytes after the entry's start) and its CRC-32: ``crc`` from the
+    data record's local header, or ``None`` where a data descriptor right after the data holds it."""
+
+    stored: _Stored
+    data: int
+    crc: int | None
+
+
+def _descriptor_crc(tail: bytes) -> int:
+    """The CRC-32 of a zip data descriptor (``tail``: its first 8 bytes; the signature is optional)."""
+    if tail[:4] == _DESCRIPTOR:
+        tail = tail[4:]
+    if len(tail) < 4:
+        raise OSError("the data record's descriptor is cut off (a truncated file?)")
+    return int.from_bytes(tail[:4], "little")
+
+
+def _compare(recorded: int, actual: int, entry: str) -> None:
+    """``OSError`` naming ``entry`` where the data's CRC-32 (``actual``) is not the one its archive records. A
+    recorded 0 is none: ``torch.serialization.set_crc32_options(False)`` writes archives without CRC-32s."""
+    if recorded != 0 and recorded != actual:
+        raise OSError(f"{entry}: the CRC-32 of its data is {actual:#010x} but the file records {recorded:#010x} "
+                      "(a damaged file: the data changed after it was written)")
+
+
+def _check_loaded(archive: IO[bytes], loaded: torch.Tensor, entry: str) -> None:
+    """Compare the CRC-32 of ``loaded``'s storage (``torch.load`` does not) with the one ``archive`` (a
+    ``torch.save`` archive, seekable) records for its data record; ``OSError`` naming ``entry`` on a mismatch."""
+    archive.seek(0)
+    reader = torch._C.PyTorchFileReader(archive)
+    if not reader.has_record(_DATA):
+        return  # no storage (a tensor without data): nothing to check
+    data = reader.get_record_offset(_DATA)
+    archive.seek(0)
+    head = archive.read(data)
+    start = head.rfind(zipfile.stringFileHeader)
+    if start < 0 or len(head) - start < zipfile.sizeFileHeader:
+        raise OSError(f"{entry}: no zip header before its data (not a torch.save archive?)")
+    fields = struct.unpack(zipfile.structFileHeader, head[start:start + zipfile.sizeFileHeader])
+    storage = loaded.untyped_storage()
+    if fields[zipfile._FH_GENERAL_PURPOSE_FLAG_BITS] & _HAS_DESCRIPTOR:
+        archive.seek(data + storage.nbytes())
+        recorded = _descriptor_crc(archive.read(8))
+    else:
+        recorded = fields[zipfile._FH_CRC]
+    raw = torch.empty(0, dtype=torch.uint8).set_(storage)
+    _compare(recorded, zlib.crc32(memoryview(raw.numpy()) if raw.numel() else b""), entry)
 
 
 def _check_size(stream: IO[bytes], relative_path: str, items: list[ReadItem], storage_data: Any) -> None:
@@ -281,12 +473,15 @@ def _check_size(stream: IO[bytes], relative_path: str, items: list[ReadItem], st
                       "(a truncated file?)")
 
 
-def _read_to(stream: IO[bytes], target: torch.Tensor, item: ReadItem) -> None:
-    """``target``'s bytes from ``stream`` (through a host copy for a tensor off the CPU)."""
+def _read_to(stream: IO[bytes], target: torch.Tensor, item: ReadItem, *, crc: bool = False) -> int | None:
+    """``target``'s bytes from ``stream`` (through a host copy for a tensor off the CPU); with ``crc`` their CRC-32
+    (computed on the bytes as read, before the copy)."""
     host = target if target.device.type == "cpu" else torch.empty_like(target, device="cpu")
-    _read_into(stream, host, item)
+    view = _read_into(stream, host, item)
+    checksum = zlib.crc32(view) if crc else None
     if host is not target:
         target.copy_(host)
+    return checksum
 
 
 def _read_exactly(stream: IO[bytes], length: int, item: ReadItem) -> bytes:
@@ -297,8 +492,9 @@ def _read_exactly(stream: IO[bytes], length: int, item: ReadItem) -> bytes:
     return data
 
 
-def _read_into(stream: IO[bytes], host: torch.Tensor, item: ReadItem) -> None:
-    """``host``'s bytes read from ``stream`` (a contiguous CPU tensor); ``OSError`` on a short read."""
+def _read_into(stream: IO[bytes], host: torch.Tensor, item: ReadItem) -> memoryview:
+    """``host``'s bytes read from ``stream`` (a contiguous CPU tensor), returned as a view of them; ``OSError`` on
+    a short read."""
     view = memoryview(host.view(-1).view(torch.uint8).numpy()) if host.numel() else memoryview(b"")
     got = 0
     while got < len(view):
@@ -307,6 +503,7 @@ def _read_into(stream: IO[bytes], host: torch.Tensor, item: ReadItem) -> None:
             raise OSError(f"checkpoint entry {item.storage_index.fqn!r}: {got} of {len(view)} bytes in the file "
                           "(a truncated file?)")
         got += n
+    return view
 
 
 def read_bytes_entries(path: str, infos: Mapping[str, Any]) -> dict[str, bytes]:

@@ -41,6 +41,7 @@ from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from .._deepspeed import checkpointing as ds
 from .._deepspeed import families
 from .._deepspeed.sync import sync_model_params
+from ..master import clear_write_mark
 from ..agreement import agree_outcome
 from .boxes import boxes
 from ..errors import CheckpointMismatchError
@@ -215,9 +216,11 @@ def set_state_dict(engine: Any, model_state_dict: Mapping[str, Any], optim_state
     group; ZeRO-3: one of the persistent parameters together). Memory: none beyond the engine's (before the first
     step the optimizer's state is created by a zero-learning-rate step: one master-sized zero gradient at a time).
     Raises :class:`~zero_dtensor.errors.CheckpointMismatchError` (or ``TypeError`` for values of another kind) on
-    every rank, before anything is written, when the dicts do not fit."""
+    every rank, before anything is written, when the dicts do not fit. Clears the masters' write mark (the refresh
+    overwrites whatever was written before)."""
     write_state(engine, model_state_dict, optim_state_dict)
     sync_model_params(engine)
+    clear_write_mark(engine)  # the refresh made the working weights from the masters: an earlier write is gone
 
 
 @dataclass(frozen=True)

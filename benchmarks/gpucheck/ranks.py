@@ -74,13 +74,23 @@ def run_multi_rank(cases: list[Case], world: int, device_type: str, case_timeout
     """Run ``cases`` on ``world`` spawned ranks sharing the device, after a probe of the bare collectives in
     throwaway processes. Returns the case records and what the probe found."""
     records: dict[str, dict[str, Any]] = {}
-    progress(f"probing gloo collectives on {world} throwaway processes ({device_type} tensors)")
-    found = probe_mod.probe_collectives(world, device_type, start_timeout)
+    remaining = list(cases)
+    if not budget.admit(f"{world}-rank checks", budget.estimate("rank start", 20.0) + budget.estimate("rank case", 10)):
+        return [skipped(c) for c in cases], {"world": world, "skipped": "budget"}
+    progress(f"starting {world} gloo ranks on the {device_type} device, and probing the collectives in "
+             f"{world} throwaway processes meanwhile")
+    first = Spawned(world, rank_main, (device_type, remaining, workdir))  # starts while the probe runs
+    try:
+        found = probe_mod.probe_collectives(world, device_type, start_timeout)
+    except BaseException:
+        first.close(finished=False)
+        raise
     info: dict[str, Any] = {"world": world, "backend": "gloo", "tensors": device_type, **found,
                             "kill_the_process": probe_mod.killers(found["collectives"]), "rank_deaths": []}
-    remaining = list(cases)
     missing = probe_mod.missing_required(found["collectives"])
     if missing:  # the stack lacks collectives the engines need: one case per stage, the rest not run
+        first.close(finished=False)
+        first = None
         degraded = "; ".join(f"{op}: {err}" for op, err in missing.items())
         info["degraded"] = degraded
         sample = [next(c for c in remaining if c.stage == s) for s in STAGES if any(c.stage == s for c in remaining)]
@@ -90,12 +100,14 @@ def run_multi_rank(cases: list[Case], world: int, device_type: str, case_timeout
         remaining = sample
         case_timeout = min(case_timeout, 60.0)
     while remaining:
-        if not budget.fits(budget.estimate("rank start", 20.0) + budget.estimate("rank case", 10.0)):
+        estimate = budget.estimate("rank start", 20.0) + budget.estimate("rank case", 10.0)
+        if first is None and not budget.admit(f"{world}-rank checks after a restart", estimate):
             for case in remaining:
                 records[case.name] = skipped(case)
             break
-        progress(f"starting {world} gloo ranks on the {device_type} device")
-        group = Spawned(world, rank_main, (device_type, remaining, workdir))
+        if first is None:
+            progress(f"starting {world} gloo ranks on the {device_type} device")
+        group, first = first or Spawned(world, rank_main, (device_type, remaining, workdir)), None
         try:
             with budget.timed("rank start"):
                 ready = group.collect("ready", start_timeout)
@@ -109,7 +121,7 @@ def run_multi_rank(cases: list[Case], world: int, device_type: str, case_timeout
                 remaining = []
                 break
             while remaining:
-                if not budget.fits(budget.estimate("rank case", 10.0)):
+                if not budget.admit(f"{world}-rank cases from {remaining[0].name}", budget.estimate("rank case", 10.0)):
                     for case in remaining:
                         records[case.name] = skipped(case)
                     remaining = []

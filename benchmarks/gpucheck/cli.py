@@ -93,7 +93,8 @@ def timings(results: dict[str, Any], args: argparse.Namespace, device_type: str,
     results["timing_model"] = {"hidden": args.hidden, "layers": args.layers, "params": params, "tensors": tensors,
                                "dtype": "bf16", "world": 1, "backend": backend}
     for stage in args.timing_stages:
-        if not budget.admit(f"timing ZeRO-{stage}", budget.estimate("stage", 0.0)):
+        first_guess = 5.0 + 40.0 * params / 1e9  # before a stage was timed: the engine's build grows with the model
+        if not budget.admit(f"timing ZeRO-{stage}", budget.estimate("stage", first_guess)):
             results["timings"].append({"stage": stage, "row": "(stage)", "status": "skipped: budget"})
             continue
         try:

@@ -1,39 +1,43 @@
-"""Smoke test of benchmarks/gpu_check.py (issue 13) on the CPU at its tiny size, so that the GPU script cannot rot.
+"""Smoke test of benchmarks/gpu_check.py (issues 13, 42) on the CPU at its tiny size, so that the GPU script cannot
+rot.
 
 The script is meant for a CUDA device; here it runs the same code on CPU ranks over gloo: the full world-1 check
-matrix, the 2-rank covering subset (``--quick``) and the timing rows of a ~1M-parameter model.
+matrix, the 2-rank covering subset (``--quick``), the timing rows of a ~1M-parameter model with their floors, the
+checkpoint rows and ``--profile``. A rank that dies is reported with its signal and stderr (a spawned pair that
+kills itself).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
+from typing import Any
 
 import pytest
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+sys.path.insert(0, str(SCRIPT.parent))  # the script's package by role, benchmarks/gpucheck (imports nothing heavy)
+
+from gpucheck import case_run as gc_run  # noqa: E402
+from gpucheck import cases as gc  # noqa: E402
+from gpucheck import floors, ranks  # noqa: E402
+from gpucheck.rank_deaths import redirect_stderr  # noqa: E402
+from gpucheck.spawned import Spawned, announce  # noqa: E402
+
 TIMING_ROWS = {
     "first sharded_grads() of a step", "ds safe_get_full_grad loop", "full_tensors()", "ds safe_set_full_grad loop",
     "set_full_()", "clip_grad_norm_()", "stats()",
+    "mul_(1.0)", "norms()", "global_norm()", "dots()", "ds safe_get_full_fp32_param loop", "masters full_tensors()",
+    "exp_avg full_tensors()", "masters set_full_()",
 }
-
-
-def load_script() -> ModuleType:
-    """The script as a module (its top level imports nothing heavy)."""
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module
-    spec.loader.exec_module(module)
-    return module
+CHECKPOINT_ROWS = {"zd.save (no fsync)", "zd.load", "ds save_checkpoint", "ds load_checkpoint"}
 
 
 def test_matrix_covers_every_axis() -> None:
-    gc = load_script()
     full = gc.case_matrix()
     assert len(full) == len({c.name for c in full}) == 2 * 3 * 3 * 4
     quick = gc.case_matrix(quick=True)
@@ -49,27 +53,25 @@ def test_matrix_covers_every_axis() -> None:
 
 
 def test_stack_limitations_are_told_apart_from_failures() -> None:
-    gc = load_script()
-    assert gc.is_stack_limitation("RuntimeError: ProcessGroupGloo::reduce_scatter: unsupported device type cuda")
-    assert gc.is_stack_limitation("RuntimeError: No backend type associated with device type cuda")
-    assert not gc.is_stack_limitation("AssertionError: full_tensors: fc1.weight differs from safe_get_full_grad")
+    assert gc_run.is_stack_limitation("RuntimeError: ProcessGroupGloo::reduce_scatter: unsupported device type cuda")
+    assert gc_run.is_stack_limitation("RuntimeError: No backend type associated with device type cuda")
+    assert not gc_run.is_stack_limitation("AssertionError: full_tensors: fc1.weight differs from safe_get_full_grad")
     case = gc.Case(2, 2, "fp32", "overlap off")
     failed = {"status": "failed", "reason": "rank 0: RuntimeError: gloo does not support reduce_scatter on cuda",
               "checks": {}}
-    assert gc.classify(case, failed)["status"] == "not run"
+    assert gc_run.classify(case, failed)["status"] == "not run"
     wrong = {"status": "failed", "reason": None, "checks": {"reads": {"passed": False, "error": "differs"}}}
-    assert gc.classify(case, wrong)["status"] == "failed"
+    assert gc_run.classify(case, wrong)["status"] == "failed"
 
 
 @pytest.mark.timeout(300)
 def test_cpu_tiny_run_passes_and_writes_complete_json(tmp_path: Path) -> None:
-    gc = load_script()
     path = tmp_path / "gpu.json"
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--quick", "--repeat", "2", "--ds-repeat", "2",
-         "--quiet", "--json", str(path)],
+         "--quiet", "--json", str(path), "--profile", str(tmp_path / "profile")],
         capture_output=True, text=True, timeout=280, env=env, cwd=SCRIPT.parent.parent,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -107,3 +109,52 @@ def test_cpu_tiny_run_passes_and_writes_complete_json(tmp_path: Path) -> None:
         assert rows["full_tensors()"]["speedup_vs_deepspeed"] > 0
         assert rows["set_full_()"]["collectives"] == 0
         assert model[f"zero{stage}"]["params"] == model["params"]
+
+    # issue 42: every row with a floor has it, timed in the same run, and its ratio
+    for r in data["timings"]:
+        if r["row"] in floors.FLOOR_OF:
+            assert r["floor"] == floors.FLOOR_OF[r["row"]] and r["floor_ms"] > 0, r
+            assert r["ratio"] == pytest.approx(r["median_ms"] / r["floor_ms"]), r
+    assert set(model["zero1"]["floors"]) == set(floors.FLOOR_OF.values())
+    # checkpoints timed against DeepSpeed's on the default stage (2); both wrote something
+    ckpt = {r["row"]: r for r in data["checkpoint_timings"]}
+    assert set(ckpt) == CHECKPOINT_ROWS and {r["stage"] for r in ckpt.values()} == {2}, sorted(ckpt)
+    assert all(r["bytes_on_disk"] > 0 and r["median_ms"] > 0 for r in ckpt.values()), ckpt
+    assert ckpt["zd.load"]["speedup_vs_deepspeed"] > 0
+    # --profile: one profile per timed row, in both files
+    profiled = json.loads((tmp_path / "profile" / "profile.json").read_text())
+    assert {(p["stage"], p["row"]) for p in profiled} == {(r["stage"], r["row"]) for r in data["timings"]
+                                                        if r["row"] != "first sharded_grads() of a step"}
+    assert all(isinstance(p["host_syncs"], dict) and p["top_ops"] for p in profiled), profiled[:2]
+    assert "== ZeRO-3 stats()" in (tmp_path / "profile" / "profile.txt").read_text()
+    # the probe ran in throwaway processes, and nothing died
+    assert data["multi_rank"]["deaths"] == [] and data["multi_rank"]["rank_deaths"] == []
+    assert set(data["multi_rank"]["collectives"]) >= {"isend/irecv", "coalesced all_gather_into_tensor"}
+
+
+def _die(rank: int, world: int, port: int, answers: Any, stderr_path: str) -> None:
+    """A spawned pair: rank 0 writes gloo's point-to-point error and aborts, rank 1 segfaults."""
+    redirect_stderr(stderr_path)
+    announce(answers, rank, "ws2-z1-bf16-offload: reads")
+    if rank == 0:
+        print("terminate called after throwing an instance of 'gloo::IoException'\n"
+              "  what():  [pair.cc:339] writev [127.0.0.1]:1234: Bad address", file=sys.stderr, flush=True)
+        os.abort()
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def test_a_dead_rank_is_named_by_its_signal_and_stderr() -> None:
+    """Not 'did not start within N s' (what the script said when its ranks segfaulted on CUDA)."""
+    group = Spawned(2, _die, ())
+    try:
+        got = group.collect("case", 120, key="ws2-z1-bf16-offload")
+        why, reports = ranks._failure_reason(group, got, "case", 120)
+    finally:
+        group.close(finished=False)
+    assert got == {}, got
+    assert [r["ended"] for r in reports] == ["SIGABRT (exit code -6)", "SIGSEGV (exit code -11)"], reports
+    assert "rank 0 died with SIGABRT (exit code -6) during ws2-z1-bf16-offload: reads" in why, why
+    assert "gloo point-to-point" in why and "Bad address" in why, why
+    assert "rank 1 died with SIGSEGV (exit code -11) during ws2-z1-bf16-offload: reads" in why, why
+    assert reports[1]["fault"][0] == "Fatal Python error: Segmentation fault", reports[1]
+    assert "did not start" not in why and "no answer" not in why, why

@@ -16,6 +16,7 @@ import os
 import pickle
 import queue
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -85,6 +86,18 @@ def _worker(rank: int, world_size: int, port: int, backend: str, tasks: Any, res
 
     if dist.is_initialized():
         dist.destroy_process_group()
+    _exit_now(results)
+
+
+def _exit_now(results: Any) -> None:
+    """End a finished rank at once: flush its answers and streams, then ``os._exit``. An interpreter with torch and
+    DeepSpeed loaded spends about 3 s in its final clean-up (measured: a 2-rank pool closed in 5-6 s, 0.1-0.3 s with
+    this), which every pool close and every ``zd.launch`` would wait for."""
+    results.close()
+    results.join_thread()  # every answer put is in the pipe before the process ends
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
 
 
 class RankPool:

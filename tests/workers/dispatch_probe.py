@@ -16,10 +16,13 @@ and the ``prim``/``c10d`` namespaces are not counted as operations, as in ``op_c
   communication device to the host, when the tensor is on the simulated communication device or derived from the
   data (``tainted``);
 - **device tags** (``simulate=True``): every tensor carries a simulated device, ``"host"`` (the CPU) or ``"dev"``
-  (the accelerator collectives run on under NCCL). On the CPU a library sees two devices: :data:`HOST` (``cpu``)
-  and :data:`DEV` (``cpu:1``, which torch accepts and places on the CPU). A factory or copy given ``device=DEV``
-  makes a ``"dev"`` tensor; ``device=cpu`` (or none) a ``"host"`` one; other operations' results take the tag of
-  their operands (``"dev"`` if any operand is). Registered tensors (:meth:`DispatchProbe.tag`) take the given tag
+  (the accelerator collectives run on under NCCL). On the CPU a library sees two devices: :data:`HOST` (``cpu:0``)
+  and :data:`DEV` (``cpu:1``); torch accepts both and places the tensors on the CPU, whose ``.device`` then reads
+  plain ``cpu``. A factory or copy given ``device=DEV`` makes a ``"dev"`` tensor, ``device=HOST`` or no device a
+  ``"host"`` one; ``device=cpu`` (what ``device=t.device`` passes, whatever ``t``'s tag) makes an ``"any"`` tensor,
+  which meets either without refusal (the probe cannot tell where ``t`` was: library code that must be checked
+  moves through :mod:`zero_dtensor.devices` or follows a tensor with ``new_*`` / ``*_like``); other operations'
+  results take the tag of their operands (``"dev"`` if any operand is, ``"any"`` if all are). Registered tensors (:meth:`DispatchProbe.tag`) take the given tag
   whatever their origin (e.g. offloaded partitions ``"host"``, non-offloaded ones ``"dev"``). An operation whose
   operands mix the two is refused as CUDA refuses it: a ``"dev"`` tensor (even 0-d) meeting ``"host"`` data, or a
   ``"host"`` tensor of one or more dimensions meeting ``"dev"`` data (a 0-d ``"host"`` tensor is a CPU scalar,
@@ -49,8 +52,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["DEV", "HOST", "DeviceMixError", "DispatchProbe", "copying_moves", "simulated_offload"]
 
-HOST = torch.device("cpu")
+HOST = torch.device("cpu", 0)  #: stands for the host (offloaded storage)
 DEV = torch.device("cpu", 1)  #: stands for the CUDA device collectives run on (torch keeps such tensors on the CPU)
+
+
+def _classify(device: Any) -> str | None:
+    """The tag a ``device=`` argument gives (``None``: no argument)."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device == DEV:
+        return "dev"
+    return "host" if device == HOST or device.type != "cpu" else "any"
 
 _SKIPPED = {"detach", "alias", "lift_fresh"}
 _SKIPPED_NAMESPACES = {"prim", "prims", "c10d", "_c10d_functional", "c10d_functional"}
@@ -128,8 +141,8 @@ class DispatchProbe(TorchDispatchMode):
 
     def tag(self, tensors: Iterable[torch.Tensor], where: str) -> DispatchProbe:
         """Pin the simulated device (``"host"`` or ``"dev"``) of these tensors' storages."""
-        if where not in ("host", "dev"):
-            raise ValueError(f"where must be 'host' or 'dev', got {where!r}")
+        if where not in ("host", "dev", "any"):
+            raise ValueError(f"where must be 'host', 'dev' or 'any', got {where!r}")
         for t in tensors:
             p = _ptr(t)
             if p:
@@ -138,7 +151,7 @@ class DispatchProbe(TorchDispatchMode):
         return self
 
     def where(self, t: torch.Tensor) -> str:
-        """The simulated device of ``t``."""
+        """The simulated device of ``t`` (``"host"``, ``"dev"`` or ``"any"``)."""
         return self._tags.get(_ptr(t), "host")
 
     def _set_tag(self, t: torch.Tensor, where: str) -> None:
@@ -160,9 +173,9 @@ class DispatchProbe(TorchDispatchMode):
 
             def made(*args: Any, _original: Any = original, **kwargs: Any) -> torch.Tensor:
                 out = _original(*args, **kwargs)
-                device = kwargs.get("device")
-                if device is not None and isinstance(out, torch.Tensor):
-                    probe._set_tag(out, "dev" if torch.device(device) == DEV else "host")
+                where = _classify(kwargs.get("device"))
+                if isinstance(out, torch.Tensor):
+                    probe._set_tag(out, where or "host")
                 return out
 
             setattr(torch, name, made)
@@ -204,8 +217,8 @@ class DispatchProbe(TorchDispatchMode):
         if name in _SYNC_OPS and any(self._from(t) for t in inputs):
             self.syncs.append(name)
         device = kwargs.get("device")
-        if (name == "_to_copy" and device is not None and torch.device(device) != DEV and inputs
-                and self.simulate and self.where(inputs[0]) == "dev"):
+        if (name == "_to_copy" and _classify(device) == "host" and inputs and self.simulate
+                and self.where(inputs[0]) == "dev"):
             self.syncs.append("to_host")
         in_ptrs = {_ptr(t) for t in inputs}
         out = func(*args, **kwargs)
@@ -258,12 +271,13 @@ class DispatchProbe(TorchDispatchMode):
                device: Any) -> None:
         outs = _tensors(out)
         tainted = any(self._from(t) for t in inputs)
+        tags = {self.where(t) for t in inputs}
         if device is not None:
-            where = "dev" if torch.device(device) == DEV else "host"
+            where = _classify(device)
         elif name in ("copy_", "_foreach_copy_"):
             where = None  # the destination keeps its device
         else:
-            where = "dev" if any(self.where(t) == "dev" for t in inputs) else "host"
+            where = "dev" if "dev" in tags else ("any" if tags == {"any"} else "host")
         gather_data = name in _GATHERS and any(_ptr(t) in self._data for t in inputs)
         for o in outs:
             p = _ptr(o)
@@ -316,23 +330,34 @@ def copying_moves() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def simulated_offload(storages: Iterable[Any]) -> Iterator[None]:
+def simulated_offload(storages: Iterable[Any], *, offload: bool = True) -> Iterator[None]:
     """``storages`` (``FlatStorage``) made to look like a CUDA job: their communication device (``device``)
     becomes :data:`DEV`, process groups are treated as NCCL (CUDA tensors only:
-    ``collectives.comm_device_types``), and moves copy (:func:`copying_moves`). Their partitions stay where they
-    are: the caller tags them ``"host"`` (offloaded) or ``"dev"``. Restored on exit."""
+    ``collectives.comm_device_types``), their storage device (``devices.storage``) becomes :data:`HOST` (``offload``) or :data:`DEV`, and moves
+    copy (:func:`copying_moves`). Their partitions stay where they are: the caller tags them ``"host"`` (offloaded) or ``"dev"``. Restored on exit."""
     from zero_dtensor import collectives
 
+    from zero_dtensor.devices import Devices
+    from zero_dtensor.storage import FlatStorage
+
     storages = list(storages)
-    original_types = collectives.comm_device_types
+    simulated = {id(s) for s in storages}
+    original_types, original_devices = collectives.comm_device_types, FlatStorage.devices
     originals = [s.device for s in storages]
     for s in storages:
         object.__setattr__(s, "device", DEV)
     collectives.comm_device_types = lambda group: frozenset({"cuda"})
+
+    def devices(self: Any) -> Devices:
+        found = original_devices.fget(self)
+        return Devices(HOST if offload else DEV, DEV) if id(self) in simulated else found
+
+    FlatStorage.devices = property(devices)  # type: ignore[method-assign]
     try:
         with copying_moves():
             yield
     finally:
         collectives.comm_device_types = original_types
+        FlatStorage.devices = original_devices  # type: ignore[method-assign]
         for s, d in zip(storages, originals):
             object.__setattr__(s, "device", d)

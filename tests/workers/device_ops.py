@@ -5,8 +5,9 @@ made different (:func:`~workers.dispatch_probe.simulated_offload`: the engine's 
 CUDA, and the process groups take only it, as NCCL does) under a :class:`~workers.dispatch_probe.DispatchProbe`
 that refuses an operation mixing the two as CUDA refuses it. Offloaded partitions are tagged ``"host"``; without
 offload they are tagged ``"dev"`` (then a CPU index or a host factor meeting them is refused). User operands (0-d
-factors) are on the engine's device, as a CUDA user's are. Each call reports its refusal (or ``None``), where its
-tensor result lies, and for the reductions whether its values equal those of the same call without simulation.
+factors) are on the engine's device, as a CUDA user's are. Each call reports its refusals (recorded, not raised,
+so that a refusal on one rank does not leave the ranks in different collectives; or ``None``), where its tensor
+result lies, and for the reductions whether its values equal those of the same call without simulation.
 
 :func:`check_traffic` measures each reduction's memory traffic, largest temporary and host syncs
 (:class:`~workers.dispatch_probe.DispatchProbe` watching the gradient partitions).
@@ -26,7 +27,7 @@ import zero_dtensor as zd
 from zero_dtensor.state import state_of
 
 from .common import EngineCase, build_engine
-from .dispatch_probe import DEV, DeviceMixError, DispatchProbe, simulated_offload
+from .dispatch_probe import DEV, DispatchProbe, simulated_offload
 
 __all__ = ["CALLS", "REDUCTIONS", "check_devices", "check_traffic"]
 
@@ -134,30 +135,34 @@ def _backward(engine: Any) -> None:
     engine.backward(engine(x).float().pow(2).mean())
 
 
-def _one(engine: Any, name: str, fn: Call, offload: bool) -> dict[str, Any]:
-    """One call under simulated devices, on a fresh backward (transforms change the gradients)."""
-    _backward(engine)
-    grads = zd.sharded_grads(engine)
-    other = grads.clone()
-    reference = _values(fn(grads, other)) if name in REDUCTIONS else None
+def _run_case(grads: Any, other: Any, offload: bool) -> dict[str, dict[str, Any]]:
+    """Every call under simulated devices, in one probe (index tensors a plan caches on the simulated device keep
+    their tag from one call to the next, as they keep their device on a GPU): first the reductions (their values
+    compared with the same call made before, without simulation, on the same gradients), then the transforms."""
+    references = {name: _values(fn(grads, other)) for name, fn in REDUCTIONS.items()}
     storages = [state_of(grads).storage, state_of(other).storage]
     parts = [p for s in storages for p in s.partitions]
-    out: dict[str, Any] = {"refused": None, "where": None, "equal": None}
-    with simulated_offload(storages, offload=offload), DispatchProbe(simulate=True, nccl=True) as probe:
+    out: dict[str, dict[str, Any]] = {}
+    # refusals are recorded, not raised: a refusal on one rank only must not leave the ranks in different calls
+    with simulated_offload(storages, offload=offload), DispatchProbe(simulate=True, nccl=True,
+                                                                     raise_on_mix=False) as probe:
         probe.tag(parts, "host" if offload else "dev")
-        try:
-            result = fn(grads, other)
-            out["where"] = _where(probe, result)
-        except DeviceMixError as e:
-            out["refused"] = str(e)
-            result = None
-        except Exception:  # noqa: BLE001 - any other failure is reported as one too
-            out["refused"] = traceback.format_exc(limit=6)
-            result = None
-    if reference is not None and result is not None:
-        got = _values(result)
-        out["equal"] = _same(reference, got)
-    engine.step()
+        for name, fn in {**REDUCTIONS, **TRANSFORMS}.items():
+            seen = len(probe.refused)
+            r: dict[str, Any] = {"refused": None, "where": None, "equal": None}
+            try:
+                result = fn(grads, other)
+                r["where"] = _where(probe, result)
+                if name in references:
+                    r["equal"] = _values(result)  # compared below, outside the probe
+            except Exception:  # noqa: BLE001 - any other failure is reported as one too
+                r["refused"] = traceback.format_exc(limit=6)
+            if len(probe.refused) > seen:
+                r["refused"] = "; ".join(probe.refused[seen:seen + 3])
+            out[name] = r
+    for name, reference in references.items():
+        if out[name]["equal"] is not None:
+            out[name]["equal"] = _same(reference, out[name]["equal"])
     return out
 
 
@@ -176,16 +181,19 @@ def _same_stats(a: tuple, b: tuple) -> bool:
                or (isinstance(x, float) and math.isclose(x, y, rel_tol=1e-6)) for x, y in zip(a, b))
 
 
-def check_devices(stage: int, dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16"), offload: bool = True,
-                  names: tuple[str, ...] | None = None) -> dict[str, dict[str, dict[str, Any]]]:
-    """``{dtype: {call: {"refused", "where", "equal"}}}`` for every call of :data:`CALLS` (or ``names``) on a
-    ZeRO-``stage`` engine (2 ranks, ``offload_optimizer: cpu`` when ``offload``) under simulated devices."""
+def check_devices(stage: int, cases: tuple[tuple[str, bool], ...]) -> dict[str, dict[str, dict[str, Any]]]:
+    """``{"dtype[-offload]": {call: {"refused", "where", "equal"}}}`` for every call of :data:`CALLS` on a
+    ZeRO-``stage`` engine of each ``(dtype, offload)`` case (``offload_optimizer: cpu`` and partitions tagged
+    ``"host"`` when ``offload``, else tagged ``"dev"``) under simulated devices: one backward per engine."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
-    for dtype in dtypes:
+    for dtype, offload in cases:
         engine = build_engine(EngineCase(stage, dtype, offload=offload))
-        calls = {**TRANSFORMS, **REDUCTIONS}
-        out[dtype] = {name: _one(engine, name, calls[name], offload) for name in (names or CALLS)}
-        del engine
+        _backward(engine)
+        grads = zd.sharded_grads(engine)
+        other = grads.clone()
+        out[dtype + ("-offload" if offload else "")] = _run_case(grads, other, offload)
+        engine.step()
+        del engine, grads, other
     return out
 
 

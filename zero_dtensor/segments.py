@@ -315,27 +315,26 @@ def piece_stats(buf: torch.Tensor, seg: SegmentPlan, device: torch.device | None
     return torch.stack([sq, total, top], dim=1)
 
 
-#: :func:`piece_dots` converts rows of lower precision in chunks of at most this many elements (a temporary of a
-#: fixed size, not one of the buffer's size; one chunk for buffers up to it)
-DOT_CHUNK = 1 << 20
+#: :func:`piece_dots` reduces its rows in chunks of at most this many elements: ``vecdot`` forms the products (and
+#: rows of lower precision their float32 copies) one chunk at a time, a temporary of a fixed size, never one of the
+#: buffers' size (one chunk for buffers up to it; ``ceil(elements / DOT_CHUNK)`` chunks, whatever the number of
+#: pieces)
+DOT_CHUNK = 1 << 22
 
 
 def piece_dots(a: torch.Tensor, b: torch.Tensor, seg: SegmentPlan, device: torch.device | None = None
                ) -> torch.Tensor:
     """(pieces,) float64 on ``a.device``: ``sum a·b`` of each piece (``a`` and ``b`` on the same device). Rows by
-    ``linalg.vecdot`` in float32 (float64 if either is float64): rows of another dtype are converted in chunks of
-    at most :data:`DOT_CHUNK` elements (no copy of the buffers' size; ``ceil(rows / chunk)`` conversions)."""
+    ``linalg.vecdot`` in float32 (float64 if either is float64), chunk by chunk (:data:`DOT_CHUNK`): no temporary
+    of the buffers' size."""
     _check(a, seg)
     _check(b, seg)
     t = _tensors(seg, a.device if device is None else device)
     row_values = None
     if seg.body_rows:
         acc = _acc(a.dtype, b.dtype)
-        ra, rb = _rows(a, seg), _rows(b, seg)
-        if ra.dtype == acc and rb.dtype == acc:
-            row_values = torch.linalg.vecdot(ra, rb).to(torch.float64)
-        else:
-            step = max(1, DOT_CHUNK // seg.block)
-            row_values = torch.cat([torch.linalg.vecdot(x.to(acc), y.to(acc)).to(torch.float64)
-                                    for x, y in zip(ra.split(step), rb.split(step))])
+        step = max(1, DOT_CHUNK // seg.block)
+        chunks = [torch.linalg.vecdot(x.to(acc), y.to(acc)).to(torch.float64)
+                  for x, y in zip(_rows(a, seg).split(step), _rows(b, seg).split(step))]
+        row_values = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
     return _per_piece(_bits(a, seg, t).mul_(_bits(b, seg, t)), row_values, t, "sum")

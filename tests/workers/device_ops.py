@@ -26,7 +26,7 @@ import torch.distributed as dist
 import zero_dtensor as zd
 from zero_dtensor.state import state_of
 
-from .common import EngineCase, build_engine
+from .common import EngineCase, build_engine, make_engine
 from .dispatch_probe import DEV, DispatchProbe, simulated_offload
 
 __all__ = ["CALLS", "REDUCTIONS", "check_devices", "check_traffic"]
@@ -197,30 +197,67 @@ def check_devices(stage: int, cases: tuple[tuple[str, bool], ...]) -> dict[str, 
     return out
 
 
-def check_traffic(stage: int, dtype: str) -> dict[str, dict[str, Any]]:
-    """``{call: DispatchProbe.summary()}`` of each reduction and clip (second call: caches filled by the first),
-    with the gradient partitions (and the clone's, for ``dots``) watched as the data."""
-    engine = build_engine(EngineCase(stage, dtype, model="wide"))
-    _backward(engine)
-    grads = zd.sharded_grads(engine)
-    other = grads.clone()
-    calls: dict[str, Call] = {
-        "norms": REDUCTIONS["norms"], "norms(1)": REDUCTIONS["norms(1)"], "norms(inf)": REDUCTIONS["norms(inf)"],
-        "norms(half)": REDUCTIONS["norms(half)"], "global_norm": REDUCTIONS["global_norm"],
-        "global_norm(inf)": REDUCTIONS["global_norm(inf)"], "dots": REDUCTIONS["dots"],
-        "dots(with_norms)": REDUCTIONS["dots(with_norms)"], "stats": REDUCTIONS["stats"],
-        "found_inf": REDUCTIONS["found_inf"],
-        "clip_grad_norm_": lambda g, o: g.clip_grad_norm_(1e9), "clip_per_param_": lambda g, o: g.clip_per_param_(1e9),
-    }
-    out = {}
-    for name, fn in calls.items():
-        fn(grads, other)
-        data = list(state_of(grads).storage.partitions)
-        if name.startswith("dots"):
-            data += list(state_of(other).storage.partitions)
-        with DispatchProbe() as probe:
-            probe.watch(data)
-            fn(grads, other)
-        out[name] = probe.summary()
-    engine.step()
+class Blocks(torch.nn.Module):
+    """Four ``Linear(256, 256)`` (about 263K parameters in 8 tensors): the data far outweighs what the per-piece
+    reductions handle apart (boundary rows: at most a row per piece), as in real models."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+TRAFFIC: dict[str, Call] = {
+    "norms": lambda g, o: g.norms(), "norms(1)": lambda g, o: g.norms(1.0),
+    "norms(inf)": lambda g, o: g.norms(math.inf), "norms(half)": lambda g, o: g.norms(params=_half(g)),
+    "global_norm": lambda g, o: g.global_norm(), "global_norm(inf)": lambda g, o: g.global_norm(math.inf),
+    "dots": lambda g, o: g.dots(o), "dots(with_norms)": lambda g, o: g.dots(o, with_norms=True),
+    "stats": lambda g, o: g.stats(), "found_inf": lambda g, o: zd.found_inf(g),
+    "clip_grad_norm_": lambda g, o: g.clip_grad_norm_(1e9), "clip_per_param_": lambda g, o: g.clip_per_param_(1e9),
+}
+
+
+def check_traffic(cases: tuple[tuple[int, str], ...], dot_chunk: int = 2048) -> dict[str, dict[str, Any]]:
+    """``{"z{stage}-{dtype}": {call: DispatchProbe.summary()}}`` of each reduction and clip of :data:`TRAFFIC` on a
+    :class:`Blocks` engine per ``(stage, dtype)``, measured on its second call (caches filled by the first) with
+    the gradient partitions (and the clone's, for ``dots``) watched as the data, under simulated devices without
+    offload (partitions and results on the simulated accelerator: a read back to the host is a sync).
+    ``dot_chunk``: :data:`zero_dtensor.segments.DOT_CHUNK` meanwhile (small, so that a chunk is far smaller than
+    this model's data, as it is than a real model's)."""
+    from zero_dtensor import segments
+
+    out: dict[str, dict[str, Any]] = {}
+    chunk, segments.DOT_CHUNK = getattr(segments, "DOT_CHUNK", None), dot_chunk
+    try:
+        for stage, dtype in cases:
+            config = EngineCase(stage, dtype).config()
+            engine = make_engine(config, Blocks())
+            g = torch.Generator().manual_seed(3 + dist.get_rank())
+            x = torch.randn(engine.train_micro_batch_size_per_gpu(), 256, generator=g).to(
+                next(engine.module.parameters()).dtype)
+            engine.backward(engine(x).float().pow(2).mean())
+            grads = zd.sharded_grads(engine)
+            other = grads.clone()
+            storages = [state_of(grads).storage, state_of(other).storage]
+            mine, theirs = list(storages[0].partitions), list(storages[1].partitions)
+            rows = {}
+            for name, fn in TRAFFIC.items():
+                fn(grads, other)
+                with simulated_offload(storages, offload=False), DispatchProbe(simulate=True, nccl=True,
+                                                                                raise_on_mix=False) as probe:
+                    probe.tag(mine + theirs, "dev").watch(mine + (theirs if name.startswith("dots") else []))
+                    fn(grads, other)
+                rows[name] = probe.summary()
+            out[f"z{stage}-{dtype}"] = rows
+            engine.step()
+            del engine, grads, other
+    finally:
+        if chunk is None:  # (a library without chunked dots)
+            del segments.DOT_CHUNK
+        else:
+            segments.DOT_CHUNK = chunk
     return out

@@ -83,6 +83,7 @@ _SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_uniq
 #: index tensors a library caches on the simulated device keep their tag from one probe to the next, as they keep
 #: their device on a GPU; an entry whose tensors are all gone is ignored (the address may have been reused)
 _REGISTRY: dict[int, tuple[str, list[weakref.ref]]] = {}
+_ACTIVE: list[DispatchProbe] = []  # the probes entered, innermost last
 
 
 def _registered(p: int) -> str | None:
@@ -187,13 +188,18 @@ class DispatchProbe(TorchDispatchMode):
             _REGISTRY[p] = (where, [weakref.ref(t)])
 
     def _from(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` holds data-derived values or lies on the simulated device (where a read is a sync)."""
+        """Whether reading ``t`` back is a host sync: simulated, where ``t`` lies on the simulated device; else
+        where it holds the data or values derived from it."""
+        if self.simulate:
+            return self.where(t) == "dev"
         p = _ptr(t)
-        return p in self._data or p in self._tainted or (self.simulate and self.where(t) == "dev")
+        return p in self._data or p in self._tainted
 
     # --- context ---------------------------------------------------------------------------------------------------
     def __enter__(self) -> DispatchProbe:
+        _ACTIVE.append(self)
         stack = contextlib.ExitStack()
+        stack.callback(_ACTIVE.remove, self)
         probe = self
         for name in ("tensor", "as_tensor"):
             original = getattr(torch, name)
@@ -340,9 +346,10 @@ def _counted_name(name: str, namespace: str) -> bool:
 
 @contextlib.contextmanager
 def copying_moves() -> Iterator[None]:
-    """While active, :func:`zero_dtensor.devices.to_device` always copies (``.to(device, copy=True)``), so that a
-    move between the simulated devices dispatches a ``_to_copy`` the probe re-tags (on the CPU ``.to(cpu)`` of a
-    ``cpu:1`` tensor would be a no-op)."""
+    """While active, :func:`zero_dtensor.devices.to_device` copies (``.to(device, copy=True)``) unless the innermost
+    simulating probe has the tensor on that simulated device already, so that a move between the simulated devices
+    dispatches a ``_to_copy`` the probe re-tags (on the CPU ``.to(cpu)`` of a ``cpu:1`` tensor would be a no-op)
+    and a move to where a tensor is costs nothing, as on a GPU."""
     try:
         from zero_dtensor import devices
     except ImportError:  # a library without the seam (the code before issue 42): nothing to patch
@@ -351,6 +358,9 @@ def copying_moves() -> Iterator[None]:
     original = devices._move
 
     def move(t: torch.Tensor, device: torch.device, non_blocking: bool = False) -> torch.Tensor:
+        target = _classify(device)
+        if _ACTIVE and _ACTIVE[-1].simulate and target != "any" and _ACTIVE[-1].where(t) == target:
+            return t  # already on that simulated device: no move, as on a GPU
         return t.to(device, copy=True)
 
     devices._move = move

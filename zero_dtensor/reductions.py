@@ -2,12 +2,18 @@
 
 Local work (no communication): per flat group, :mod:`zero_dtensor.segments` reduces every piece of this rank's
 partition at once, parameters' fragments and padding gaps alike, with a fixed number of tensor operations whatever
-the number of parameters: a row-wise reduction of its full 64-element rows, one gather of the other elements and two
-float64 ``segment_reduce`` (so the partials are float64 sums of 64-element float32 row sums: more precise than one
-long float32 reduction). One ``index_select`` then takes the selected parameters' pieces, in selection order
-(padding never counts). A selection that covers under a quarter of a group's local elements reduces the
-concatenation of its fragments instead, so picking one parameter of 10,000 does not pay a pass over the partition.
-Offloaded partitions are reduced where they live; only the per-parameter vector moves to the engine's device.
+the number of parameters: a row-wise reduction of its full rows (64 elements on the CPU, 2048 on accelerators:
+:func:`~zero_dtensor.segments.block_for`) accumulating in float32 inside the reduction (no upcast copy), one gather
+of the rows holding the other elements and two float64 ``segment_reduce`` (so the partials are float64 sums of
+float32 row sums: more precise than one long float32 reduction). One ``index_select`` then takes the selected
+parameters' pieces, in selection order (padding never counts). A selection that covers under a quarter of a group's
+local elements reduces the concatenation of its fragments instead, so picking one parameter of 10,000 does not pay
+a pass over the partition.
+
+Devices (:mod:`zero_dtensor.devices`): partitions are reduced where they live (the storage device; the CPU under
+offload) with index tensors cached there; the per-parameter (or per-group) vector moves once to the communication
+device, where the collective runs and where every tensor result is returned (``stats`` and ``found_inf`` return
+host values). No host sync apart from those documented per call.
 
 Communication: the per-parameter partials are summed (or maxed) across ranks, **one all_reduce of a (k,) or (k, c)
 vector per distinct process group** of the selected parameters (``k`` the number of selected parameters; DeepSpeed
@@ -350,7 +356,15 @@ def _counts(part: _Part) -> torch.Tensor:
                         piece_sums(torch.isinf(buf), part.seg, part.device)], dim=1)
 
 
-def _stat_columns(state: FlatState, sel: Selection) -> torch.Tensor:
+def _stat_columns(part: _Part) -> torch.Tensor:
+    """(pieces, 5) float64 of one part, the columns :func:`_stat_rows` gives (with a finiteness check of its own:
+    a host sync; :func:`stats` checks all groups at once instead)."""
+    moments = _moments(part)
+    counts = (torch.zeros_like(moments[:, :2]) if bool(torch.isfinite(moments[:, 0]).all()) else _counts(part))
+    return torch.cat([moments[:, :2], counts, moments[:, 2:]], dim=1)
+
+
+def _stat_rows(state: FlatState, sel: Selection) -> torch.Tensor:
     """(k, 5) float64 on the communication device: sum of squares, sum, nan count, inf count, max |x| per selected
     parameter. The counts are taken (:func:`_counts`) only when some sum of squares is not finite: one host sync
     for all groups, else zero."""
@@ -370,7 +384,7 @@ def stats(state: FlatState, sel: Selection) -> ParamStatsMap[GradStats]:
     :func:`~zero_dtensor.segments.piece_stats` (sums of squares, sums, maxima: three reads), nan/inf counts only
     when some value is not finite (one host sync for all groups: the check); then one host copy of the results
     (the second). The partials are reduced on the storage device and move to the communication device once."""
-    local = _stat_columns(state, sel)
+    local = _stat_rows(state, sel)
     names = sel.names
     scale = state.loss_scale
     host = to_host(_reduce_rows(state, sel, local, lambda rows, which, pg: sum_max_rows(rows, which, pg, 4)))

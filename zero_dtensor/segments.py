@@ -221,9 +221,7 @@ def _bits(buf: torch.Tensor, seg: SegmentPlan, t: _Tensors) -> torch.Tensor:
     row, not per element) and the last partial row, concatenated (a copy of the bits only)."""
     full = seg.numel // seg.block
     picked = buf[: full * seg.block].view(full, seg.block).index_select(0, t.bit_rows).view(-1)
-    tail = buf[full * seg.block:]
-    bits = torch.cat([picked, tail]) if tail.numel() else picked
-    return bits.to(torch.float64)
+    return torch.cat([picked, buf[full * seg.block:]]).to(torch.float64)  # the same ops with or without a tail
 
 
 def _per_piece(bit_values: torch.Tensor, row_values: torch.Tensor | None, t: _Tensors, how: str) -> torch.Tensor:

@@ -198,12 +198,13 @@ def check_devices(stage: int, cases: tuple[tuple[str, bool], ...]) -> dict[str, 
 
 
 class Blocks(torch.nn.Module):
-    """Four ``Linear(256, 256)`` (about 263K parameters in 8 tensors): the data far outweighs what the per-piece
-    reductions handle apart (boundary rows: at most a row per piece), as in real models."""
+    """``depth`` ``Linear(width, width)`` (default four of 256: about 263K parameters in 8 tensors): the data far
+    outweighs what the per-piece reductions handle apart (boundary rows: at most a row per piece), as in real
+    models."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = 256, depth: int = 4) -> None:
         super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(4))
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -260,4 +261,31 @@ def check_traffic(cases: tuple[tuple[int, str], ...], dot_chunk: int = 2048) -> 
             del segments.DOT_CHUNK
         else:
             segments.DOT_CHUNK = chunk
+    return out
+
+
+def time_calls(stage: int, dtype: str, width: int, depth: int, reps: int) -> dict[str, list[float]]:
+    """Wall seconds of ``reps`` calls each of norms, global_norm, clip_grad_norm_ (coefficient 1), stats and dots
+    on a :class:`Blocks` engine (a barrier before each call; for an A/B of two library versions in two pools)."""
+    import time
+
+    engine = make_engine(EngineCase(stage, dtype).config(), Blocks(width, depth))
+    g = torch.Generator().manual_seed(3 + dist.get_rank())
+    x = torch.randn(engine.train_micro_batch_size_per_gpu(), width, generator=g).to(
+        next(engine.module.parameters()).dtype)
+    engine.backward(engine(x).float().pow(2).mean())
+    grads = zd.sharded_grads(engine)
+    other = grads.clone()
+    calls: dict[str, Call] = {"norms": TRAFFIC["norms"], "global_norm": TRAFFIC["global_norm"],
+                              "clip_grad_norm_": TRAFFIC["clip_grad_norm_"], "stats": TRAFFIC["stats"],
+                              "dots": TRAFFIC["dots"]}
+    out: dict[str, list[float]] = {name: [] for name in calls}
+    for name, fn in calls.items():
+        fn(grads, other)
+        for _ in range(reps):
+            dist.barrier()
+            t = time.perf_counter()
+            fn(grads, other)
+            out[name].append(time.perf_counter() - t)
+    engine.step()
     return out

@@ -203,7 +203,9 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         per (process group, dtype, device) of a zero-filled ``S`` buffer, ``2(N-1)/N·S`` bytes per rank. ``auto`` on
         gloo, for transfers of at least 1 MiB: the first call per (process group, dtype, power-of-two size) also
         calibrates (9 more collectives, 13 where the all_gather is pipelined, 4 more where the transfer is one flat
-        group and all_to_all is timed too, and 4 point-to-point batches: send_recv is timed too); pin it with ``ZERO_DTENSOR_GATHER_STRATEGY`` or
+        group and all_to_all is timed too, and 4 point-to-point batches: send_recv is timed too, except for CUDA tensors on gloo, whose ``isend``/``irecv`` cannot move them:
+        there ``send_recv`` is never picked, and asked for it raises ``ValueError`` before anything moves,
+        :func:`zero_dtensor.process_groups.comm_support`); pin it with ``ZERO_DTENSOR_GATHER_STRATEGY`` or
         :func:`~zero_dtensor.materialize.set_gather_strategy`. Replicated groups (``BF16_Optimizer``,
         ``keep_full_grads``): none.
 
@@ -244,7 +246,7 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         at most ``bucket_bytes`` of buffers allocated here (stored dtype); a parameter larger than that gets a
         window of its own. First the rank agreement (one small collective per process group, once per call;
         it carries any rank's refusal of the arguments, which then raises on every rank), then one collective per
-        window, nothing for replicated groups (one local copy per window). On gloo the default is ``send_recv``
+        window, nothing for replicated groups (one local copy per window). On gloo over CPU tensors the default is ``send_recv``
         (one batch of point-to-point ops per window): ZeRO-1/2 every other rank's overlap of the window ``[a, b)``
         received straight into its place, about ``(N-1)/N·W`` bytes per rank; ZeRO-3 the window's chunk range of
         every rank's partition received into rows, then one reordering copy. Elsewhere: ZeRO-1/2 ``all_reduce``
@@ -262,7 +264,7 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         with Refusal() as refusal:
             selected = self._select(names)
             check_dtype(dtype, "iter_full")
-            _stream.check_request(bucket_bytes, strategy)
+            _stream.check_request(bucket_bytes, strategy, self._state, selected)
         self._agree("iter_full", selected, refusal.error, bucket_bytes, str(dtype), strategy)
         return _stream.iter_full(self._state, selected, bucket_bytes=bucket_bytes, dtype=dtype, strategy=strategy)
 

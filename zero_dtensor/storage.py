@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .devices import Devices
 from .layout import FlatLayout
 from .views import ViewCache
 
@@ -30,7 +31,8 @@ class FlatStorage:
             step reads (writes to it change what ``engine.step()`` uses).
         process_groups: per group, the data-parallel process group it is partitioned over.
         loss_scale: stored values equal the true gradient times this (fp16 dynamic loss scaling; 1.0 otherwise).
-        device: the engine's compute device (where users' tensors normally live).
+        device: the engine's compute device (where users' tensors normally live), which is also the
+            communication device (:attr:`devices`).
         is_current: answers whether the memory still holds this step's gradient (False after ``engine.step()``).
         after_write: refreshes the optimizer's own bookkeeping (e.g. precomputed offload norms) for written params.
         describe: a short name of the optimizer kind, for messages.
@@ -48,6 +50,14 @@ class FlatStorage:
     after_write: Callable[[Sequence[str]], None] = _no_write_hook
     describe: str = ""
     view_caches: tuple[ViewCache, ...] = ()
+
+    @property
+    def devices(self) -> Devices:
+        """The storage device (where :attr:`partitions` live: the CPU under offload) and the communication device
+        (:attr:`device`: where collectives run and reductions return their results). See
+        :mod:`zero_dtensor.devices`."""
+        storage = self.partitions[0].device if self.partitions else self.device
+        return Devices(storage=storage, comm=self.device)
 
     def to_true(self, stored: torch.Tensor) -> torch.Tensor:
         """Stored values in true units: ``stored`` itself without loss scaling, else an unscaled float32 tensor."""

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from .devices import to_device
 from .process_groups import backend_of, comm_support_of, world_size_of
 
 __all__ = [
@@ -73,7 +74,7 @@ def on_comm_device(tensor: torch.Tensor, group: dist.ProcessGroup, fallback: tor
     CPU-offloaded gradients in a CUDA job sit on the CPU while DeepSpeed's data-parallel group is NCCL (CUDA only):
     they travel through the engine's device (one host-to-device copy of the local partition).
     """
-    return tensor.to(comm_device(tensor, group, fallback))
+    return to_device(tensor, comm_device(tensor, group, fallback))
 
 
 def mesh_for(group: dist.ProcessGroup, device_type: str) -> DeviceMesh:

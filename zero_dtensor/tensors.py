@@ -193,7 +193,10 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         more: two all_gathers issued at once, splitting every partition at a parameter boundary near 3/4, the same
         bytes; each part is reordered into parameter order once it has arrived, the first while the second travels
         where the group runs collectives in issue order, as NCCL does; gloo moves both at once,
-        :func:`~zero_dtensor.materialize.strategy.pipelines`). ``all_to_all``: the same gather by one
+        :func:`~zero_dtensor.materialize.strategy.pipelines`; ZeRO-3 transfers of more than ``WINDOW_BYTES``, 64 MiB,
+        with every gather strategy: one collective per column window of at most 32 MiB, two in flight, each
+        reordered into the result as it arrives, :func:`~zero_dtensor.materialize.strategy.windowed`).
+        ``all_to_all``: the same gather by one
         ``all_to_all_single`` per flat group, the same bytes (gloo receives it in place, where its all_gather
         stages and copies out; ZeRO-3 copies this rank's partition into parameter order while the others' travel).
         ``send_recv``: the same gather by one batch of ``isend``/``irecv`` per (process group, dtype, device), the
@@ -212,7 +215,8 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         Results are a **snapshot** the caller owns: changing them does not change the tensor, and
         ``engine.step()`` does not change them. Entries are views of one parameter-order buffer per flat group
         (ZeRO-1/2: the gathered buffer itself; ZeRO-3: one reordering copy after an all_gather, all_to_all or
-        send_recv;
+        send_recv, from a staging area of the result's size kept with it up to 64 MiB, beyond that from two
+        window buffers of at most 32 MiB freed on return; on the communication device;
         replicated: one local copy). Without ``out=`` the buffers are recycled from the previous call once none of that call's
         tensors (nor its dict) is alive, so a loop that drops each step's result allocates only once; a live result
         is never overwritten (``zero_dtensor.materialize.BUFFERS.recycle = False`` turns this off).

@@ -107,7 +107,9 @@ def test_bad_arguments_raise_before_any_collective(ranks) -> None:
 def test_zero3_gathers_in_bounded_windows(ranks, case: EngineCase) -> None:
     """Issue 44: a ZeRO-3 gather larger than WINDOW_BYTES (forced small here) travels in column windows, each
     reordered into the result as it arrives: the pool allocates the result plus at most one window (today's code
-    allocates a staging twin of the result), one collective per window, values bit for bit, for every gather
-    strategy, async, out= and dtype; the gradients (bf16, two param groups in one transfer) and the fp32 masters."""
+    allocates a staging twin of the result), no single allocation exceeds the result and the local writes are the
+    one reorder (plus this rank's own row for send_recv), as cudaops' DispatchProbe counts them; one collective per
+    window, values bit for bit, for every gather strategy, async, out= and dtype; the gradients (bf16, two param
+    groups in one transfer) and the fp32 masters."""
     reports = ranks(case.world).run(materialize.check_windowed, case)
     assert all(r[family]["all_gather"]["collectives"] > 1 for r in reports for family in ("grads", "masters"))

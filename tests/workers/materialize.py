@@ -14,6 +14,7 @@ from deepspeed.utils import safe_get_full_grad
 import zero_dtensor as zd
 from zero_dtensor import materialize as mz
 
+from .dispatch_probe import DispatchProbe
 from .common import DTYPES, EngineCase, build_engine, count_comms, forward_backward, pipelining, rank_checks
 from .rows import Rows
 
@@ -556,9 +557,15 @@ def _check_windowed(sharded: Any) -> dict:
         for strategy in ("all_gather", "all_to_all", "send_recv"):
             mz.release_workspace()
             _settle_recycled()
-            with count_comms() as mode, recording() as rec:
+            with count_comms() as mode, recording() as rec, DispatchProbe() as probe:
                 got = sharded.full_tensors(strategy=strategy)
             _equal(dict(got), default, f"windowed {strategy}")
+            # no single allocation larger than the result (today: one buffer of twice it); the bytes written
+            # locally are the one reorder into the result, plus this rank's own partition where the strategy
+            # copies it into its row (all_to_all, send_recv), plus the agreement's few bytes
+            report[strategy + " probe"] = {"largest": probe.largest, "written": probe.written}
+            assert probe.largest <= result_bytes, (strategy, probe.largest, result_bytes)
+            assert probe.written <= result_bytes + result_bytes // world + 1024, (strategy, probe.written)
             data = mode.get_total_counts() - rank_checks(sharded)  # send_recv: its point-to-point batches
             report[strategy] = {"peak": rec.peak, "collectives": data}
             assert rec.peak <= result_bytes + window, (strategy, rec.peak, result_bytes, window, rec.sizes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from zero_dtensor import collectives
@@ -25,3 +26,22 @@ def test_device_types_of_a_real_gloo_group(ranks) -> None:
     from workers import harness
 
     assert ranks(2).run(harness.world_device_types) == [["cpu", "cuda"], ["cpu", "cuda"]]
+
+
+def test_gloo_refuses_point_to_point_and_coalescing_on_cuda_only() -> None:
+    from zero_dtensor.process_groups import comm_support
+
+    assert comm_support("gloo", "cpu").point_to_point and comm_support("gloo", "cpu").coalescing
+    assert not comm_support("gloo", "cuda").point_to_point and not comm_support("gloo", "cuda").coalescing
+    assert comm_support("nccl", "cuda").point_to_point and comm_support("nccl", "cuda").coalescing
+
+
+@pytest.mark.parametrize("stage,groups,world", [(2, 2, 2), (3, 1, 3)])
+def test_gloo_over_cuda_tensors_uses_plain_collectives(ranks, stage: int, groups: int, world: int) -> None:
+    """Gloo's isend/irecv abort and its coalescing manager segfaults on CUDA tensors (the 2026-12-04 H200 run):
+    with tensors faked as CUDA ones, auto (calibrating), iter_full, every other strategy and sync_model_params
+    return the CPU path's values without either, and send_recv is refused on every rank."""
+    from workers import materialize
+
+    reports = ranks(world).run(materialize.check_gloo_over_cuda, stage, groups, world)
+    assert all("send_recv" not in r["decisions"] for r in reports), reports

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .process_groups import backend_of, world_size_of
+from .devices import to_device
+from .process_groups import backend_of, comm_support_of, world_size_of
 
 __all__ = [
     "comm_device",
@@ -73,7 +74,7 @@ def on_comm_device(tensor: torch.Tensor, group: dist.ProcessGroup, fallback: tor
     CPU-offloaded gradients in a CUDA job sit on the CPU while DeepSpeed's data-parallel group is NCCL (CUDA only):
     they travel through the engine's device (one host-to-device copy of the local partition).
     """
-    return tensor.to(comm_device(tensor, group, fallback))
+    return to_device(tensor, comm_device(tensor, group, fallback))
 
 
 def mesh_for(group: dist.ProcessGroup, device_type: str) -> DeviceMesh:
@@ -103,14 +104,16 @@ def all_gather_into(
 ) -> list[dist.Work]:
     """Gather each equal-per-rank 1-D ``partitions[i]`` into the preallocated ``outs[i]`` (``N×`` its length).
 
-    **One** collective for all of them (coalesced when there are several; they must share dtype and device).
-    Bytes received per rank: ``(N-1)/N`` of the summed output sizes. Returns the pending works (empty when sync).
+    **One** collective for all of them (coalesced when there are several; they must share dtype and device), or,
+    where the backend cannot coalesce on their device (:func:`~zero_dtensor.process_groups.comm_support`: gloo over
+    CUDA tensors), one ``all_gather_into_tensor`` per partition. Bytes received per rank: ``(N-1)/N`` of the summed
+    output sizes. Returns the pending works (empty when sync).
     """
     if len(outs) != len(partitions):
         raise ValueError(f"{len(outs)} outputs for {len(partitions)} partitions")
-    if len(partitions) == 1:
-        work = _all_gather_single(outs[0], partitions[0], group=group, async_op=async_op)
-        return [work] if async_op and work is not None else []
+    if len(partitions) == 1 or not comm_support_of(group, partitions[0].device).coalescing:
+        works = [_all_gather_single(out, part, group=group, async_op=async_op) for out, part in zip(outs, partitions)]
+        return [w for w in works if w is not None] if async_op else []
     with dist._coalescing_manager(group=group, device=_coalescing_device(group, partitions[0].device),
                                   async_ops=async_op) as cm:
         for out, part in zip(outs, partitions):

@@ -88,6 +88,13 @@ class GroupPlacement(GroupGeometry):
         no reorder (then nothing is worth pipelining)."""
         return ()
 
+    def window_pieces(self, plan: GroupPlan, element_size: int, max_width: int) -> tuple[ColumnPiece, ...]:
+        """The column windows (at most ``max_width`` columns of ``element_size``-byte elements each, cut at
+        parameter boundaries; a wider parameter alone) that a gather in bounded windows gathers one by one, each
+        reordered by :meth:`to_param_order` into its part of the result once it has arrived; empty where a gather
+        needs no reorder (it lands in the result itself)."""
+        return ()
+
     # --- streaming windows (``iter_full``): the parameters covering [start, stop) of the :meth:`span` axis -------
     @property
     def window_collectives(self) -> int:

@@ -278,6 +278,10 @@ class ChunkShard(ChunkGeometry, GroupPlacement):
         """:meth:`~zero_dtensor.plan.GroupPlan.column_pieces`: two, cut at a parameter boundary."""
         return plan.column_pieces(element_size)
 
+    def window_pieces(self, plan: GroupPlan, element_size: int, max_width: int) -> tuple[ColumnPiece, ...]:
+        """:meth:`~zero_dtensor.plan.GroupPlan.column_windows`."""
+        return plan.column_windows(element_size, max_width)
+
     def window_order_tiling(self, group: GroupLayout, params: tuple[ParamLayout, ...], start: int,
                             width: int) -> Tiling:
         """Each parameter's ``(N, chunk)`` block (``N·chunk_numel`` elements: the parameter, then its padding) back

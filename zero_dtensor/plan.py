@@ -147,6 +147,26 @@ class GroupPlan:
         return (ColumnPiece(0, cut, sizes[:split], self._columns(every, element_size, 0, cut)),
                 ColumnPiece(cut, P, sizes[split:], self._columns(every, element_size, cut, P)))
 
+    def column_windows(self, element_size: int, max_width: int) -> tuple[ColumnPiece, ...]:
+        """Chunked groups: the columns cut at boundaries of :attr:`gathered`'s pieces into consecutive windows of at
+        most ``max_width`` columns each (a piece wider than that alone), each with its row copy, for a gather in
+        bounded windows, each reordered into its part of the parameter-order buffer once it has arrived."""
+        return self._memo(("windows", element_size, max_width),
+                          lambda: self._column_windows(element_size, max(1, max_width)))
+
+    def _column_windows(self, element_size: int, max_width: int) -> tuple[ColumnPiece, ...]:
+        sizes = self.gathered.sizes
+        every = range(self.group.world_size)
+        windows: list[ColumnPiece] = []
+        lo = first = width = 0
+        for i, size in enumerate(sizes + (None,)):
+            if width and (size is None or width + size > max_width):
+                windows.append(ColumnPiece(lo, lo + width, sizes[first:i],
+                                           self._columns(every, element_size, lo, lo + width)))
+                lo, first, width = lo + width, i, 0
+            width += size or 0
+        return tuple(windows) or (self.whole_columns(element_size),)
+
     def own_column_rows(self, element_size: int) -> RowMap | None:
         """Chunked groups: this rank's partition to its rows of the parameter-order blocks (the rest of the
         destination untouched), as one row copy; ``None`` as for :meth:`column_rows`."""

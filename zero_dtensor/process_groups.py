@@ -7,14 +7,19 @@ group makes a new process group (``dist.new_group``), which every rank of the wo
 from __future__ import annotations
 
 import datetime
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
+    "CommSupport",
     "backend_of",
+    "comm_support",
+    "comm_support_of",
     "cpu_group_for",
     "default_backend",
+    "device_type_of",
     "global_rank",
     "global_world_size",
     "group_rank_of",
@@ -24,6 +29,36 @@ __all__ = [
     "world_size_of",
     "world_timeout",
 ]
+
+
+@dataclass(frozen=True)
+class CommSupport:
+    """What a backend can do with tensors of one device type, beyond the plain collectives (``all_reduce``,
+    ``all_gather_into_tensor``, ``broadcast``, ``reduce_scatter_tensor``, ``all_to_all_single``, ``gather``,
+    ``reduce``), which every backend zero_dtensor runs on supports on the devices it communicates on."""
+
+    point_to_point: bool  #: ``isend`` / ``irecv`` / ``batch_isend_irecv``
+    coalescing: bool  #: ``dist._coalescing_manager`` around several collectives
+
+
+def comm_support(backend: str, device_type: str) -> CommSupport:
+    """The one place that decides which exchanges zero_dtensor may issue on ``backend`` for tensors on
+    ``device_type``. Gloo over CUDA (or any accelerator) tensors: no point-to-point ops (gloo's ``isend`` /
+    ``irecv`` abort the process, ``gloo::IoException ... writev: Bad address``) and no coalescing manager (its
+    ``wait()`` segfaults): torch 2.11, gloo, H200, 2026-12-04. Everything else: both. No communication."""
+    gloo_off_cpu = backend == "gloo" and device_type != "cpu"
+    return CommSupport(point_to_point=not gloo_off_cpu, coalescing=not gloo_off_cpu)
+
+
+def device_type_of(device: torch.device | str) -> str:
+    """The device type a tensor on ``device`` communicates from (``"cpu"``, ``"cuda"``, ...): the seam the tests
+    replace to make CPU tensors answer as CUDA ones. No communication."""
+    return torch.device(device).type
+
+
+def comm_support_of(group: dist.ProcessGroup, device: torch.device | str) -> CommSupport:
+    """:func:`comm_support` of ``group``'s backend for tensors on ``device``. No communication."""
+    return comm_support(backend_of(group), device_type_of(device))
 
 
 def backend_of(group: dist.ProcessGroup) -> str:

@@ -193,7 +193,10 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         more: two all_gathers issued at once, splitting every partition at a parameter boundary near 3/4, the same
         bytes; each part is reordered into parameter order once it has arrived, the first while the second travels
         where the group runs collectives in issue order, as NCCL does; gloo moves both at once,
-        :func:`~zero_dtensor.materialize.strategy.pipelines`). ``all_to_all``: the same gather by one
+        :func:`~zero_dtensor.materialize.strategy.pipelines`; ZeRO-3 transfers of more than ``WINDOW_BYTES``, 64 MiB,
+        with every gather strategy: one collective per column window of at most 32 MiB, two in flight, each
+        reordered into the result as it arrives, :func:`~zero_dtensor.materialize.strategy.windowed`).
+        ``all_to_all``: the same gather by one
         ``all_to_all_single`` per flat group, the same bytes (gloo receives it in place, where its all_gather
         stages and copies out; ZeRO-3 copies this rank's partition into parameter order while the others' travel).
         ``send_recv``: the same gather by one batch of ``isend``/``irecv`` per (process group, dtype, device), the
@@ -203,14 +206,17 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         per (process group, dtype, device) of a zero-filled ``S`` buffer, ``2(N-1)/N·S`` bytes per rank. ``auto`` on
         gloo, for transfers of at least 1 MiB: the first call per (process group, dtype, power-of-two size) also
         calibrates (9 more collectives, 13 where the all_gather is pipelined, 4 more where the transfer is one flat
-        group and all_to_all is timed too, and 4 point-to-point batches: send_recv is timed too); pin it with ``ZERO_DTENSOR_GATHER_STRATEGY`` or
+        group and all_to_all is timed too, and 4 point-to-point batches: send_recv is timed too, except for CUDA tensors on gloo, whose ``isend``/``irecv`` cannot move them:
+        there ``send_recv`` is never picked, and asked for it raises ``ValueError`` before anything moves,
+        :func:`zero_dtensor.process_groups.comm_support`); pin it with ``ZERO_DTENSOR_GATHER_STRATEGY`` or
         :func:`~zero_dtensor.materialize.set_gather_strategy`. Replicated groups (``BF16_Optimizer``,
         ``keep_full_grads``): none.
 
         Results are a **snapshot** the caller owns: changing them does not change the tensor, and
         ``engine.step()`` does not change them. Entries are views of one parameter-order buffer per flat group
         (ZeRO-1/2: the gathered buffer itself; ZeRO-3: one reordering copy after an all_gather, all_to_all or
-        send_recv;
+        send_recv, from a staging area of the result's size kept with it up to 64 MiB, beyond that from two
+        window buffers of at most 32 MiB freed on return; on the communication device;
         replicated: one local copy). Without ``out=`` the buffers are recycled from the previous call once none of that call's
         tensors (nor its dict) is alive, so a loop that drops each step's result allocates only once; a live result
         is never overwritten (``zero_dtensor.materialize.BUFFERS.recycle = False`` turns this off).
@@ -244,7 +250,7 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         at most ``bucket_bytes`` of buffers allocated here (stored dtype); a parameter larger than that gets a
         window of its own. First the rank agreement (one small collective per process group, once per call;
         it carries any rank's refusal of the arguments, which then raises on every rank), then one collective per
-        window, nothing for replicated groups (one local copy per window). On gloo the default is ``send_recv``
+        window, nothing for replicated groups (one local copy per window). On gloo over CPU tensors the default is ``send_recv``
         (one batch of point-to-point ops per window): ZeRO-1/2 every other rank's overlap of the window ``[a, b)``
         received straight into its place, about ``(N-1)/N·W`` bytes per rank; ZeRO-3 the window's chunk range of
         every rank's partition received into rows, then one reordering copy. Elsewhere: ZeRO-1/2 ``all_reduce``
@@ -262,7 +268,7 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         with Refusal() as refusal:
             selected = self._select(names)
             check_dtype(dtype, "iter_full")
-            _stream.check_request(bucket_bytes, strategy)
+            _stream.check_request(bucket_bytes, strategy, self._state, selected)
         self._agree("iter_full", selected, refusal.error, bucket_bytes, str(dtype), strategy)
         return _stream.iter_full(self._state, selected, bucket_bytes=bucket_bytes, dtype=dtype, strategy=strategy)
 

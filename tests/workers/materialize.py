@@ -14,6 +14,7 @@ from deepspeed.utils import safe_get_full_grad
 import zero_dtensor as zd
 from zero_dtensor import materialize as mz
 
+from .dispatch_probe import DispatchProbe
 from .common import DTYPES, EngineCase, build_engine, count_comms, forward_backward, pipelining, rank_checks
 from .rows import Rows
 
@@ -425,3 +426,158 @@ def check_errors() -> None:
     # nothing above communicated: the next collective still lines up on every rank
     with pinned("all_gather"):
         assert len(grads.full_tensors()) == len(grads)
+
+
+@contextlib.contextmanager
+def gloo_as_if_cuda() -> Iterator[None]:
+    """Make every tensor answer as a CUDA one to :func:`zero_dtensor.process_groups.comm_support` (the device seam
+    of the one capability decision), and make the exchanges gloo cannot run on CUDA tensors raise instead of
+    aborting: point-to-point ops (``batch_isend_irecv``, ``isend``, ``irecv``) and the coalescing manager. The old
+    code has no seam (``create=True``): there the patches still catch every point-to-point op or coalescing
+    manager it issues."""
+    from unittest import mock
+
+    from zero_dtensor import process_groups
+
+    def refused(what: str) -> Any:
+        def fail(*args: Any, **kwargs: Any) -> Any:
+            raise AssertionError(f"{what} issued for (faked) CUDA tensors on gloo")
+        return fail
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(process_groups, "device_type_of", lambda device: "cuda", create=True))
+        for what in ("batch_isend_irecv", "isend", "irecv", "_coalescing_manager"):
+            stack.enter_context(mock.patch.object(dist, what, refused(what)))
+        yield
+
+
+def check_gloo_over_cuda(stage: int, groups: int = 1, world: int = 2) -> dict:
+    """Gloo with tensors that answer as CUDA ones: ``auto`` (calibrating too), ``iter_full``, the ZeRO-3
+    gathers and ``sync_model_params`` use the plain collectives only (no point-to-point op, no coalescing
+    manager) and return exactly what the CPU path returns; an explicit or pinned ``send_recv`` raises
+    ``ValueError`` on every rank before anything moves."""
+    import pytest
+
+    case = EngineCase(stage, world=world, groups=groups, frozen=False) if groups > 1 else EngineCase(stage, world=world)
+    engine = build_engine(case)
+    forward_backward(engine)
+    grads = zd.sharded_grads(engine)
+    with pinned("all_gather"):
+        default = dict(grads.full_tensors())
+    previous_min = mz.strategy.CALIBRATION_MIN_BYTES
+    report: dict[str, Any] = {}
+    with gloo_as_if_cuda():
+        mz.strategy.CALIBRATION_MIN_BYTES = 0  # calibrate even the small test model
+        mz.clear_calibration()
+        try:
+            with pinned(None):
+                _equal(dict(grads.full_tensors()), default, "auto, calibrating")
+                report["decisions"] = sorted(set(mz.strategy_decisions().values()))
+                _equal(dict(grads.full_tensors()), default, "auto, calibrated")
+        finally:
+            mz.strategy.CALIBRATION_MIN_BYTES = previous_min
+            mz.clear_calibration()
+        for strategy in ("all_gather", "all_to_all", "all_reduce"):
+            _equal(dict(grads.full_tensors(strategy=strategy)), default, strategy)
+        with pipelining():
+            _equal(dict(grads.full_tensors(strategy="all_gather")), default, "pipelined all_gather")
+        bucket = 512 * grads.local_partitions[0].element_size()
+        for strategy in ("auto", "all_gather", "all_reduce"):
+            streamed = dict(grads.iter_full(bucket_bytes=bucket, strategy=strategy))
+            assert sorted(streamed) == sorted(default)
+            assert all(torch.equal(streamed[n], default[n]) for n in default), strategy
+        for call in (lambda: grads.full_tensors(strategy="send_recv"),
+                     lambda: grads.iter_full(strategy="send_recv")):
+            with pytest.raises(ValueError, match="send_recv"):
+                call()
+        with pinned("send_recv"), pytest.raises(ValueError, match="send_recv"):
+            grads.full_tensors()
+    engine.step()  # DeepSpeed's own step: not under test here
+    master = zd.sharded_master_params(engine)
+    with pinned("all_gather"):
+        before = dict(master.full_tensors())
+    master.mul_(2.0)  # a write: marks the engine
+    with gloo_as_if_cuda():
+        zd.sync_model_params(engine)
+    # the working weights are the written masters, and nothing above left a collective unmatched
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        working = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    for name, value in before.items():
+        assert torch.equal(working[name], (2.0 * value).to(working[name].dtype)), name
+    return report
+
+
+@contextlib.contextmanager
+def small_windows(nbytes: int) -> Iterator[None]:
+    """ZeRO-3 gathers of more than ``nbytes`` travel in bounded windows (``WINDOW_BYTES``; the test models are far
+    below the default). On code without windows the attribute is made (``create=True``) and changes nothing."""
+    from unittest import mock
+
+    with mock.patch.object(mz.strategy, "WINDOW_BYTES", nbytes, create=True):
+        yield
+
+
+def windows(sharded: Any, window: int) -> int:
+    """The column windows the library cuts the sharded groups into for ``window`` bytes (one collective each)."""
+    from zero_dtensor.materialize.transfers import window_pieces
+    from zero_dtensor.state import state_of
+
+    state = state_of(sharded)
+    return sum(len(window_pieces(state, g, window // 2)) for g, group in enumerate(state.layout.groups)
+               if group.placement.is_sharded)
+
+
+def check_windowed(case: EngineCase) -> dict:
+    """ZeRO-3, every gather strategy in bounded windows (forced small), for the gradients and then (after a step)
+    the fp32 masters: values bit for bit those of one all_gather; the pool allocates the result and at most one
+    window (two halves) besides, never a staging twin of the result; one collective per window (send_recv: one
+    point-to-point batch per window); async, ``out=`` and ``dtype`` too."""
+    assert case.stage == 3, case
+    engine = build_engine(case)
+    forward_backward(engine)
+    report = {"grads": _check_windowed(zd.sharded_grads(engine))}
+    engine.step()
+    report["masters"] = _check_windowed(zd.sharded_master_params(engine))
+    return report
+
+
+def _check_windowed(sharded: Any) -> dict:
+    with pinned("all_gather"):
+        default = dict(sharded.full_tensors())
+    world = dist.get_world_size()
+    result_bytes = sum(p.numel() * p.element_size() for p in sharded.local_partitions) * world
+    esize = sharded.local_partitions[0].element_size()
+    widest = max(world * -(-sharded[n].numel // world) for n in sharded.names) * esize  # an (N, chunk) block
+    window = max(result_bytes // 4, 2 * widest)  # two halves, each holding the widest parameter
+    assert window < result_bytes, (window, result_bytes)  # a staging twin of the result would exceed the bound
+    report: dict[str, Any] = {"result_bytes": result_bytes, "window_bytes": window}
+    with small_windows(window):
+        for strategy in ("all_gather", "all_to_all", "send_recv"):
+            mz.release_workspace()
+            _settle_recycled()
+            with count_comms() as mode, recording() as rec, DispatchProbe() as probe:
+                got = sharded.full_tensors(strategy=strategy)
+            _equal(dict(got), default, f"windowed {strategy}")
+            # no single allocation larger than the result (today: one buffer of twice it); the bytes written
+            # locally are the one reorder into the result, plus this rank's own partition where the strategy
+            # copies it into its row (all_to_all, send_recv), plus the agreement's few bytes
+            report[strategy + " probe"] = {"largest": probe.largest, "written": probe.written}
+            assert probe.largest <= result_bytes, (strategy, probe.largest, result_bytes)
+            assert probe.written <= result_bytes + result_bytes // world + 1024, (strategy, probe.written)
+            data = mode.get_total_counts() - rank_checks(sharded)  # send_recv: its point-to-point batches
+            report[strategy] = {"peak": rec.peak, "collectives": data}
+            assert rec.peak <= result_bytes + window, (strategy, rec.peak, result_bytes, window, rec.sizes)
+            assert data == windows(sharded, window) > 1, (strategy, data, mode.get_comm_counts())
+            del got
+            # async: the later windows travel from wait(); out= reuses the result; a dtype converts once
+            handle = sharded.full_tensors(strategy=strategy, async_op=True)
+            got = handle.wait()
+            _equal(dict(got), default, f"windowed {strategy} async")
+            again = sharded.full_tensors(strategy=strategy, out=got)
+            _equal(dict(again), default, f"windowed {strategy} out=")
+            as_fp64 = sharded.full_tensors(strategy=strategy, dtype=torch.float64)
+            assert all(torch.equal(as_fp64[n], default[n].double()) for n in default), strategy
+            del got, again, as_fp64, handle
+    return report

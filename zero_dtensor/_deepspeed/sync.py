@@ -13,9 +13,10 @@ too), BF16_Optimizer   BF:592-603): each rank casts its master partition into  p
                        are all-gathered into the flat buffer every parameter   working dtype: ``(N-1)/N·S`` bytes
                        views (as the optimizer step's own gather); ZeRO-1/2    received per rank (``S`` the group's
                        on gloo: the same cast, then the gather by point-to-    flat working buffer); in place. On
-                       point ops (:func:`_sync_zero12_by_send_recv`)           gloo (ZeRO-1/2): one batch of
-                                                                               ``2(N-1)`` ``isend``/``irecv`` per
-                                                                               param group instead, the same bytes
+                       point ops (:func:`_sync_zero12_by_send_recv`; not       gloo over CPU tensors (ZeRO-1/2):
+                       for CUDA working weights: gloo's isend/irecv cannot     one batch of ``2(N-1)``
+                       move them, ``process_groups.comm_support``)             ``isend``/``irecv`` per param group
+                                                                               instead, the same bytes
 ZeRO-3 (offload too)   per sub-group ``_reassign_or_swap_out_partitioned_      the copy and release: none; then one
                        parameters(sg)`` (cast copy master → the working        ``all_gather_into_tensor`` per
                        partition every ``p.ds_tensor`` views), then            (process group, dtype) of the
@@ -48,7 +49,7 @@ from typing import Any
 
 from ..errors import UnsupportedDeepSpeedError
 from ..point_to_point import all_gather_by_send_recv
-from ..process_groups import backend_of, rank_in, world_size_of
+from ..process_groups import backend_of, comm_support_of, rank_in, world_size_of
 from . import check_engine
 
 __all__ = ["applied_steps", "sync_model_params"]
@@ -63,10 +64,17 @@ def sync_model_params(engine: Any) -> None:
     opt = engine.optimizer
     if kind == "zero3":
         _sync_zero3(opt)
-    elif kind == "zero12" and backend_of(opt.real_dp_process_group[0]) == "gloo":
+    elif kind == "zero12" and _gloo_point_to_point(opt):
         _sync_zero12_by_send_recv(opt)
     else:
         opt.update_lp_params()
+
+
+def _gloo_point_to_point(opt: Any) -> bool:
+    """Whether the working weights' gather goes by point-to-point ops: gloo groups whose backend can move the flat
+    working buffers' device that way (:func:`~zero_dtensor.process_groups.comm_support`: CPU, not CUDA)."""
+    group, flat = opt.real_dp_process_group[0], opt.bit16_groups_flat[0]
+    return backend_of(group) == "gloo" and comm_support_of(group, flat.device).point_to_point
 
 
 def _sync_zero12_by_send_recv(opt: Any) -> None:

@@ -277,7 +277,8 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
                 del t
         return peak
 
-    stream_kind = mz.strategy.stream_strategy("auto", storage.process_groups[0], first.placement.param_order_gather)
+    stream_kind = mz.strategy.stream_strategy("auto", storage.process_groups[0], first.placement.param_order_gather,
+                                              storage.partitions[0].device)
     measure(f"iter_full {args.bucket_mb:g}MiB [{stream_kind}]", stream, repeat=args.repeat,
             bytes_per_rank=_ring_bytes(stream_kind, stored_bytes, world), baseline="ds get loop",
             note="peak of live bucket buffers", memory=lambda peak: peak.peak)

@@ -27,12 +27,14 @@ from ..layout import ParamLayout
 from ..process_groups import global_rank, global_world_size, group_rank_of
 from ..state import FlatState
 from .emit import emit, request_names, target_dtype
-from .gathers import fill_for_reduce, gather_by_peers, pipelined_gather, send_only
+from .gathers import WindowedGather, fill_for_reduce, gather_by_peers, pipelined_gather, send_only, windowed_gather
 from .results import GatheredGrads, PendingFullTensors, run_steps
 from .strategy import CALIBRATES, check_strategy, resolve
 from .transfers import Buffers, Transfer, narrower, plan_transfers, view_cache
 
 __all__ = ["check_request", "full_tensors", "plan_transfers"]
+
+GATHERS = ("all_gather", "all_to_all", "send_recv")  #: strategies that gather rank after rank (ZeRO-3 reorders)
 
 
 # --- validation ------------------------------------------------------------------------------------------------------
@@ -110,18 +112,27 @@ def full_tensors(
             t.strategy = resolve(strategy, t.pg, t.device, t.dtype, t.nbytes, t.reorder, t.pipelinable,
                                  one_group=len(t.groups) == 1)
         t.pipelined = t.pipelinable and t.strategy == "all_gather"
+        t.windowed = t.windowed and t.strategy in GATHERS
 
     result: MutableMapping[str, torch.Tensor] = out if out is not None else GatheredGrads()
     buffers = Buffers(out, result)
     regions: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # group -> (assembled, reorder area)
     steps: list[tuple[list[Any], Callable[[], None] | None]] = []  # what async or pipelined collectives await
+    windowed: list[WindowedGather] = []
     for t in transfers:
         if not (is_dst or t.strategy == "all_reduce"):
             steps.append((send_only(t, dst, async_op), None))
             continue
-        # ZeRO-3 all_gather results are reordered into a second area of the same buffer, so that a kept result
-        # pins (and a recycled one frees) all of the call's memory at once
-        gathered = t.strategy in ("all_gather", "all_to_all", "send_recv")  # rank after rank: ZeRO-3 reorders
+        if t.windowed:  # the result alone, in parameter order; each window staged and reordered into it
+            buf = buffers.get(t.key(), t.numel, t.dtype, t.device)
+            narrow = narrower(buf, view_cache(result, buf))
+            for g in t.groups:
+                regions[g] = (narrow(t.offsets[g], state.group(g).flat_numel), None)
+            windowed.append(windowed_gather(state, t, regions, result, steps))
+            continue
+        # smaller ZeRO-3 gathered results are reordered into a second area of the same buffer (at most
+        # WINDOW_BYTES), so that a kept result pins (and a recycled one frees) all of the call's memory at once
+        gathered = t.strategy in GATHERS  # rank after rank: ZeRO-3 reorders
         areas = {g: state.group(g).placement.reorder_area(state.group(g)) if gathered else 0 for g in t.groups}
         buf = buffers.get(t.key(), t.numel + sum(areas.values()), t.dtype, t.device)
         narrow = narrower(buf, view_cache(result, buf))
@@ -158,7 +169,7 @@ def full_tensors(
         return emit(state, params, regions, result, dtype, buffers, out is not None)
 
     if async_op:
-        return PendingFullTensors(steps, finish)
+        return PendingFullTensors(steps, finish, lambda: sum(w.pending for w in windowed))
     run_steps(steps)
     return finish()
 

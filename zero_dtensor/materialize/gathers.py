@@ -11,16 +11,23 @@ from typing import Any
 
 import torch
 
-from ..collectives import all_gather_by_all_to_all, all_gather_into, gather_to, peer_partitions_by_all_to_all
+from ..collectives import (
+    all_gather_by_all_to_all,
+    all_gather_into,
+    all_gather_single,
+    gather_to,
+    peer_partitions_by_all_to_all,
+)
 from ..plan import ColumnPiece
-from ..point_to_point import Exchange, gather_exchanges, send_recv
+from ..point_to_point import Exchange, all_gather_by_send_recv, gather_exchanges, send_recv
 from ..process_groups import group_rank_of, rank_in, world_size_of
 from ..state import FlatState
 from ..views import ViewCache
 from .buffers import BUFFERS
-from .transfers import Transfer, pipeline_pieces, view_cache
+from . import strategy as _strategy
+from .transfers import Transfer, pipeline_pieces, view_cache, window_pieces
 
-__all__ = ["fill_for_reduce", "gather_by_peers", "pipelined_gather", "send_only"]
+__all__ = ["fill_for_reduce", "gather_by_peers", "pipelined_gather", "send_only", "windowed_gather"]
 
 Regions = dict[int, tuple[torch.Tensor, torch.Tensor | None]]  # group -> (assembled, reorder area)
 Step = tuple[list[Any], Callable[[], None] | None]  # pending works, and what runs once they are done
@@ -58,6 +65,77 @@ def pipelined_gather(state: FlatState, t: Transfer, regions: Regions, narrow: Ca
                                 async_op=True)
         steps.append((works, reorder_step(state, members, regions, result)))
     return steps
+
+
+def _gather_rows(strategy: str) -> Callable[..., list[Any]]:
+    """How one window's ``(N, width)`` rows are gathered rank after rank by ``strategy`` (all_gather by
+    ``all_gather_into_tensor``, all_to_all and send_recv as their whole-transfer forms gather one flat group)."""
+    if strategy == "all_to_all":
+        return all_gather_by_all_to_all
+    if strategy == "send_recv":
+        return all_gather_by_send_recv
+
+    def by_all_gather(out: torch.Tensor, inp: torch.Tensor, pg: Any, *, async_op: bool = False) -> list[Any]:
+        work = all_gather_single(out, inp, pg, async_op=async_op)
+        return [work] if work is not None else []
+    return by_all_gather
+
+
+class WindowedGather:
+    """A ZeRO-3 transfer gathered in bounded column windows (:func:`~.strategy.windowed`): every group's windows
+    (:func:`~.transfers.window_pieces`, at most ``WINDOW_BYTES / 2`` of gathered rows each) one after the other,
+    each one collective of the transfer's strategy into one of two staging buffers, alternating, and reordered by
+    one row copy into its part of the group's parameter-order result once it has arrived; the window after the next
+    is issued into the buffer just reordered (two windows in flight). :attr:`pending` counts the windows not yet
+    issued (issued from the steps, :func:`~.results.run_steps`)."""
+
+    def __init__(self, state: FlatState, t: Transfer, regions: Regions, result: MutableMapping[str, torch.Tensor],
+                 steps: list[Step]) -> None:
+        self.state, self.t, self.regions, self.result, self.steps = state, t, regions, result, steps
+        half = _strategy.WINDOW_BYTES // 2
+        self.windows = [(g, part, piece) for g, part in zip(t.groups, t.partitions)
+                        for piece in window_pieces(state, g, half)]
+        widest = max(state.group(g).world_size * piece.width for g, _, piece in self.windows)
+        self.staging = [BUFFERS.alloc(widest, t.dtype, t.device) for _ in range(min(2, len(self.windows)))]
+        self.gather = _gather_rows(t.strategy)
+        self.issued = 0
+
+    @property
+    def pending(self) -> int:
+        return len(self.windows) - self.issued
+
+    def start(self) -> None:
+        """Issue the first two windows (asynchronously: the steps await them)."""
+        for _ in self.staging:
+            self._issue()
+
+    def _issue(self) -> None:
+        k = self.issued
+        g, part, piece = self.windows[k]
+        rows = self.staging[k % 2].narrow(0, 0, self.state.group(g).world_size * piece.width)
+        works = self.gather(rows, part.narrow(0, piece.lo, piece.width), self.t.pg, async_op=True)
+        self.issued += 1
+        self.steps.append((works, lambda: self._arrived(k, rows)))
+
+    def _arrived(self, k: int, rows: torch.Tensor) -> None:
+        g, _, piece = self.windows[k]
+        group, area = self.state.group(g), self.regions[g][0]
+        target = area.narrow(0, group.world_size * piece.lo, group.world_size * piece.width)
+        group.placement.to_param_order(rows, group, self.state.plan.groups[g], target,
+                                       view_cache(self.result, area), piece)
+        if self.issued < len(self.windows):
+            self._issue()
+        elif k == len(self.windows) - 1:
+            self.staging = []  # the last window is in place: the staging buffers go
+
+
+def windowed_gather(state: FlatState, t: Transfer, regions: Regions, result: MutableMapping[str, torch.Tensor],
+                    steps: list[Step]) -> WindowedGather:
+    """Start a :class:`WindowedGather` of ``t`` into ``regions`` (each group's region is its parameter-order
+    result), its steps appended to ``steps`` as its windows are issued."""
+    gather = WindowedGather(state, t, regions, result, steps)
+    gather.start()
+    return gather
 
 
 def gather_by_peers(state: FlatState, t: Transfer, regions: Regions, result: MutableMapping[str, torch.Tensor],

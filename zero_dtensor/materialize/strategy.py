@@ -67,7 +67,7 @@ from ..collectives import (
 )
 from ..plan import PIPELINE_FIRST_SHARE
 from ..point_to_point import all_gather_by_send_recv, peer_partitions_by_send_recv
-from ..process_groups import backend_of, global_rank, group_rank_of, world_size_of
+from ..process_groups import backend_of, comm_support_of, global_rank, group_rank_of, world_size_of
 from ..settings import ENV_STRATEGY, STRATEGIES, check_strategy, gather_strategy, pinned, set_gather_strategy
 
 __all__ = [
@@ -80,10 +80,12 @@ __all__ = [
     "ENV_STRATEGY",
     "PIPELINE_MIN_BYTES",
     "STRATEGIES",
+    "WINDOW_BYTES",
     "CALIBRATES",
     "calibrate",
     "check_strategy",
     "clear_calibration",
+    "check_possible",
     "explicit",
     "gather_strategy",
     "pinned",
@@ -93,6 +95,7 @@ __all__ = [
     "set_gather_strategy",
     "strategy_decisions",
     "stream_strategy",
+    "windowed",
 ]
 
 #: Collectives one calibration issues: 1 untimed + 3 timed all_gathers and as many all_reduces of the transfer's size
@@ -109,6 +112,10 @@ CALIBRATION_SEND_RECV_BATCHES = 4
 #: ZeRO-3 all_gathers of at least this many bytes (a power of two: a size class of calibration) are pipelined.
 PIPELINE_MIN_BYTES = 16 * 2**20
 CALIBRATION_MAX_BYTES = 128 * 2**20
+#: ZeRO-3 gathers (every gather strategy) of more than this many bytes travel in column windows (:func:`windowed`)
+#: of at most half of it each, two in flight: the staging memory beyond the result is at most this (or two of the
+#: widest parameter's ``(N, chunk)`` block, where one is wider than half of it).
+WINDOW_BYTES = 64 * 2**20
 #: Below this size ``auto`` does not calibrate and uses all_gather (fewer bytes): small transfers are latency-bound.
 CALIBRATION_MIN_BYTES = 2**20
 
@@ -144,6 +151,15 @@ def pipelines(nbytes: int, reorder: bool) -> bool:
     ZeRO-3 (``reorder``) transfers of at least ``PIPELINE_MIN_BYTES`` (where a parameter boundary lies inside the
     partitions to cut them at). No communication."""
     return reorder and nbytes >= PIPELINE_MIN_BYTES
+
+
+def windowed(nbytes: int, reorder: bool) -> bool:
+    """Whether a gather of a bulk transfer of ``nbytes`` (the gathered bytes) travels in bounded column windows:
+    ZeRO-3 (``reorder``) transfers of more than :data:`WINDOW_BYTES`. Each window is one collective of the
+    transfer's strategy into a staging buffer of at most ``WINDOW_BYTES / 2`` (two of them, alternating), then
+    one reordering copy into its part of the result, so that no staging twin of the result is ever allocated.
+    No communication."""
+    return reorder and nbytes > WINDOW_BYTES
 
 
 def calibrate(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, nbytes: int,
@@ -249,6 +265,16 @@ def explicit(strategy: str) -> str:
     return gather_strategy() if strategy == "auto" else strategy
 
 
+def check_possible(chosen: str, group: dist.ProcessGroup, device: torch.device) -> None:
+    """Refuse ``send_recv`` (asked for, or pinned) where ``group``'s backend has no point-to-point ops for tensors
+    on ``device`` (:func:`~zero_dtensor.process_groups.comm_support`: gloo over CUDA tensors), before anything
+    moves: ``ValueError``. No communication."""
+    if chosen == "send_recv" and not comm_support_of(group, device).point_to_point:
+        raise ValueError(f"strategy='send_recv' cannot run on {backend_of(group)} with {device.type} tensors (its "
+                         f"isend/irecv cannot move them); use strategy='auto' or 'all_gather', or unpin it "
+                         f"(set_gather_strategy(None) / unset ZERO_DTENSOR_GATHER_STRATEGY)")
+
+
 def _decision_key(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, nbytes: int, unpack: bool,
                   pipelined: bool, one_group: bool) -> tuple[Any, ...]:
     return (group, device.type, dtype, _size_class(nbytes), one_group, pipelined, unpack)
@@ -263,6 +289,7 @@ def planned(strategy: str, group: dist.ProcessGroup, device: torch.device, dtype
     """What :func:`resolve` will do, without doing it: the strategy, or :data:`CALIBRATES` where ``auto`` has no
     decision yet (the rank agreement compares this across ranks before any collective). No communication."""
     chosen = explicit(strategy)
+    check_possible(chosen, group, device)
     if chosen != "auto":
         return chosen
     if backend_of(group) != "gloo" or nbytes < CALIBRATION_MIN_BYTES:
@@ -283,20 +310,24 @@ def resolve(strategy: str, group: dist.ProcessGroup, device: torch.device, dtype
         return decision
     key = _decision_key(group, device, dtype, nbytes, unpack, pipelined, one_group)
     decision = _DECISIONS[key] = calibrate(group, device, dtype, nbytes, unpack, pipelined, one_group,
-                                           send_recv=True)
+                                           send_recv=comm_support_of(group, device).point_to_point)
     return decision
 
 
-def stream_strategy(strategy: str, group: dist.ProcessGroup, param_order_gather: bool) -> str:
-    """What ``iter_full`` uses per window: the explicit or pinned strategy (``all_to_all`` windows travel by
-    all_gather: a window is small and gathered into scratch), else ``send_recv`` on gloo (every peer's share
-    received in place: the fewest bytes, no padding, no zero fill, and gloo's cheapest gather), all_reduce for
-    parameter-order (ZeRO-1/2) windows elsewhere (no stitching), all_gather for ZeRO-3 windows elsewhere."""
+def stream_strategy(strategy: str, group: dist.ProcessGroup, param_order_gather: bool,
+                    device: torch.device) -> str:
+    """What ``iter_full`` uses per window of tensors on ``device``: the explicit or pinned strategy (``all_to_all``
+    windows travel by all_gather: a window is small and gathered into scratch; ``send_recv`` where point-to-point
+    ops cannot move them raises ``ValueError``, :func:`check_possible`), else ``send_recv`` on gloo over CPU
+    tensors (every peer's share received in place: the fewest bytes, no padding, no zero fill, and gloo's
+    cheapest gather), all_reduce for parameter-order (ZeRO-1/2) windows elsewhere (no stitching), all_gather for
+    ZeRO-3 windows elsewhere. No communication."""
     chosen = explicit(strategy)
+    check_possible(chosen, group, device)
     if chosen == "all_to_all":
         return "all_gather"
     if chosen != "auto":
         return chosen
-    if backend_of(group) == "gloo":
+    if comm_support_of(group, device).point_to_point and backend_of(group) == "gloo":
         return "send_recv"
     return "all_reduce" if param_order_gather else "all_gather"

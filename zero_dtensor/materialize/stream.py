@@ -22,7 +22,8 @@ from ..layout import GroupLayout, ParamLayout
 from ..tiling import Tiling
 from ..state import FlatState
 from .buffers import BUFFERS
-from .strategy import check_strategy, stream_strategy
+from ..collectives import comm_device
+from .strategy import check_possible, check_strategy, explicit, stream_strategy
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "check_request", "iter_full", "plan_windows"]
 
@@ -73,7 +74,8 @@ def _windows(state: FlatState, params: list[ParamLayout], bucket_bytes: int, str
             continue
         group = plan.group
         pg = state.storage.process_groups[group.index]
-        how = group.placement.window_strategy(lambda in_order: stream_strategy(strategy, pg, in_order))
+        device = _comm_device(state, group.index)
+        how = group.placement.window_strategy(lambda in_order: stream_strategy(strategy, pg, in_order, device))
         limit = max(1, bucket_bytes // state.storage.partitions[group.index].element_size())
         current: list[ParamLayout] = []
         for p in ordered:
@@ -109,10 +111,23 @@ def iter_full(state: FlatState, params: list[ParamLayout], *, bucket_bytes: int 
     return _stream(state, _windows(state, params, bucket_bytes, strategy), dtype)
 
 
-def check_request(bucket_bytes: Any, strategy: str) -> None:
-    """Refuse an ``iter_full`` request this rank cannot make, before any communication: ``ValueError``. No
-    communication."""
+def _comm_device(state: FlatState, g: int) -> torch.device:
+    """The device group ``g``'s windows communicate on (no copy made)."""
+    storage = state.storage
+    return comm_device(storage.partitions[g], storage.process_groups[g], storage.device)
+
+
+def check_request(bucket_bytes: Any, strategy: str, state: FlatState | None = None,
+                  params: list[ParamLayout] | None = None) -> None:
+    """Refuse an ``iter_full`` request this rank cannot make, before any communication: ``ValueError`` (with
+    ``state`` and ``params``, also a ``send_recv`` asked for or pinned where the sharded groups' backend cannot run
+    it on their device, :func:`~.strategy.check_possible`). No communication."""
     check_strategy(strategy)
+    if state is not None and params is not None:
+        chosen = explicit(strategy)
+        for g in state.plan.by_group(params):
+            if state.group(g).placement.is_sharded:
+                check_possible(chosen, state.storage.process_groups[g], _comm_device(state, g))
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
 

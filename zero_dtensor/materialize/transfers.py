@@ -19,9 +19,9 @@ from ..state import FlatState
 from ..views import ViewCache
 from .buffers import BUFFERS
 from .results import GatheredGrads
-from .strategy import explicit, pipelines, planned
+from .strategy import explicit, pipelines, planned, windowed
 
-__all__ = ["Buffers", "Transfer", "narrower", "pipeline_pieces", "plan_transfers", "view_cache"]
+__all__ = ["Buffers", "Transfer", "narrower", "pipeline_pieces", "plan_transfers", "view_cache", "window_pieces"]
 
 
 @dataclass
@@ -37,6 +37,7 @@ class Transfer:
     pipelined: bool = False  # gathered as two all_gathers, each part reordered once it has arrived
     reorder: bool = False  # gathered rank after rank, its groups need reordering into parameter order (ZeRO-3)
     pipelinable: bool = False  # an all_gather of it would be pipelined
+    windowed: bool = False  # a gather of it travels in bounded column windows (ZeRO-3, large: strategy.windowed)
     offsets: dict[int, int] = field(default_factory=dict)  # group index -> start in the transfer buffer
     numel: int = 0
 
@@ -62,7 +63,9 @@ def plan_transfers(state: FlatState, params: list[ParamLayout], dst: int | None,
             continue
         t.reorder = any(state.group(g).placement.reorder_area(state.group(g)) for g in t.groups)
         # the pieces (and their row copies) are planned only for transfers large enough to pipeline
-        t.pipelinable = pipelines(t.nbytes, t.reorder) and any(len(pipeline_pieces(state, g)) > 1 for g in t.groups)
+        t.windowed = windowed(t.nbytes, t.reorder)
+        t.pipelinable = (not t.windowed and pipelines(t.nbytes, t.reorder)
+                         and any(len(pipeline_pieces(state, g)) > 1 for g in t.groups))
         t.strategy = planned(strategy, t.pg, t.device, t.dtype, t.nbytes, t.reorder, t.pipelinable,
                              one_group=len(t.groups) == 1)
     return transfers
@@ -81,6 +84,15 @@ def _transfers(state: FlatState, group_indices: Sequence[int]) -> list[Transfer]
         t.groups.append(i)
         t.partitions.append(part)
     return list(found.values())
+
+
+def window_pieces(state: FlatState, g: int, window_bytes: int) -> tuple[ColumnPiece, ...]:
+    """Group ``g``'s column windows whose gathered ``(N, width)`` rows hold at most ``window_bytes`` (one wider
+    parameter alone): :meth:`~zero_dtensor.group_placement.GroupPlacement.window_pieces`."""
+    group = state.group(g)
+    element_size = state.storage.partitions[g].element_size()
+    max_width = window_bytes // (element_size * group.world_size)
+    return group.placement.window_pieces(state.plan.groups[g], element_size, max_width)
 
 
 def pipeline_pieces(state: FlatState, g: int) -> tuple[ColumnPiece, ...]:

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from .. import collectives, process_groups
+from ..devices import to_device
 from ..materialize.buffers import BUFFERS
 from ..storage import FlatStorage
 from .plan import BucketPlan, Piece, Plan, Transfer
@@ -138,7 +139,7 @@ def _pack_into(buffer: torch.Tensor, sources: Sequence[torch.Tensor], pieces: Se
         views = [sources[s].narrow(0, o, n) for s, o, n in pieces]
         if views[0].device == device:
             torch.cat(views, out=buffer)
-        else:
+        else:  # gathered where the pieces are, then one copy across (copy_ crosses devices)
             buffer.copy_(torch.cat(views))
     return buffer
 
@@ -178,7 +179,7 @@ def write_targets(storage: FlatStorage, plan: Plan, values: Mapping[str, torch.T
             return sorted(failed.items())
         for bucket, recv in received:
             parts = [storage.partitions[g] for g in bucket.groups]
-            _unpack(recv.to(parts[0].device), bucket.write.recv_pieces, parts)
+            _unpack(to_device(recv, parts[0].device), bucket.write.recv_pieces, parts)
     return []
 
 
@@ -217,7 +218,7 @@ def _flat_on(value: torch.Tensor | None, none: torch.Tensor, device: torch.devic
     if value is None:
         return none
     flat = value.detach().reshape(-1)
-    return flat if flat.device == device else flat.to(device)
+    return flat if flat.device == device else to_device(flat, device)
 
 
 def my_rank(storage: FlatStorage) -> int:

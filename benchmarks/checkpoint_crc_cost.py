@@ -98,7 +98,7 @@ def main() -> None:
     parser.add_argument("--stage", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--threads", type=int, default=None,
-                        help="the reader's CRC-32 threads (default: its own, min(4, CPUs))")
+                        help="the reader's CRC-32 threads (default: its own, min(4, CPUs); 0: every record inline)")
     parser.add_argument("--dir", default="/tmp/zd-crc-bench")
     args = parser.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
@@ -106,8 +106,8 @@ def main() -> None:
     params, tensors = count(args.hidden, args.layers)
     report = {"params": params, "tensors": tensors, "nproc": args.nproc, "stage": args.stage, "repeat": args.repeat,
               "threads": args.threads, "load_average": os.getloadavg(),
-              "rank 0": launch(ab, args.hidden, args.layers, args.stage, args.dir, args.repeat, args.threads, nprocs=args.nproc,
-                               timeout=600)}
+              "rank 0": launch(ab, args.hidden, args.layers, args.stage, args.dir, args.repeat, args.threads,
+                               nprocs=args.nproc, timeout=600)}
     print(json.dumps(report))
     shutil.rmtree(args.dir, ignore_errors=True)
 

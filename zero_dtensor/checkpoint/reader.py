@@ -31,7 +31,8 @@ in file order. With
 ``defer`` the reads into some destinations wait for a second pass (:class:`DirectReader`). Memory: no more than
 DCP's path (one entry at a time, and only for destinations off the CPU), except that entries taking DCP's path into
 deferred destinations are held until the second pass, and, for the first pass, 1 MiB buffers for the CRC-32 of
-records checked apart: the reader's and one per thread of :class:`_Checksums` (up to 4). No communication (``between`` may communicate).
+records checked apart: the reader's and one per thread of :class:`_Checksums` (up to 4). No communication
+(``between`` may communicate).
 """
 
 from __future__ import annotations

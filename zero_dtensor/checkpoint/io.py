@@ -420,8 +420,8 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
     memory in the first pass and held until the second: a few pieces where only boxes differ (each part of one
     parameter), up to this rank's partition where the checkpoint holds another dtype. Before the first step, one
     staging copy of this rank's partition, freed before the working-weight refresh. The hyperparameter entries are
-    read a few reads per file and unpickled once per distinct value. Python's garbage collector is paused during the call
-    (:func:`collector_paused`)."""
+    read a few reads per file and unpickled once per distinct value. Python's garbage collector is paused during the
+    call (:func:`collector_paused`)."""
     target = describe(engine)
     passes = _Passes(engine, target, path)
     error: BaseException | None = None

@@ -2,9 +2,10 @@
 per rank): an interleaved A/B in one process. A is the load with the checks patched out (what the load did before
 them: deferred entries are not read in the first pass, nothing is CRC-ed, no descriptor is read); B is the load as
 it is. Each round runs both, in an order that alternates from round to round, each timed from a barrier to a
-barrier after an untimed ``os.sync()`` (``checkpoint_io._timed``). The checkpoint is read from the page cache (it
-was just written), so the figures are the CPU cost of the checks, not disk time. Prints rank 0's medians and
-spreads, and B / A of the medians. Example (about 20 s on 2 shared cores)::
+barrier after an untimed ``os.sync()`` and barrier, with rank 0's CPU time (user + system, all its threads) over
+the load alone (less noisy than wall time on a shared machine). The checkpoint is read from the page cache (it was
+just written), so the figures are the CPU cost of the checks, not disk time. Prints rank 0's medians and spreads,
+and B / A of the medians (wall and CPU). Example (about 20 s on 2 shared cores)::
 
     python benchmarks/checkpoint_crc_cost.py --nproc 2 --stage 2 --hidden 256 --layers 4 --repeat 15
 """
@@ -15,16 +16,19 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import shutil
 import statistics
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from checkpoint_io import _engine, _timed  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from checkpoint_io import _engine  # noqa: E402
 
 from zero_dtensor.bench.model import count  # noqa: E402
 from zero_dtensor.checkpoint import load, reader, save  # noqa: E402
@@ -42,21 +46,47 @@ def unchecked() -> Iterator[None]:
         yield
 
 
-def ab(hidden: int, layers: int, stage: int, root: str, repeat: int) -> dict[str, Any]:
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, float]:
+    """``fn``'s seconds from a barrier to a barrier after it, and this process's CPU seconds in ``fn`` (after an
+    untimed ``os.sync()``)."""
+    os.sync()
+    dist.barrier()
+    start, cpu = time.perf_counter(), _cpu()
+    fn()
+    cpu = _cpu() - cpu
+    dist.barrier()
+    return time.perf_counter() - start, cpu
+
+
+def _summary(values: list[float]) -> dict[str, Any]:
+    return {"median": round(statistics.median(values), 4), "spread": [round(min(values), 4), round(max(values), 4)]}
+
+
+def ab(hidden: int, layers: int, stage: int, root: str, repeat: int, threads: int | None) -> dict[str, Any]:
+    if threads is not None:  # 0: every record CRC-ed inline
+        reader._THREADS = threads or 1
+        reader._THREADED = reader._THREADED if threads else 1 << 62
     engine = _engine(hidden, layers, stage)
     path = os.path.join(root, "ckpt")
     save(engine, path)
-    times: dict[str, list[float]] = {"A: unchecked": [], "B: CRC-32 checked": []}
+    names = ("A: unchecked", "B: CRC-32 checked")
+    wall: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     for r in range(repeat):
-        for name in (list(times) if r % 2 == 0 else list(times)[::-1]):
+        for name in (names if r % 2 == 0 else names[::-1]):
             context = unchecked() if name.startswith("A") else contextlib.nullcontext()
             with context:
-                times[name].append(_timed(lambda: load(engine, path))[0])
-    rows: dict[str, Any] = {k: {"median_s": round(statistics.median(v), 4), "spread_s": [round(min(v), 4),
-                                                                                          round(max(v), 4)]}
-                            for k, v in times.items()}
-    rows["B / A (medians)"] = round(statistics.median(times["B: CRC-32 checked"])
-                                    / statistics.median(times["A: unchecked"]), 3)
+                seconds, cpu_seconds = _timed(lambda: load(engine, path))
+            wall[name].append(seconds)
+            cpu[name].append(cpu_seconds)
+    rows: dict[str, Any] = {name: {"wall_s": _summary(wall[name]), "cpu_s": _summary(cpu[name])} for name in names}
+    rows["B / A (medians)"] = {kind: round(statistics.median(d[names[1]]) / statistics.median(d[names[0]]), 3)
+                               for kind, d in (("wall", wall), ("cpu", cpu))}
     return rows
 
 
@@ -67,15 +97,18 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--stage", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="the reader's CRC-32 threads (default: its own, min(4, CPUs); 0: every record inline)")
     parser.add_argument("--dir", default="/tmp/zd-crc-bench")
     args = parser.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
     params, tensors = count(args.hidden, args.layers)
     report = {"params": params, "tensors": tensors, "nproc": args.nproc, "stage": args.stage, "repeat": args.repeat,
-              "rank 0": launch(ab, args.hidden, args.layers, args.stage, args.dir, args.repeat, nprocs=args.nproc,
-                               timeout=600)}
-    print(json.dumps(report, indent=1))
+              "threads": args.threads, "load_average": os.getloadavg(),
+              "rank 0": launch(ab, args.hidden, args.layers, args.stage, args.dir, args.repeat, args.threads,
+                               nprocs=args.nproc, timeout=600)}
+    print(json.dumps(report))
     shutil.rmtree(args.dir, ignore_errors=True)
 
 

@@ -5,6 +5,7 @@ DCP's path otherwise, and a truncated file refused."""
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -85,9 +86,9 @@ def _counting(monkeypatch) -> list[str]:
     straight: list[str] = []
     original = direct._read_into
 
-    def counted(stream, host, item):
+    def counted(stream, host, item, **kwargs):
         straight.append(item.storage_index.fqn)
-        return original(stream, host, item)
+        return original(stream, host, item, **kwargs)
 
     monkeypatch.setattr(direct, "_read_into", counted)
     return straight
@@ -276,8 +277,9 @@ def _flip_bit(path: str, name: str, at: float = 0.5) -> str:
 def test_flipped_bit_is_refused_naming_file_and_entry(saved, name, box, deferred, threaded, monkeypatch) -> None:
     """One flipped bit in an entry's tensor data: ``OSError`` naming the file and the entry, on every path the
     reader takes, before ``between`` runs (nothing deferred is written); the bits before and after the box too.
-    ``threaded``: records checked apart are CRC-ed by ``_Checksums``' thread in 128-byte chunks (as records of
-    1 MiB and more are, in 4 MiB chunks)."""
+    ``threaded``: records checked apart are read and CRC-ed by ``_Checksums``' threads in 128-byte pieces (as
+    records of 256 KiB and more are, in 1 MiB pieces); its threads and file descriptors end with the read, failed
+    or not."""
     if threaded:
         monkeypatch.setattr(direct, "_THREADED", 0)
         monkeypatch.setattr(direct, "_CHUNK", 128)
@@ -291,9 +293,11 @@ def test_flipped_bit_is_refused_naming_file_and_entry(saved, name, box, deferred
     targets = {n: torch.full(lengths, -1.0, dtype=values[n].dtype) for n, (_, lengths) in boxes.items()}
     planner = _Planner(targets)
     items = [_item(n, offsets, lengths) for n, (offsets, lengths) in boxes.items()]
+    threads, fds = threading.active_count(), len(os.listdir("/proc/self/fd"))
     with pytest.raises(OSError, match="CRC-32") as raised:
         reader.read_data(type("Plan", (), {"items": items})(), planner)
     assert repr(file) in str(raised.value) and repr(name) in str(raised.value), raised.value
+    assert (threading.active_count(), len(os.listdir("/proc/self/fd"))) == (threads, fds)
     if deferred:
         assert all((t == -1).all() for t in targets.values())  # nothing read into the deferred destinations
     # the undamaged checkpoint reads (the check does not refuse good data): same boxes, fresh copy of the values
@@ -327,6 +331,8 @@ def test_checked_deferred_reads_equal_dcp(saved, threaded, monkeypatch) -> None:
     reader.set_up_storage_reader(reader.read_metadata(), True)
     targets = {n: torch.full(lengths, -1.0, dtype=values[n].dtype) for n, (_, lengths) in boxes.items()}
     items = [_item(n, offsets, lengths) for n, (offsets, lengths) in boxes.items()]
+    threads, fds = threading.active_count(), len(os.listdir("/proc/self/fd"))
     reader.read_data(type("Plan", (), {"items": items})(), _Planner(targets))
+    assert (threading.active_count(), len(os.listdir("/proc/self/fd"))) == (threads, fds)
     for name, (offsets, lengths) in boxes.items():
         assert torch.equal(targets[name], values[name][tuple(slice(o, o + n) for o, n in zip(offsets, lengths))])

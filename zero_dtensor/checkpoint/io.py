@@ -450,15 +450,14 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
     one of the persistent parameters together) to refresh the working weights. Each rank reads the bytes its
     pieces overlap, and, to check their CRC-32, the rest of each record they cut (at another world size); records
     read into the engine's memory are read twice (CRC-checked in the first pass, then read into place; the second
-    time from the page cache as a rule). **Memory**: none for the pieces read in place (two 4 MiB buffers for the
-    checks, and one thread computing CRC-32s while the reader reads on). An entry that cannot be read straight into
-    place (a box that cuts its rows, at another world size; another dtype) is read whole into new memory in the first
-    pass
-    and held until the second: a few pieces where only boxes differ (each part of one parameter), up to this rank's
-    partition where the checkpoint holds another dtype. Before the first step, one staging copy of this rank's
-    partition, freed before the working-weight refresh. The hyperparameter entries are read a few reads per file
-    and unpickled once per distinct value. Python's garbage collector is paused during the call
-    (:func:`collector_paused`)."""
+    time from the page cache as a rule). **Memory**: none for the pieces read in place (1 MiB buffers for the
+    checks: one, and one per thread, up to 4, computing CRC-32s while the reader reads on). An entry that cannot be
+    read straight into place (a box that cuts its rows, at another world size; another dtype) is read whole into new
+    memory in the first pass and held until the second: a few pieces where only boxes differ (each part of one
+    parameter), up to this rank's partition where the checkpoint holds another dtype. Before the first step, one
+    staging copy of this rank's partition, freed before the working-weight refresh. The hyperparameter entries are
+    read a few reads per file and unpickled once per distinct value. Python's garbage collector is paused during the
+    call (:func:`collector_paused`)."""
     target = describe(engine)
     passes = _Passes(engine, target, path)
     error: BaseException | None = None

@@ -53,3 +53,40 @@ def test_op_count_does_not_grow_with_parameters(ranks, variant: str, name: str) 
             problems.append(f"rank {rank}: {small['comms']} collectives for 8 parameters, {big['comms']} for 64 "
                             f"({_diff(small['comm_ops'], big['comm_ops'])})")
     assert not problems, f"{name} on {variant}: " + "; ".join(problems)
+
+
+# --- issue 42: memory traffic and host syncs of the reductions (tests/workers/dispatch_probe.py), per rank, on a
+# model whose data far outweighs the per-piece bookkeeping; results on the (simulated) accelerator.
+TRAFFIC_CASES = ((1, "fp16"), (2, "bf16"), (3, "fp32"))
+#: (most data reads, in passes over the data; most data writes) per call
+TRAFFIC_LIMITS = {"norms": (1, 0), "norms(1)": (1, 0), "norms(inf)": (1, 0), "norms(half)": (1, 0),
+                  "global_norm": (1, 0), "global_norm(inf)": (1, 0), "dots": (1, 0), "dots(with_norms)": (2, 0),
+                  "stats": (3, 0), "found_inf": (1, 0), "clip_grad_norm_": (2, 1), "clip_per_param_": (2, 1)}
+#: host syncs allowed: the rank agreement's read of its gathered rows ('tolist', zero_dtensor.agreement), plus
+#: stats' finiteness check and found_inf's answer ('_local_scalar_dense')
+TRAFFIC_SYNCS = {"stats": ["tolist", "_local_scalar_dense"], "found_inf": ["tolist", "_local_scalar_dense"]}
+_TRAFFIC: list = []
+
+
+@pytest.mark.parametrize("name", sorted(TRAFFIC_LIMITS))
+def test_reductions_read_the_data_once_without_copies_or_syncs(ranks, name: str) -> None:
+    from workers import device_ops
+
+    if not _TRAFFIC:
+        _TRAFFIC.append(ranks(2).run(device_ops.check_traffic, TRAFFIC_CASES))
+    reads, writes = TRAFFIC_LIMITS[name]
+    problems = []
+    for rank, per_case in enumerate(_TRAFFIC[0]):
+        for case, rows in per_case.items():
+            r = rows[name]
+            data = r["data_bytes"]
+            if r["data_read"] > (reads + 0.05) * data or r["data_written"] > writes * 1.01 * data:
+                problems.append(f"rank {rank} {case}: read {r['data_read'] / data:.2f}x, wrote "
+                                f"{r['data_written'] / data:.2f}x the data (at most {reads}x, {writes}x)")
+            if r["largest"] > data / 16:  # an upcast copy, a mask or a product of the data's size
+                problems.append(f"rank {rank} {case}: a temporary of {r['largest'] / data:.2f}x the data")
+            if r["syncs"] != TRAFFIC_SYNCS.get(name, ["tolist"]):
+                problems.append(f"rank {rank} {case}: host syncs {r['syncs']}")
+            if r["refused"]:
+                problems.append(f"rank {rank} {case}: {r['refused'][:2]}")
+    assert not problems, f"{name}: " + "; ".join(problems)

@@ -76,3 +76,31 @@ def noise_reference() -> dict[str, torch.Tensor]:
         name: counter_normal(transforms.NOISE_SEED, name, p.numel()).view(p.shape)
         for name, p in model.named_parameters()
     }
+
+
+# --- issue 42: devices. The communication device (cpu:1, standing for CUDA under NCCL) and the storage device made
+# different on CPU ranks (tests/workers/dispatch_probe.py); every transform and reduction must keep each operation on
+# one device and return reductions on the communication device. Per stage: two dtypes offloaded (partitions on the
+# host), one not (partitions on the device: a host index or factor meeting them is refused).
+DEVICE_CASES = {1: (("fp32", True), ("bf16", True), ("fp16", False)),
+                2: (("bf16", True), ("fp16", True), ("fp32", False)),
+                3: (("fp16", True), ("fp32", True), ("bf16", False))}
+
+
+@pytest.mark.parametrize("stage", sorted(DEVICE_CASES))
+def test_devices_storage_and_communication_apart(ranks, stage: int) -> None:
+    from workers import device_ops
+
+    results = ranks(2).run(device_ops.check_devices, stage, DEVICE_CASES[stage])
+    problems = []
+    for rank, per_case in enumerate(results):
+        for case, calls in per_case.items():
+            for name, r in calls.items():
+                if r["refused"]:
+                    problems.append(f"rank {rank} {case} {name}: {r['refused'].splitlines()[-1][:300]}")
+                elif name in device_ops.REDUCTIONS and name != "found_inf":
+                    if r["where"] not in ("dev", None) or r["equal"] is not True:
+                        problems.append(f"rank {rank} {case} {name}: result on {r['where']}, equal {r['equal']}")
+                elif name.startswith("clip") and r["where"] != "dev":
+                    problems.append(f"rank {rank} {case} {name}: result on {r['where']}")
+    assert not problems, f"{len(problems)} problems:\n" + "\n".join(problems[:60])

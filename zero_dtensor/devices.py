@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Devices", "to_comm", "to_device", "to_storage"]
+__all__ = ["HOST", "Devices", "to_comm", "to_device", "to_host", "to_storage"]
+
+HOST = torch.device("cpu")  #: where results returned as Python numbers are read back
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,12 @@ def to_device(t: torch.Tensor, device: torch.device, *, non_blocking: bool = Fal
 def to_storage(t: torch.Tensor, devices: Devices) -> torch.Tensor:
     """``t`` on the storage device (a factor or index about to meet the partitions)."""
     return _move(t, devices.storage)
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the host (a result about to be read back as Python numbers: a host sync where ``t`` is on an
+    accelerator)."""
+    return _move(t, HOST)
 
 
 def to_comm(t: torch.Tensor, devices: Devices) -> torch.Tensor:

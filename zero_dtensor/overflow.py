@@ -15,10 +15,21 @@ import torch.distributed as dist
 
 from .agreement import agree
 from .collectives import all_reduce_op
+from .devices import to_comm
 from .reductions import communicating_groups
 from .state import state_of
 
 __all__ = ["found_inf"]
+
+
+def _not_finite(part: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool on ``part``'s device: whether some element is inf or nan. One read (``aminmax`` propagates nan;
+    an infinity is the max or the min), no temporary of the partition's size (``isfinite(part)`` would make an
+    N-byte mask)."""
+    if not part.numel():
+        return torch.zeros((), dtype=torch.bool, device=part.device)
+    lo, hi = torch.aminmax(part)
+    return torch.stack([lo, hi]).isfinite().all().logical_not()
 
 
 def found_inf(grads: Any) -> bool:
@@ -27,7 +38,8 @@ def found_inf(grads: Any) -> bool:
     Communication: the rank agreement (:mod:`zero_dtensor.agreement`), then one ``all_reduce`` (max) of one float
     per distinct process group of the multi-rank sharded groups; none
     when every group is replicated (``BF16_Optimizer``: every rank holds the same full buffer). Padding is zero and
-    never counts. Local work: one ``isfinite`` reduction per flat group, one host sync.
+    never counts. Local work: one ``aminmax`` per flat group where its partition lives (one read, no mask); the
+    flags move to the communication device; one host sync (the answer).
     """
     state = state_of(grads)
     state.check_current()
@@ -35,7 +47,7 @@ def found_inf(grads: Any) -> bool:
     device = storage.device
     pgs = communicating_groups(state)
     agree("found_inf", (), pgs, device)
-    flags = torch.stack([torch.isfinite(p).all().logical_not().to(device) for p in storage.partitions])
+    flags = to_comm(torch.stack([_not_finite(p) for p in storage.partitions]), storage.devices)
     if not pgs:
         return bool(flags.any())
     flag = flags.any().to(torch.float32).reshape(1)

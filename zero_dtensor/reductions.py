@@ -2,12 +2,18 @@
 
 Local work (no communication): per flat group, :mod:`zero_dtensor.segments` reduces every piece of this rank's
 partition at once, parameters' fragments and padding gaps alike, with a fixed number of tensor operations whatever
-the number of parameters: a row-wise reduction of its full 64-element rows, one gather of the other elements and two
-float64 ``segment_reduce`` (so the partials are float64 sums of 64-element float32 row sums: more precise than one
-long float32 reduction). One ``index_select`` then takes the selected parameters' pieces, in selection order
-(padding never counts). A selection that covers under a quarter of a group's local elements reduces the
-concatenation of its fragments instead, so picking one parameter of 10,000 does not pay a pass over the partition.
-Offloaded partitions are reduced where they live; only the per-parameter vector moves to the engine's device.
+the number of parameters: a row-wise reduction of its full rows (64 elements on the CPU, 2048 on accelerators:
+:func:`~zero_dtensor.segments.block_for`) accumulating in float32 inside the reduction (no upcast copy), one gather
+of the rows holding the other elements and two float64 ``segment_reduce`` (so the partials are float64 sums of
+float32 row sums: more precise than one long float32 reduction). One ``index_select`` then takes the selected
+parameters' pieces, in selection order (padding never counts). A selection that covers under a quarter of a group's
+local elements reduces the concatenation of its fragments instead, so picking one parameter of 10,000 does not pay
+a pass over the partition.
+
+Devices (:mod:`zero_dtensor.devices`): partitions are reduced where they live (the storage device; the CPU under
+offload) with index tensors cached there; the per-parameter (or per-group) vector moves once to the communication
+device, where the collective runs and where every tensor result is returned (``stats`` and ``found_inf`` return
+host values). No host sync apart from those documented per call.
 
 Communication: the per-parameter partials are summed (or maxed) across ranks, **one all_reduce of a (k,) or (k, c)
 vector per distinct process group** of the selected parameters (``k`` the number of selected parameters; DeepSpeed
@@ -35,16 +41,18 @@ import torch.distributed as dist
 
 from .collectives import all_reduce_rows, sum_max_rows
 from .agreement import distinct_groups
+from .devices import to_comm, to_host, to_storage
 from .param_values import ParamStatsMap, ParamValues
 from .segments import (
-    BLOCK,
     SegmentPlan,
+    block_for,
     param_index,
     piece_dots,
     piece_max_abs,
     piece_pow_sums,
     piece_stats,
     piece_sums,
+    segment_plan,
     sizes_plan,
 )
 from .state import FlatState, Selection
@@ -90,7 +98,9 @@ def _grad_stats(names: list[str], norm: list[float], max_abs: list[float], mean:
 
 
 def _result_device(state: FlatState) -> torch.device:
-    return state.storage.device
+    """Where every reduction's result lives: the communication device (the engine's; CUDA under NCCL, also when
+    the partitions are offloaded to the CPU)."""
+    return state.storage.devices.comm
 
 
 # --- local partials: per group, every piece at once ----------------------------------------------------------------
@@ -105,6 +115,7 @@ class _Part:
     seg: SegmentPlan
     bufs: tuple[torch.Tensor, ...]
     take: torch.Tensor | None
+    device: torch.device  # the storage device (index tensors are cached per device)
 
 
 def _parts(states: Sequence[FlatState], sel: Selection) -> list[_Part]:
@@ -116,30 +127,32 @@ def _part(states: Sequence[FlatState], sel: Selection, g: int) -> _Part:
     """Group ``g``'s share of the selection: the whole partition of each state, or the concatenation of the
     selected fragments when they cover under ``1/SPARSE`` of it (states share one layout geometry)."""
     chosen, plan = sel.by_group[g], states[0].plan.groups[g]
-    seg = plan.local_segments
+    devices = states[0].storage.devices
+    block = block_for(devices.storage)
+    seg = segment_plan(plan.local, block)
     if len(chosen) == len(plan.params) or SPARSE * sum(map(plan.frag_len.__getitem__, chosen)) >= seg.numel:
-        bufs = tuple(s.storage.partitions[g] for s in states)
-        return _Part(seg, bufs, param_index(seg, chosen, bufs[0].device))
-    bufs = tuple(torch.cat(s.fragments_of(g, chosen)) for s in states)
-    return _Part(sizes_plan([plan.frag_len[k] for k in chosen]), bufs, None)
+        bufs = tuple(to_storage(s.storage.partitions[g], devices) for s in states)
+        return _Part(seg, bufs, param_index(seg, chosen, devices.storage), devices.storage)
+    bufs = tuple(to_storage(torch.cat(s.fragments_of(g, chosen)), devices) for s in states)
+    return _Part(sizes_plan([plan.frag_len[k] for k in chosen], block), bufs, None, devices.storage)
 
 
 def _per_param(state: FlatState, sel: Selection, parts: list[_Part], values: Callable[[_Part], torch.Tensor],
                dtype: torch.dtype, columns: tuple[int, ...] = ()) -> torch.Tensor:
     """``values(part)`` (per piece, float64) for the selected parameters: (k, *columns) ``dtype`` on the result
     device, rows in ``sel.params`` order."""
-    device = _result_device(state)
+    devices = state.storage.devices
     out = []
     for part in parts:
         v = values(part)
-        out.append((v if part.take is None else v.index_select(0, part.take)).to(device=device, dtype=dtype))
+        out.append((v if part.take is None else v.index_select(0, part.take)).to(dtype))
     if not out:
-        return torch.zeros((0, *columns), dtype=dtype, device=device)
+        return torch.zeros((0, *columns), dtype=dtype, device=devices.comm)
     if len(out) == 1:
-        return out[0]
+        return to_comm(out[0], devices)
     # parts are in ascending group order; a stable sort of the selection by group says where each row goes
-    order = torch.argsort(torch.tensor([p.group for p in sel.params]), stable=True).to(device)
-    stacked = torch.cat(out)
+    order = to_comm(torch.argsort(torch.tensor([p.group for p in sel.params]), stable=True), devices)
+    stacked = to_comm(torch.cat(out), devices)
     return torch.empty_like(stacked).index_copy_(0, order, stacked)
 
 
@@ -154,8 +167,8 @@ def _reduce(state: FlatState, sel: Selection, local: torch.Tensor, op: Any,
 def _reduce_rows(state: FlatState, sel: Selection, local: torch.Tensor,
                  reduce: Callable[[torch.Tensor, list[int], Any], None]) -> torch.Tensor:
     """``reduce(local, rows, process group)`` over each distinct process group of the multi-rank sharded groups,
-    ``rows`` those of its selected parameters. Returns ``local``, moved to the engine's device."""
-    local = local.to(state.storage.device)  # where the process group communicates (offloaded partitions: host)
+    ``rows`` those of its selected parameters. Returns ``local``, moved to the communication device."""
+    local = to_comm(local, state.storage.devices)  # where the process group communicates (and results live)
     for pg, members in _communicating_by_process_group(state):
         if len(members) == len(state.layout.groups):  # every row takes part (the usual case): no row lookup
             rows = list(range(len(sel.params)))
@@ -183,7 +196,8 @@ def _partials(state: FlatState, sel: Selection, norm_type: float) -> torch.Tenso
 
     def values(part: _Part) -> torch.Tensor:
         (buf,) = part.bufs
-        return piece_max_abs(buf, part.seg) if is_inf else piece_pow_sums(buf, part.seg, norm_type)
+        return (piece_max_abs(buf, part.seg, part.device) if is_inf
+                else piece_pow_sums(buf, part.seg, norm_type, part.device))
 
     return _per_param(state, sel, _parts((state,), sel), values, torch.float32)
 
@@ -239,17 +253,21 @@ def global_norm(state: FlatState, sel: Selection, norm_type: float) -> torch.Ten
     return total.to(torch.float32) / state.loss_scale
 
 
-#: partition dtypes reduced as one run (:func:`_run_partial`) where they allow it
+#: partition dtypes reduced as one run (:func:`_run_partial`) on the CPU (elsewhere every dtype: the row-wise
+#: ``vector_norm`` accumulates bf16/fp16 in float32 inside the reduction there; on the CPU it would copy them first)
 _RUN_DTYPES = (torch.float32, torch.float64)
 
 
 def _run_of(state: FlatState, sel: Selection, g: int) -> torch.Tensor | None:
     """Group ``g``'s parameter elements in this rank's partition as one view, where it is selected whole, holds
     them as one run (:attr:`~zero_dtensor.plan.GroupPlan.param_run`) and stores float32 or float64; else
-    ``None``. Decided on each rank for itself (ZeRO-3 pads only the last rank's pieces): no collective depends on
+    ``None``. Other dtypes take the run too where the partitions are not on the CPU. Decided on each rank for
+    itself (ZeRO-3 pads only the last rank's pieces): no collective depends on
     it."""
     plan, part = state.plan.groups[g], state.storage.partitions[g]
-    if len(sel.by_group[g]) != len(plan.params) or plan.param_run is None or part.dtype not in _RUN_DTYPES:
+    if len(sel.by_group[g]) != len(plan.params) or plan.param_run is None:
+        return None
+    if part.dtype not in _RUN_DTYPES and state.storage.devices.storage.type == "cpu":
         return None
     start, length = plan.param_run
     return part.narrow(0, start, length)
@@ -257,15 +275,18 @@ def _run_of(state: FlatState, sel: Selection, g: int) -> torch.Tensor | None:
 
 def _run_partial(run: torch.Tensor, norm_type: float) -> torch.Tensor:
     """``sum |x|^p`` (``max |x|`` for inf) of ``run``, a 0-d float64: as :mod:`zero_dtensor.segments` reduces, the
-    row norms of its full rows of :data:`~zero_dtensor.segments.BLOCK` elements (float32) summed in float64, plus
-    its last partial row's (one ``vector_norm`` over a long float32 run loses digits: 4e-4 relative at 2.6M
-    elements)."""
+    row norms of its full rows of :func:`~zero_dtensor.segments.block_for` its device's width, accumulated in
+    float32 inside the reduction (float64 for float64), summed in float64, plus its last partial row's (one
+    ``vector_norm`` over a long float32 run loses digits: 4e-4 relative at 2.6M elements). One read, no copy."""
     if math.isinf(norm_type):
         return (torch.linalg.vector_norm(run, norm_type) if run.numel()
                 else torch.zeros((), dtype=run.dtype, device=run.device)).to(torch.float64)
-    rows = run.numel() // BLOCK * BLOCK
-    parts = [run.narrow(0, 0, rows).view(-1, BLOCK), run.narrow(0, rows, run.numel() - rows).view(1, -1)]
-    norms = torch.cat([torch.linalg.vector_norm(part, norm_type, dim=1) for part in parts]).to(torch.float64)
+    block = block_for(run.device)
+    acc = torch.float64 if run.dtype == torch.float64 else torch.float32
+    rows = run.numel() // block * block
+    parts = [run.narrow(0, 0, rows).view(-1, block), run.narrow(0, rows, run.numel() - rows).view(1, -1)]
+    norms = torch.cat([torch.linalg.vector_norm(part, norm_type, dim=1, dtype=acc) for part in parts]
+                      ).to(torch.float64)
     return (norms.square() if norm_type == 2.0 else norms.pow(norm_type)).sum()
 
 
@@ -274,10 +295,10 @@ def _group_partials(state: FlatState, sel: Selection, norm_type: float) -> torch
     summed (maxed) across the ranks of each distinct process group of the multi-rank sharded groups: one
     collective per process group, a (groups,) float64 on the engine's device. Locally one ``vector_norm`` over
     the group's run where it has one (:func:`_run_of`), else its per-parameter partials (:func:`_part`)."""
-    storage = state.storage
+    devices = state.storage.devices
     groups = sorted(sel.by_group)
     if not groups:
-        return torch.zeros(0, dtype=torch.float64, device=storage.device)
+        return torch.zeros(0, dtype=torch.float64, device=devices.comm)
     is_inf = math.isinf(norm_type)
     values = []
     for g in groups:
@@ -287,10 +308,11 @@ def _group_partials(state: FlatState, sel: Selection, norm_type: float) -> torch
             continue
         part = _part((state,), sel, g)
         (buf,) = part.bufs
-        pieces = piece_max_abs(buf, part.seg) if is_inf else piece_pow_sums(buf, part.seg, norm_type)
+        pieces = (piece_max_abs(buf, part.seg, part.device) if is_inf
+                  else piece_pow_sums(buf, part.seg, norm_type, part.device))
         pieces = pieces if part.take is None else pieces.index_select(0, part.take)
         values.append(pieces.to(torch.float64).max() if is_inf and pieces.numel() else pieces.to(torch.float64).sum())
-    local = torch.stack([v.to(storage.device) for v in values])
+    local = to_comm(torch.stack(values), devices)
     for pg, members in _communicating_by_process_group(state):
         rows = [i for i, g in enumerate(groups) if g in members]
         if rows:
@@ -304,10 +326,9 @@ def dots(state: FlatState, other: FlatState, sel: Selection, with_norms: bool) -
 
     def values(part: _Part) -> torch.Tensor:
         a, b = part.bufs
-        b = b.to(a.device)
-        columns = [piece_dots(a, b, part.seg)]
+        columns = [piece_dots(a, b, part.seg, part.device)]
         if with_norms:
-            columns += [piece_pow_sums(a, part.seg), piece_pow_sums(b, part.seg)]
+            columns += [piece_pow_sums(a, part.seg, 2.0, part.device), piece_pow_sums(b, part.seg, 2.0, part.device)]
         return torch.stack(columns, dim=1)
 
     width = 3 if with_norms else 1
@@ -321,17 +342,38 @@ def dots(state: FlatState, other: FlatState, sel: Selection, with_norms: bool) -
     return result, ParamValues(names, reduced[:, 1].sqrt() / s), ParamValues(names, reduced[:, 2].sqrt() / so)
 
 
-def _stat_columns(part: _Part) -> torch.Tensor:
-    """(pieces, 5) float64: sum of squares, sum, nan count, inf count, max |x|. The counts are taken (two more
-    passes) only when some sum of squares is not finite (one host sync), else zero."""
+def _moments(part: _Part) -> torch.Tensor:
+    """(pieces, 3) float64: sum of squares, sum, max |x| (:func:`~zero_dtensor.segments.piece_stats`)."""
     (buf,) = part.bufs
-    seg = part.seg
-    moments = piece_stats(buf, seg)
-    sq = moments[:, 0]
-    if bool(torch.isfinite(sq).all()):
+    return piece_stats(buf, part.seg, part.device)
+
+
+def _counts(part: _Part) -> torch.Tensor:
+    """(pieces, 2) float64: nan and inf counts (two more passes and two masks of the buffer's size: only taken
+    when some value is not finite)."""
+    (buf,) = part.bufs
+    return torch.stack([piece_sums(torch.isnan(buf), part.seg, part.device),
+                        piece_sums(torch.isinf(buf), part.seg, part.device)], dim=1)
+
+
+def _stat_columns(part: _Part) -> torch.Tensor:
+    """(pieces, 5) float64 of one part, the columns :func:`_stat_rows` gives (with a finiteness check of its own:
+    a host sync; :func:`stats` checks all groups at once instead)."""
+    moments = _moments(part)
+    counts = (torch.zeros_like(moments[:, :2]) if bool(torch.isfinite(moments[:, 0]).all()) else _counts(part))
+    return torch.cat([moments[:, :2], counts, moments[:, 2:]], dim=1)
+
+
+def _stat_rows(state: FlatState, sel: Selection) -> torch.Tensor:
+    """(k, 5) float64 on the communication device: sum of squares, sum, nan count, inf count, max |x| per selected
+    parameter. The counts are taken (:func:`_counts`) only when some sum of squares is not finite: one host sync
+    for all groups, else zero."""
+    parts = _parts((state,), sel)
+    moments = _per_param(state, sel, parts, _moments, torch.float64, (3,))
+    if bool(torch.isfinite(moments[:, 0]).all()):
         counts = torch.zeros_like(moments[:, :2])
     else:  # rare: the 2-norm and the max are nan/inf then
-        counts = torch.stack([piece_sums(torch.isnan(buf), seg), piece_sums(torch.isinf(buf), seg)], dim=1)
+        counts = _per_param(state, sel, parts, _counts, torch.float64, (2,))
     return torch.cat([moments[:, :2], counts, moments[:, 2:]], dim=1)
 
 
@@ -339,12 +381,13 @@ def stats(state: FlatState, sel: Selection) -> ParamStatsMap[GradStats]:
     """Per parameter 2-norm, max |g|, mean, nan and inf counts: a (k, 5) float64 matrix, its first four columns
     summed and the last maxed across ranks (:func:`~zero_dtensor.collectives.sum_max_rows`): per process group one
     all_gather of it (gloo below 4 ranks), else two all_reduces. Locally per group: one
-    :func:`~zero_dtensor.segments.piece_stats` (sums of squares, sums, maxima), nan/inf counts only when some value
-    is not finite (a host sync per group); then one host copy of the results."""
-    local = _per_param(state, sel, _parts((state,), sel), _stat_columns, torch.float64, (5,))
+    :func:`~zero_dtensor.segments.piece_stats` (sums of squares, sums, maxima: three reads), nan/inf counts only
+    when some value is not finite (one host sync for all groups: the check); then one host copy of the results
+    (the second). The partials are reduced on the storage device and move to the communication device once."""
+    local = _stat_rows(state, sel)
     names = sel.names
     scale = state.loss_scale
-    host = _reduce_rows(state, sel, local, lambda rows, which, pg: sum_max_rows(rows, which, pg, 4)).cpu()
+    host = to_host(_reduce_rows(state, sel, local, lambda rows, which, pg: sum_max_rows(rows, which, pg, 4)))
     sumsq, total, nans, infs, top = host.unbind(1)
     numels, counts = sel.numels()
     norm = list(map(math.sqrt, sumsq.tolist()))  # correctly rounded (torch's vectorized sqrt may be 1 ulp off)
@@ -379,6 +422,6 @@ def clip_grad_norm_(state: FlatState, sel: Selection, max_norm: float, norm_type
 
 def clip_per_param_(state: FlatState, sel: Selection, max_norm: float, norm_type: float) -> dict[str, torch.Tensor]:
     values = norm_values(state, sel, norm_type)
-    coefs = torch.clamp(max_norm / (values + 1e-6), max=1.0)
+    coefs = to_storage(torch.clamp(max_norm / (values + 1e-6), max=1.0), state.storage.devices)  # one move
     mul_(state, sel, PerParam(list(coefs.unbind(0))))
     return ParamValues(sel.names, values)

@@ -166,7 +166,8 @@ class TensorMath:
         return type(self)(transforms.clone_storage(self._state, dtype))
 
     def norms(self, norm_type: float = 2.0, *, params: ParamSelection = None) -> ParamValues:
-        """``{name: norm of the true values}`` as 0-d float32 tensors (on the storage device; no host sync): a
+        """``{name: norm of the true values}`` as 0-d float32 tensors (on the communication device, the engine's,
+        also when the partitions are offloaded; no host sync; one read of the local data): a
         read-only mapping (:class:`~zero_dtensor.ParamValues`) whose ``.vector`` is every norm as one ``(k,)``
         tensor in result order; entries are made when read (``dict(result)`` for a plain dict).
 
@@ -178,7 +179,8 @@ class TensorMath:
 
     def global_norm(self, norm_type: float = 2.0, *, params: ParamSelection = None) -> torch.Tensor:
         """The norm of all selected true values taken together (as ``torch.nn.utils.get_total_norm``), a 0-d
-        float32 tensor. **Communication: one all_reduce of a (k,) float32 vector per process group.**"""
+        float32 tensor on the communication device (no host sync; one read of the local data). **Communication: one
+        all_reduce of a (k,) float32 vector per process group.**"""
         sel = self._agreed_selection("global_norm", params, norm_type=norm_type)
         return reductions.global_norm(self._state, sel, float(norm_type))
 
@@ -217,7 +219,9 @@ class TensorMath:
 
         Every selected tensor is multiplied by ``clamp(max_norm / (total_norm + 1e-6), max=1.0)`` (torch's
         formula). **Communication: one all_reduce of a (k,) float32 vector per process group**; the multiply is
-        local.
+        local (the coefficient moves to the storage device once). Returns on the communication device; reads the
+        local data once for the norm, then reads and writes it once to scale; no host sync unless
+        ``error_if_nonfinite``.
         """
         sel = self._agreed_selection("clip_grad_norm_", params, norm_type=norm_type)
         return reductions.clip_grad_norm_(self._state, sel, max_norm, float(norm_type), error_if_nonfinite)

@@ -7,6 +7,13 @@ one ``_foreach_zero_``) or one ``torch._foreach_*`` call over the selected fragm
 number of parameters. Values are in true (unscaled) units; under fp16 loss scaling operands are scaled to the
 stored units (``x · loss_scale``) first. Writes never record autograd history.
 
+Devices (:mod:`zero_dtensor.devices`): every operand (0-d tensors, per-parameter factors, masks, counters) is moved
+to the **storage device** (where the partitions live: the CPU under ``offload_optimizer: cpu``) before it meets the
+data, once per call (a per-parameter mapping as one stacked vector). On a CUDA device a uniform 0-d factor of
+``mul_`` / ``div_`` is cast to the data's dtype and applied with one ``_foreach_mul_`` / ``_foreach_div_`` over the
+selected groups' partitions (CUDA casts a 0-d CUDA operand to the data's dtype anyway: bitwise equal, and the
+multi-tensor kernel reads and writes at bandwidth); on the CPU ``x.mul_(factor)`` keeps the CPU's scalar semantics.
+
 The public entry points are the ``ShardedGrads`` methods (``mul_``, ``div_``, ``add_``, ``clamp_``, ``zero_``,
 ``lerp_``, ``copy_``, ``apply_``, ``add_noise_``, ``clone``); the functions here take the state they work on.
 """
@@ -19,6 +26,7 @@ from typing import Any, Union
 
 import torch
 
+from .devices import Devices, to_device, to_storage
 from .noise import normal_from_counters, stream_key
 from .state import FlatState, Selection
 from .storage import FlatStorage
@@ -89,6 +97,34 @@ def per_param(state: FlatState, value: Any, sel: Selection, what: str) -> float 
     return PerParam([scalar(value[p.name], f"{what}[{p.name!r}]") for p in sel.params])
 
 
+def _to_storage(state: FlatState, value: Any) -> Any:
+    """``value`` where the data is: a tensor (or a :class:`PerParam`'s tensors, stacked and moved once) on the
+    storage device; numbers and ``None`` unchanged."""
+    devices = state.storage.devices
+    if isinstance(value, torch.Tensor):
+        return to_storage(value, devices)
+    if isinstance(value, PerParam):
+        return PerParam(_values_to(value.values, devices))
+    return value
+
+
+def _values_to(values: list[Any], devices: Devices) -> list[Any]:
+    """Per-parameter operands with their tensors on the storage device: one ``stack`` (per dtype) and one move,
+    not a move per parameter (tensors already there stay as they are)."""
+    at = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.device != devices.storage]
+    if not at:
+        return values
+    out = list(values)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i in at:
+        by_dtype.setdefault(values[i].dtype, []).append(i)
+    for indices in by_dtype.values():
+        moved = to_storage(torch.stack([values[i] for i in indices]), devices).unbind(0)
+        for i, t in zip(indices, moved):
+            out[i] = t
+    return out
+
+
 # --- batched execution ---------------------------------------------------------------------------------------------
 def _group_operands(sel: Selection, per: PerParam, state: FlatState) -> dict[int, list[Any]]:
     """Per group, the per-parameter operands in the group's buffer order (as :meth:`Selection.by_group` lists)."""
@@ -101,11 +137,12 @@ def _group_operands(sel: Selection, per: PerParam, state: FlatState) -> dict[int
 
 
 def _as_list(values: list[Any], device: torch.device) -> list[float] | list[torch.Tensor]:
-    """Operands for one ``_foreach_*`` call: all numbers (a ScalarList) or all 0-d tensors (one conversion)."""
+    """Operands for one ``_foreach_*`` call: all numbers (a ScalarList) or all 0-d tensors on ``device`` (one
+    conversion for the numbers; tensors are on ``device`` already after :func:`_to_storage`, else moved)."""
     if all(not isinstance(v, torch.Tensor) for v in values):
         return values
     numbers_at = [i for i, v in enumerate(values) if not isinstance(v, torch.Tensor)]
-    out = [v.to(device) if isinstance(v, torch.Tensor) else None for v in values]
+    out = [to_device(v, device) if isinstance(v, torch.Tensor) else None for v in values]
     if numbers_at:
         converted = torch.tensor([values[i] for i in numbers_at], dtype=torch.float32, device=device).unbind(0)
         for i, t in zip(numbers_at, converted):
@@ -122,6 +159,7 @@ def run(state: FlatState, sel: Selection, whole_op: Callable[[torch.Tensor, Any]
     (the padding is zeroed again afterwards); elsewhere ``foreach_op(fragments, operand)`` runs once per group,
     with ``operand`` a list in fragment order when it is a :class:`PerParam`.
     """
+    operand = _to_storage(state, operand)
     per = _group_operands(sel, operand, state) if isinstance(operand, PerParam) else None
     for g, indices in sel.by_group.items():
         plan = state.plan.groups[g]
@@ -137,17 +175,16 @@ def run(state: FlatState, sel: Selection, whole_op: Callable[[torch.Tensor, Any]
         frags = state.fragments_of(g, [indices[i] for i in keep])
         if per is not None:
             values = [per[g][i] for i in keep]
-            foreach_op(frags, _as_list(values, frags[0].device))
+            foreach_op(frags, _as_list(values, state.storage.devices.storage))
         else:
             foreach_op(frags, operand)
     state.storage.after_write(sel.names)
 
 
-def _other_fragments(other: FlatState, g: int, frags_like: list[torch.Tensor],
-                     indices: list[int]) -> list[torch.Tensor]:
-    of = other.fragments_of(g, indices)
-    device = frags_like[0].device
-    return of if of[0].device == device else [t.to(device) for t in of]
+def _other_fragments(state: FlatState, other: FlatState, g: int, indices: list[int]) -> torch.Tensor:
+    """The other set's selected fragments of group ``g``, concatenated on this set's storage device (one ``cat``,
+    then at most one move)."""
+    return to_storage(torch.cat(other.fragments_of(g, indices)), state.storage.devices)
 
 
 def _with_other(state: FlatState, other: FlatState, sel: Selection,
@@ -160,13 +197,15 @@ def _with_other(state: FlatState, other: FlatState, sel: Selection,
     per-element operand expanded by one ``repeat_interleave`` for a :class:`PerParam`), and the result is written
     back with one ``_foreach_copy_``.
     """
+    operand = _to_storage(state, operand)
     per = _group_operands(sel, operand, state) if isinstance(operand, PerParam) else None
+    devices = state.storage.devices
     with torch.no_grad():
         for g, indices in sel.by_group.items():
             plan = state.plan.groups[g]
             if per is None and sel.whole(plan):
                 part = state.storage.partitions[g]
-                whole_op(part, other.storage.partitions[g].to(part.device), operand)
+                whole_op(part, to_storage(other.storage.partitions[g], devices), operand)
                 padding = state.padding_of(g)
                 if padding:
                     torch._foreach_zero_(padding)
@@ -175,15 +214,14 @@ def _with_other(state: FlatState, other: FlatState, sel: Selection,
             if not keep:
                 continue
             frags = state.fragments_of(g, keep)
-            theirs = _other_fragments(other, g, frags, keep)
-            flat, flat_other = torch.cat(frags), torch.cat(theirs)
+            flat, flat_other = torch.cat(frags), _other_fragments(state, other, g, keep)
             if per is not None:
                 pos = {k: i for i, k in enumerate(indices)}
-                values = _as_list([per[g][pos[k]] for k in keep], flat.device)
-                lengths = torch.tensor([plan.frag_len[k] for k in keep], device=flat.device)
+                values = _as_list([per[g][pos[k]] for k in keep], devices.storage)
+                lengths = to_storage(torch.tensor([plan.frag_len[k] for k in keep]), devices)
                 factors = values if isinstance(values[0], torch.Tensor) else None
                 vector = (torch.stack(factors) if factors is not None
-                          else torch.tensor(values, dtype=torch.float32, device=flat.device))
+                          else to_storage(torch.tensor(values, dtype=torch.float32), devices))
                 expanded = vector.to(torch.float32).repeat_interleave(lengths)
                 flat_op(flat, flat_other, expanded)
             else:
@@ -193,12 +231,37 @@ def _with_other(state: FlatState, other: FlatState, sel: Selection,
 
 
 # --- the transforms --------------------------------------------------------------------------------------------------
+def _scale_op(op: str) -> Callable[[torch.Tensor, Any], Any]:
+    """``x.mul_(f)`` / ``x.div_(f)`` on a whole partition. On CUDA a 0-d tensor ``f`` is cast to ``x``'s dtype and
+    applied by ``torch._foreach_mul_([x], f)``: CUDA casts a 0-d device operand to the common dtype itself, so the
+    values are bitwise those of ``x.mul_(f)``, but the multi-tensor kernel reads and writes at bandwidth where
+    ``x.mul_(f)`` takes the strided dynamic-cast path (3.9x a ``mul_`` of bf16 data on an H200). On the CPU a 0-d
+    tensor is a scalar kept in float (casting it first would change bf16 results): ``x.mul_(f)``."""
+    inplace = getattr(torch.Tensor, f"{op}_")
+    foreach = getattr(torch, f"_foreach_{op}_")
+
+    def whole(x: torch.Tensor, f: Any) -> Any:
+        if isinstance(f, torch.Tensor) and x.device.type == "cuda" and f.device == x.device:
+            return foreach([x], f.to(x.dtype))
+        return inplace(x, f)
+
+    return whole
+
+
 def mul_(state: FlatState, sel: Selection, factor: float | torch.Tensor | PerParam) -> None:
-    run(state, sel, lambda x, f: x.mul_(f), lambda xs, f: torch._foreach_mul_(xs, f), factor)
+    run(state, sel, _scale_op("mul"), lambda xs, f: torch._foreach_mul_(xs, _cast_on_cuda(xs, f)), factor)
 
 
 def div_(state: FlatState, sel: Selection, divisor: float | torch.Tensor | PerParam) -> None:
-    run(state, sel, lambda x, d: x.div_(d), lambda xs, d: torch._foreach_div_(xs, d), divisor)
+    run(state, sel, _scale_op("div"), lambda xs, d: torch._foreach_div_(xs, _cast_on_cuda(xs, d)), divisor)
+
+
+def _cast_on_cuda(xs: list[torch.Tensor], f: Any) -> Any:
+    """A uniform 0-d tensor operand of a ``_foreach_*`` over CUDA fragments, cast to their dtype (the fast
+    multi-tensor path needs equal dtypes; bitwise equal there, see :func:`_scale_op`); else ``f``."""
+    if isinstance(f, torch.Tensor) and xs[0].device.type == "cuda" and f.device == xs[0].device:
+        return f.to(xs[0].dtype)
+    return f
 
 
 def zero_(state: FlatState, sel: Selection) -> None:
@@ -209,13 +272,17 @@ def add_scalar_(state: FlatState, sel: Selection, value: float | torch.Tensor,
                 alpha: float | torch.Tensor | PerParam) -> None:
     """``g += value · alpha`` (true units): the stored addend is ``value · alpha · loss_scale``."""
     scale = state.loss_scale
+    value, alpha = _to_storage(state, value), _to_storage(state, alpha)
     if isinstance(alpha, PerParam):
         if any(isinstance(a, torch.Tensor) for a in alpha.values) or isinstance(value, torch.Tensor):
-            device = state.device
-            stacked = torch.stack([torch.as_tensor(a, dtype=torch.float32, device=device) if not isinstance(
-                a, torch.Tensor) else a.to(device=device, dtype=torch.float32) for a in alpha.values])
-            addends: list[Any] = list((stacked * (value * scale if not isinstance(value, torch.Tensor)
-                                                  else value.to(device) * scale)).unbind(0))
+            device = state.storage.devices.storage
+            numbers = to_storage(torch.tensor([0.0 if isinstance(a, torch.Tensor) else a for a in alpha.values],
+                                              dtype=torch.float32), state.storage.devices)
+            tensors = [i for i, a in enumerate(alpha.values) if isinstance(a, torch.Tensor)]
+            if tensors:  # one stack of the tensor alphas (already on the storage device), one index_copy_
+                numbers.index_copy_(0, to_device(torch.tensor(tensors), device), torch.stack(
+                    [alpha.values[i].to(torch.float32) for i in tensors]))
+            addends: list[Any] = list((numbers * (value * scale)).unbind(0))
         else:
             addends = [value * a * scale for a in alpha.values]
         run(state, sel, lambda x, c: x.add_(c), lambda xs, c: torch._foreach_add_(xs, c), PerParam(addends))
@@ -247,6 +314,7 @@ def add_other_(state: FlatState, other: FlatState, sel: Selection, alpha: float 
 
 def clamp_(state: FlatState, sel: Selection, lo: float | torch.Tensor | None, hi: float | torch.Tensor | None) -> None:
     scale = state.loss_scale
+    lo, hi = _to_storage(state, lo), _to_storage(state, hi)
     lo = None if lo is None else lo * scale
     hi = None if hi is None else hi * scale
 
@@ -261,6 +329,7 @@ def clamp_(state: FlatState, sel: Selection, lo: float | torch.Tensor | None, hi
 
 def lerp_scalar_(state: FlatState, sel: Selection, end: float | torch.Tensor, weight: float | torch.Tensor) -> None:
     scale = state.loss_scale
+    end, weight = _to_storage(state, end), _to_storage(state, weight)
 
     def target(x: torch.Tensor) -> torch.Tensor:
         return torch.as_tensor(end * scale, dtype=x.dtype, device=x.device)
@@ -269,7 +338,7 @@ def lerp_scalar_(state: FlatState, sel: Selection, end: float | torch.Tensor, we
         t = target(xs[0])
         ends = [t.expand_as(x) for x in xs]
         if isinstance(weight, torch.Tensor):
-            torch._foreach_lerp_(xs, ends, [weight.to(t.device)] * len(xs))
+            torch._foreach_lerp_(xs, ends, [weight] * len(xs))
         else:
             torch._foreach_lerp_(xs, ends, weight)
 
@@ -278,6 +347,7 @@ def lerp_scalar_(state: FlatState, sel: Selection, end: float | torch.Tensor, we
 
 def lerp_other_(state: FlatState, other: FlatState, sel: Selection, weight: float | torch.Tensor) -> None:
     ratio = state.loss_scale / other.loss_scale
+    weight = _to_storage(state, weight)
 
     def op(x: torch.Tensor, o: torch.Tensor, _: Any) -> Any:
         o = o if ratio == 1.0 and o.dtype == x.dtype else (o.to(torch.float32) * ratio).to(x.dtype)
@@ -336,6 +406,8 @@ def add_noise_(state: FlatState, sel: Selection, std: float | torch.Tensor, seed
     """``g += std · counter_normal(seed, name, numel)[j]`` for every local element ``j`` (true units): per group one
     counter tensor for all selected fragments, one noise draw, one ``_foreach_add_``."""
     scale = state.loss_scale
+    std = _to_storage(state, std)
+    device = state.storage.devices.storage
     with torch.no_grad():
         for g, indices in sel.by_group.items():
             plan = state.plan.groups[g]
@@ -343,19 +415,17 @@ def add_noise_(state: FlatState, sel: Selection, std: float | torch.Tensor, seed
             if not keep:
                 continue
             frags = state.fragments_of(g, keep)
-            device = frags[0].device
             lengths = [plan.frag_len[k] for k in keep]
             total = sum(lengths)
-            starts = torch.tensor([plan.frag_start[k] for k in keep], dtype=torch.int64, device=device)
-            streams = torch.tensor([stream_key(seed, plan.params[k].name) for k in keep], dtype=torch.int64,
-                                   device=device)
-            counts = torch.tensor(lengths, dtype=torch.int64, device=device)
+            starts, streams, counts = to_device(torch.tensor(
+                [[plan.frag_start[k] for k in keep], [stream_key(seed, plan.params[k].name) for k in keep], lengths],
+                dtype=torch.int64), device).unbind(0)
             firsts = torch.cumsum(counts, 0) - counts  # where each fragment starts in the batch
             counters = torch.arange(total, dtype=torch.int64, device=device) + (starts - firsts).repeat_interleave(
                 counts, output_size=total)
             noise = normal_from_counters(streams.repeat_interleave(counts, output_size=total), counters)
             if isinstance(std, torch.Tensor):
-                noise = noise * (std * scale).to(device)
+                noise = noise * (std * scale)
                 torch._foreach_add_(frags, noise.split_with_sizes(lengths))
             else:  # as x.add_(noise, alpha=std·scale) on each fragment: one fused multiply-add per element
                 torch._foreach_add_(frags, noise.split_with_sizes(lengths), alpha=std * scale)

@@ -5,8 +5,9 @@ made different (:func:`~workers.dispatch_probe.simulated_offload`: the engine's 
 CUDA, and the process groups take only it, as NCCL does) under a :class:`~workers.dispatch_probe.DispatchProbe`
 that refuses an operation mixing the two as CUDA refuses it. Offloaded partitions are tagged ``"host"``; without
 offload they are tagged ``"dev"`` (then a CPU index or a host factor meeting them is refused). User operands (0-d
-factors) are on the engine's device, as a CUDA user's are. Each call reports its refusal (or ``None``), where its
-tensor result lies, and for the reductions whether its values equal those of the same call without simulation.
+factors) are on the engine's device, as a CUDA user's are. Each call reports its refusals (recorded, not raised,
+so that a refusal on one rank does not leave the ranks in different collectives; or ``None``), where its tensor
+result lies, and for the reductions whether its values equal those of the same call without simulation.
 
 :func:`check_traffic` measures each reduction's memory traffic, largest temporary and host syncs
 (:class:`~workers.dispatch_probe.DispatchProbe` watching the gradient partitions).
@@ -25,8 +26,8 @@ import torch.distributed as dist
 import zero_dtensor as zd
 from zero_dtensor.state import state_of
 
-from .common import EngineCase, build_engine
-from .dispatch_probe import DEV, DeviceMixError, DispatchProbe, simulated_offload
+from .common import EngineCase, build_engine, make_engine
+from .dispatch_probe import DEV, DispatchProbe, simulated_offload
 
 __all__ = ["CALLS", "REDUCTIONS", "check_devices", "check_traffic"]
 
@@ -134,30 +135,34 @@ def _backward(engine: Any) -> None:
     engine.backward(engine(x).float().pow(2).mean())
 
 
-def _one(engine: Any, name: str, fn: Call, offload: bool) -> dict[str, Any]:
-    """One call under simulated devices, on a fresh backward (transforms change the gradients)."""
-    _backward(engine)
-    grads = zd.sharded_grads(engine)
-    other = grads.clone()
-    reference = _values(fn(grads, other)) if name in REDUCTIONS else None
+def _run_case(grads: Any, other: Any, offload: bool) -> dict[str, dict[str, Any]]:
+    """Every call under simulated devices, in one probe (index tensors a plan caches on the simulated device keep
+    their tag from one call to the next, as they keep their device on a GPU): first the reductions (their values
+    compared with the same call made before, without simulation, on the same gradients), then the transforms."""
+    references = {name: _values(fn(grads, other)) for name, fn in REDUCTIONS.items()}
     storages = [state_of(grads).storage, state_of(other).storage]
     parts = [p for s in storages for p in s.partitions]
-    out: dict[str, Any] = {"refused": None, "where": None, "equal": None}
-    with simulated_offload(storages, offload=offload), DispatchProbe(simulate=True, nccl=True) as probe:
+    out: dict[str, dict[str, Any]] = {}
+    # refusals are recorded, not raised: a refusal on one rank only must not leave the ranks in different calls
+    with simulated_offload(storages, offload=offload), DispatchProbe(simulate=True, nccl=True,
+                                                                     raise_on_mix=False) as probe:
         probe.tag(parts, "host" if offload else "dev")
-        try:
-            result = fn(grads, other)
-            out["where"] = _where(probe, result)
-        except DeviceMixError as e:
-            out["refused"] = str(e)
-            result = None
-        except Exception:  # noqa: BLE001 - any other failure is reported as one too
-            out["refused"] = traceback.format_exc(limit=6)
-            result = None
-    if reference is not None and result is not None:
-        got = _values(result)
-        out["equal"] = _same(reference, got)
-    engine.step()
+        for name, fn in {**REDUCTIONS, **TRANSFORMS}.items():
+            seen = len(probe.refused)
+            r: dict[str, Any] = {"refused": None, "where": None, "equal": None}
+            try:
+                result = fn(grads, other)
+                r["where"] = _where(probe, result)
+                if name in references:
+                    r["equal"] = _values(result)  # compared below, outside the probe
+            except Exception:  # noqa: BLE001 - any other failure is reported as one too
+                r["refused"] = traceback.format_exc(limit=6)
+            if len(probe.refused) > seen:
+                r["refused"] = "; ".join(probe.refused[seen:seen + 3])
+            out[name] = r
+    for name, reference in references.items():
+        if out[name]["equal"] is not None:
+            out[name]["equal"] = _same(reference, out[name]["equal"])
     return out
 
 
@@ -176,43 +181,111 @@ def _same_stats(a: tuple, b: tuple) -> bool:
                or (isinstance(x, float) and math.isclose(x, y, rel_tol=1e-6)) for x, y in zip(a, b))
 
 
-def check_devices(stage: int, dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16"), offload: bool = True,
-                  names: tuple[str, ...] | None = None) -> dict[str, dict[str, dict[str, Any]]]:
-    """``{dtype: {call: {"refused", "where", "equal"}}}`` for every call of :data:`CALLS` (or ``names``) on a
-    ZeRO-``stage`` engine (2 ranks, ``offload_optimizer: cpu`` when ``offload``) under simulated devices."""
+def check_devices(stage: int, cases: tuple[tuple[str, bool], ...]) -> dict[str, dict[str, dict[str, Any]]]:
+    """``{"dtype[-offload]": {call: {"refused", "where", "equal"}}}`` for every call of :data:`CALLS` on a
+    ZeRO-``stage`` engine of each ``(dtype, offload)`` case (``offload_optimizer: cpu`` and partitions tagged
+    ``"host"`` when ``offload``, else tagged ``"dev"``) under simulated devices: one backward per engine."""
     out: dict[str, dict[str, dict[str, Any]]] = {}
-    for dtype in dtypes:
+    for dtype, offload in cases:
         engine = build_engine(EngineCase(stage, dtype, offload=offload))
-        calls = {**TRANSFORMS, **REDUCTIONS}
-        out[dtype] = {name: _one(engine, name, calls[name], offload) for name in (names or CALLS)}
-        del engine
+        _backward(engine)
+        grads = zd.sharded_grads(engine)
+        other = grads.clone()
+        out[dtype + ("-offload" if offload else "")] = _run_case(grads, other, offload)
+        engine.step()
+        del engine, grads, other
     return out
 
 
-def check_traffic(stage: int, dtype: str) -> dict[str, dict[str, Any]]:
-    """``{call: DispatchProbe.summary()}`` of each reduction and clip (second call: caches filled by the first),
-    with the gradient partitions (and the clone's, for ``dots``) watched as the data."""
-    engine = build_engine(EngineCase(stage, dtype, model="wide"))
-    _backward(engine)
+class Blocks(torch.nn.Module):
+    """``depth`` ``Linear(width, width)`` (default four of 256: about 263K parameters in 8 tensors): the data far
+    outweighs what the per-piece reductions handle apart (boundary rows: at most a row per piece), as in real
+    models."""
+
+    def __init__(self, width: int = 256, depth: int = 4) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+TRAFFIC: dict[str, Call] = {
+    "norms": lambda g, o: g.norms(), "norms(1)": lambda g, o: g.norms(1.0),
+    "norms(inf)": lambda g, o: g.norms(math.inf), "norms(half)": lambda g, o: g.norms(params=_half(g)),
+    "global_norm": lambda g, o: g.global_norm(), "global_norm(inf)": lambda g, o: g.global_norm(math.inf),
+    "dots": lambda g, o: g.dots(o), "dots(with_norms)": lambda g, o: g.dots(o, with_norms=True),
+    "stats": lambda g, o: g.stats(), "found_inf": lambda g, o: zd.found_inf(g),
+    "clip_grad_norm_": lambda g, o: g.clip_grad_norm_(1e9), "clip_per_param_": lambda g, o: g.clip_per_param_(1e9),
+}
+
+
+def check_traffic(cases: tuple[tuple[int, str], ...], dot_chunk: int = 2048) -> dict[str, dict[str, Any]]:
+    """``{"z{stage}-{dtype}": {call: DispatchProbe.summary()}}`` of each reduction and clip of :data:`TRAFFIC` on a
+    :class:`Blocks` engine per ``(stage, dtype)``, measured on its second call (caches filled by the first) with
+    the gradient partitions (and the clone's, for ``dots``) watched as the data, under simulated devices without
+    offload (partitions and results on the simulated accelerator: a read back to the host is a sync).
+    ``dot_chunk``: :data:`zero_dtensor.segments.DOT_CHUNK` meanwhile (small, so that a chunk is far smaller than
+    this model's data, as it is than a real model's)."""
+    from zero_dtensor import segments
+
+    out: dict[str, dict[str, Any]] = {}
+    chunk, segments.DOT_CHUNK = getattr(segments, "DOT_CHUNK", None), dot_chunk
+    try:
+        for stage, dtype in cases:
+            config = EngineCase(stage, dtype).config()
+            engine = make_engine(config, Blocks())
+            g = torch.Generator().manual_seed(3 + dist.get_rank())
+            x = torch.randn(engine.train_micro_batch_size_per_gpu(), 256, generator=g).to(
+                next(engine.module.parameters()).dtype)
+            engine.backward(engine(x).float().pow(2).mean())
+            grads = zd.sharded_grads(engine)
+            other = grads.clone()
+            storages = [state_of(grads).storage, state_of(other).storage]
+            mine, theirs = list(storages[0].partitions), list(storages[1].partitions)
+            rows = {}
+            for name, fn in TRAFFIC.items():
+                fn(grads, other)
+                with simulated_offload(storages, offload=False), DispatchProbe(simulate=True, nccl=True,
+                                                                                raise_on_mix=False) as probe:
+                    probe.tag(mine + theirs, "dev").watch(mine + (theirs if name.startswith("dots") else []))
+                    fn(grads, other)
+                rows[name] = probe.summary()
+            out[f"z{stage}-{dtype}"] = rows
+            engine.step()
+            del engine, grads, other
+    finally:
+        if chunk is None:  # (a library without chunked dots)
+            del segments.DOT_CHUNK
+        else:
+            segments.DOT_CHUNK = chunk
+    return out
+
+
+def time_calls(stage: int, dtype: str, width: int, depth: int, reps: int) -> dict[str, list[float]]:
+    """Wall seconds of ``reps`` calls each of norms, global_norm, clip_grad_norm_ (coefficient 1), stats and dots
+    on a :class:`Blocks` engine (a barrier before each call; for an A/B of two library versions in two pools)."""
+    import time
+
+    engine = make_engine(EngineCase(stage, dtype).config(), Blocks(width, depth))
+    g = torch.Generator().manual_seed(3 + dist.get_rank())
+    x = torch.randn(engine.train_micro_batch_size_per_gpu(), width, generator=g).to(
+        next(engine.module.parameters()).dtype)
+    engine.backward(engine(x).float().pow(2).mean())
     grads = zd.sharded_grads(engine)
     other = grads.clone()
-    calls: dict[str, Call] = {
-        "norms": REDUCTIONS["norms"], "norms(1)": REDUCTIONS["norms(1)"], "norms(inf)": REDUCTIONS["norms(inf)"],
-        "norms(half)": REDUCTIONS["norms(half)"], "global_norm": REDUCTIONS["global_norm"],
-        "global_norm(inf)": REDUCTIONS["global_norm(inf)"], "dots": REDUCTIONS["dots"],
-        "dots(with_norms)": REDUCTIONS["dots(with_norms)"], "stats": REDUCTIONS["stats"],
-        "found_inf": REDUCTIONS["found_inf"],
-        "clip_grad_norm_": lambda g, o: g.clip_grad_norm_(1e9), "clip_per_param_": lambda g, o: g.clip_per_param_(1e9),
-    }
-    out = {}
+    calls: dict[str, Call] = {"norms": TRAFFIC["norms"], "global_norm": TRAFFIC["global_norm"],
+                              "clip_grad_norm_": TRAFFIC["clip_grad_norm_"], "stats": TRAFFIC["stats"],
+                              "dots": TRAFFIC["dots"]}
+    out: dict[str, list[float]] = {name: [] for name in calls}
     for name, fn in calls.items():
         fn(grads, other)
-        data = list(state_of(grads).storage.partitions)
-        if name.startswith("dots"):
-            data += list(state_of(other).storage.partitions)
-        with DispatchProbe() as probe:
-            probe.watch(data)
+        for _ in range(reps):
+            dist.barrier()
+            t = time.perf_counter()
             fn(grads, other)
-        out[name] = probe.summary()
+            out[name].append(time.perf_counter() - t)
     engine.step()
     return out

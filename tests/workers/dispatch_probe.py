@@ -26,7 +26,8 @@ and the ``prim``/``c10d`` namespaces are not counted as operations, as in ``op_c
   whatever their origin (e.g. offloaded partitions ``"host"``, non-offloaded ones ``"dev"``). An operation whose
   operands mix the two is refused as CUDA refuses it: a ``"dev"`` tensor (even 0-d) meeting ``"host"`` data, or a
   ``"host"`` tensor of one or more dimensions meeting ``"dev"`` data (a 0-d ``"host"`` tensor is a CPU scalar,
-  legal on CUDA); copies (``copy_``, ``_to_copy``, ``_foreach_copy_``) may cross. With ``nccl=True`` a collective
+  legal on CUDA); copies (``copy_``, ``_to_copy``, ``_foreach_copy_``) may cross; empty tensors (no storage to
+  tag) are not checked. With ``nccl=True`` a collective
   (``c10d`` namespace) given a ``"host"`` tensor is refused too. A refusal raises :class:`DeviceMixError` (so the
   call fails as it would on a GPU) and is recorded in ``refused``.
 
@@ -36,12 +37,14 @@ no-op that dispatches nothing: a library must move tensors through :mod:`zero_dt
 (:func:`~zero_dtensor.devices.to_device`), which :func:`copying_moves` patches to copy, so that a move re-tags.
 
 Tags and taint are kept per storage (``data_ptr``), so views share them; they are overwritten whenever an operation
-returns a storage, so a reused address carries no stale tag into a result.
+returns a storage, so a reused address carries no stale tag into a result. Tags outlive the probe while a tensor
+tagged with them lives (a plan's cached index tensors on the simulated device keep it, as on a GPU).
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -74,6 +77,23 @@ _WRITE_ONLY = {"zero_", "fill_", "copy_", "_foreach_zero_", "_foreach_copy_", "e
 _CROSSING = {"copy_", "_to_copy", "_foreach_copy_", "_copy_from", "_copy_from_and_resize"}
 _SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_dim",
              "unique_consecutive", "bincount", "repeat_interleave"}
+
+
+#: simulated devices of storages (``data_ptr`` -> tag and weak references to the tensors tagged), kept across probes:
+#: index tensors a library caches on the simulated device keep their tag from one probe to the next, as they keep
+#: their device on a GPU; an entry whose tensors are all gone is ignored (the address may have been reused)
+_REGISTRY: dict[int, tuple[str, list[weakref.ref]]] = {}
+_ACTIVE: list[DispatchProbe] = []  # the probes entered, innermost last
+
+
+def _registered(p: int) -> str | None:
+    found = _REGISTRY.get(p)
+    if found is None:
+        return None
+    if any(r() is not None for r in found[1]):
+        return found[0]
+    del _REGISTRY[p]
+    return None
 
 
 class DeviceMixError(RuntimeError):
@@ -152,21 +172,34 @@ class DispatchProbe(TorchDispatchMode):
 
     def where(self, t: torch.Tensor) -> str:
         """The simulated device of ``t`` (``"host"``, ``"dev"`` or ``"any"``)."""
-        return self._tags.get(_ptr(t), "host")
+        p = _ptr(t)
+        if p in self._pinned:
+            return self._tags[p]
+        return _registered(p) or "host"
 
     def _set_tag(self, t: torch.Tensor, where: str) -> None:
         p = _ptr(t)
-        if p and p not in self._pinned:
-            self._tags[p] = where
+        if not p or p in self._pinned:
+            return
+        found = _REGISTRY.get(p)
+        if found is not None and found[0] == where:
+            found[1].append(weakref.ref(t))
+        else:
+            _REGISTRY[p] = (where, [weakref.ref(t)])
 
     def _from(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` holds data-derived values or lies on the simulated device (where a read is a sync)."""
+        """Whether reading ``t`` back is a host sync: simulated, where ``t`` lies on the simulated device; else
+        where it holds the data or values derived from it."""
+        if self.simulate:
+            return self.where(t) == "dev"
         p = _ptr(t)
-        return p in self._data or p in self._tainted or (self.simulate and self._tags.get(p) == "dev")
+        return p in self._data or p in self._tainted
 
     # --- context ---------------------------------------------------------------------------------------------------
     def __enter__(self) -> DispatchProbe:
+        _ACTIVE.append(self)
         stack = contextlib.ExitStack()
+        stack.callback(_ACTIVE.remove, self)
         probe = self
         for name in ("tensor", "as_tensor"):
             original = getattr(torch, name)
@@ -234,6 +267,7 @@ class DispatchProbe(TorchDispatchMode):
             return
         if name in _CROSSING or namespace in _SKIPPED_NAMESPACES:
             return
+        inputs = [t for t in inputs if t.numel()]  # an empty tensor has no storage to carry a tag
         dev = [t for t in inputs if self.where(t) == "dev"]
         host = [t for t in inputs if self.where(t) == "host" and t.dim() > 0]
         if dev and host:
@@ -312,14 +346,21 @@ def _counted_name(name: str, namespace: str) -> bool:
 
 @contextlib.contextmanager
 def copying_moves() -> Iterator[None]:
-    """While active, :func:`zero_dtensor.devices.to_device` always copies (``.to(device, copy=True)``), so that a
-    move between the simulated devices dispatches a ``_to_copy`` the probe re-tags (on the CPU ``.to(cpu)`` of a
-    ``cpu:1`` tensor would be a no-op)."""
-    from zero_dtensor import devices
-
+    """While active, :func:`zero_dtensor.devices.to_device` copies (``.to(device, copy=True)``) unless the innermost
+    simulating probe has the tensor on that simulated device already, so that a move between the simulated devices
+    dispatches a ``_to_copy`` the probe re-tags (on the CPU ``.to(cpu)`` of a ``cpu:1`` tensor would be a no-op)
+    and a move to where a tensor is costs nothing, as on a GPU."""
+    try:
+        from zero_dtensor import devices
+    except ImportError:  # a library without the seam (the code before issue 42): nothing to patch
+        yield
+        return
     original = devices._move
 
     def move(t: torch.Tensor, device: torch.device, non_blocking: bool = False) -> torch.Tensor:
+        target = _classify(device)
+        if _ACTIVE and _ACTIVE[-1].simulate and target != "any" and _ACTIVE[-1].where(t) == target:
+            return t  # already on that simulated device: no move, as on a GPU
         return t.to(device, copy=True)
 
     devices._move = move
@@ -337,27 +378,30 @@ def simulated_offload(storages: Iterable[Any], *, offload: bool = True) -> Itera
     copy (:func:`copying_moves`). Their partitions stay where they are: the caller tags them ``"host"`` (offloaded) or ``"dev"``. Restored on exit."""
     from zero_dtensor import collectives
 
-    from zero_dtensor.devices import Devices
     from zero_dtensor.storage import FlatStorage
 
     storages = list(storages)
     simulated = {id(s) for s in storages}
-    original_types, original_devices = collectives.comm_device_types, FlatStorage.devices
+    original_types, original_devices = collectives.comm_device_types, getattr(FlatStorage, "devices", None)
     originals = [s.device for s in storages]
     for s in storages:
         object.__setattr__(s, "device", DEV)
     collectives.comm_device_types = lambda group: frozenset({"cuda"})
 
-    def devices(self: Any) -> Devices:
+    def devices(self: Any) -> Any:
+        from zero_dtensor.devices import Devices
+
         found = original_devices.fget(self)
         return Devices(HOST if offload else DEV, DEV) if id(self) in simulated else found
 
-    FlatStorage.devices = property(devices)  # type: ignore[method-assign]
+    if original_devices is not None:  # (the code before issue 42 has no devices: nothing to patch)
+        FlatStorage.devices = property(devices)  # type: ignore[method-assign]
     try:
         with copying_moves():
             yield
     finally:
         collectives.comm_device_types = original_types
-        FlatStorage.devices = original_devices  # type: ignore[method-assign]
+        if original_devices is not None:
+            FlatStorage.devices = original_devices  # type: ignore[method-assign]
         for s, d in zip(storages, originals):
             object.__setattr__(s, "device", d)

@@ -81,6 +81,7 @@ __all__ = [
     "PIPELINE_MIN_BYTES",
     "STRATEGIES",
     "WINDOW_BYTES",
+    "WINDOW_SHARE",
     "CALIBRATES",
     "calibrate",
     "check_strategy",
@@ -95,6 +96,7 @@ __all__ = [
     "set_gather_strategy",
     "strategy_decisions",
     "stream_strategy",
+    "window_bytes",
     "windowed",
 ]
 
@@ -112,10 +114,14 @@ CALIBRATION_SEND_RECV_BATCHES = 4
 #: ZeRO-3 all_gathers of at least this many bytes (a power of two: a size class of calibration) are pipelined.
 PIPELINE_MIN_BYTES = 16 * 2**20
 CALIBRATION_MAX_BYTES = 128 * 2**20
-#: ZeRO-3 gathers (every gather strategy) of more than this many bytes travel in column windows (:func:`windowed`)
-#: of at most half of it each, two in flight: the staging memory beyond the result is at most this (or two of the
-#: widest parameter's ``(N, chunk)`` block, where one is wider than half of it).
+#: ZeRO-3 gathers (every gather strategy) of more than this many bytes travel in column windows (:func:`windowed`),
+#: each of at most :func:`window_bytes` (this, or 1/:data:`WINDOW_SHARE` of the transfer where that is more), one at a
+#: time: the staging memory beyond the result is one window (or the widest parameter's ``(N, chunk)`` block, where
+#: one is wider).
 WINDOW_BYTES = 64 * 2**20
+#: a windowed transfer of ``S`` bytes travels in windows of ``max(WINDOW_BYTES, S / WINDOW_SHARE)``: about this many
+#: collectives (at most ``2·WINDOW_SHARE`` per flat group, where parameters cut the windows short), not ``S / 64 MiB``
+WINDOW_SHARE = 8
 #: Below this size ``auto`` does not calibrate and uses all_gather (fewer bytes): small transfers are latency-bound.
 CALIBRATION_MIN_BYTES = 2**20
 
@@ -156,10 +162,17 @@ def pipelines(nbytes: int, reorder: bool) -> bool:
 def windowed(nbytes: int, reorder: bool) -> bool:
     """Whether a gather of a bulk transfer of ``nbytes`` (the gathered bytes) travels in bounded column windows:
     ZeRO-3 (``reorder``) transfers of more than :data:`WINDOW_BYTES`. Each window is one collective of the
-    transfer's strategy into a staging buffer of at most ``WINDOW_BYTES / 2`` (two of them, alternating), then
-    one reordering copy into its part of the result, so that no staging twin of the result is ever allocated.
-    No communication."""
+    transfer's strategy into one staging buffer of at most :func:`window_bytes`, then one reordering copy into its
+    part of the result, before the next window is issued into the same buffer, so that no staging twin of the
+    result is ever allocated. No communication."""
     return reorder and nbytes > WINDOW_BYTES
+
+
+def window_bytes(nbytes: int) -> int:
+    """The most gathered bytes one window of a windowed transfer of ``nbytes`` holds: ``max(WINDOW_BYTES,
+    ceil(nbytes / WINDOW_SHARE))`` (a 2 GiB transfer: 256 MiB windows, 8-9 collectives; the staging memory beyond
+    the result is one window). No communication."""
+    return max(WINDOW_BYTES, -(-int(nbytes) // WINDOW_SHARE))
 
 
 def calibrate(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, nbytes: int,
@@ -292,8 +305,8 @@ def planned(strategy: str, group: dist.ProcessGroup, device: torch.device, dtype
     check_possible(chosen, group, device)
     if chosen != "auto":
         return chosen
-    if backend_of(group) != "gloo" or nbytes < CALIBRATION_MIN_BYTES:
-        return "all_gather"
+    if backend_of(group) != "gloo" or nbytes < CALIBRATION_MIN_BYTES or world_size_of(group) == 1:
+        return "all_gather"  # (one rank: nothing travels, bulk copies the partition; nothing to time)
     decision = _DECISIONS.get(_decision_key(group, device, dtype, nbytes, unpack, pipelined, one_group))
     return CALIBRATES if decision is None else decision
 

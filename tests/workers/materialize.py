@@ -650,3 +650,41 @@ def _check_windowed(sharded: Any) -> dict:
             assert all(torch.equal(as_fp64[n], default[n].double()) for n in default), strategy
             del got, again, as_fp64, handle
     return report
+
+
+def check_set_full_copies(stages: tuple[int, ...] = (1, 2, 3)) -> dict:
+    """``set_full_`` of every parameter (gradients, then fp32 masters after a step) on ZeRO-1/2/3, counted by
+    :class:`DispatchProbe` with the partitions watched: the bytes written into DeepSpeed's partitions are at most
+    what this rank holds (each byte once); on the per-parameter path (forced with ``STAGE_BELOW = 0``; on this
+    model the default takes it too: its rows do not pay for staging) nothing else is written and nothing is
+    allocated: one ``_foreach_copy_``."""
+    from unittest import mock
+
+    from zero_dtensor import writes
+
+    report: dict[str, Any] = {}
+    for stage in stages:
+        engine = build_engine(EngineCase(stage, world=dist.get_world_size(), model="deep"))  # small parameters
+        forward_backward(engine)
+        families = {"grads": zd.sharded_grads(engine)}
+        for name, family in list(families.items()) + [("masters", None)]:
+            if family is None:
+                engine.step()
+                family = zd.sharded_master_params(engine)
+            values = dict(family.full_tensors(strategy="all_gather"))
+            held = sum(p.numel() * p.element_size() for p in family.local_partitions)
+            for path, below in (("default", writes.STAGE_BELOW), ("direct", 0)):
+                with mock.patch.object(writes, "STAGE_BELOW", below):
+                    family.set_full_(values)  # warm: kept staging buffers, cached plans
+                    with DispatchProbe() as probe:
+                        probe.watch(family.local_partitions)
+                        family.set_full_(values)
+                got = dict(family.full_tensors(strategy="all_gather"))
+                _equal(got, values, f"z{stage} {name} {path}")
+                row = {"held": held, "data_written": probe.data_written, "written": probe.written,
+                       "largest": probe.largest, "ops": probe.ops}
+                report[f"z{stage} {name} {path}"] = row
+                assert probe.data_written <= held, row  # each byte of the partition written at most once
+                if path == "direct":
+                    assert probe.written == probe.data_written and probe.largest == 0, row
+    return report

@@ -113,3 +113,11 @@ def test_zero3_gathers_in_bounded_windows(ranks, case: EngineCase) -> None:
     groups in one transfer) and the fp32 masters."""
     reports = ranks(case.world).run(materialize.check_windowed, case)
     assert all(r[family]["all_gather"]["collectives"] > 1 for r in reports for family in ("grads", "masters"))
+
+
+def test_set_full_writes_each_byte_once(ranks) -> None:
+    """Issue 42 item 2 / issue 44: set_full_ of gradients and fp32 masters on ZeRO-1/2/3 writes each byte of the
+    partitions at most once; the per-parameter path writes nothing else and allocates nothing (DispatchProbe).
+    Measured: 6600 B (ZeRO-1/2) / 6664 B (ZeRO-3) held per rank, written once, by one op, no allocation."""
+    reports = ranks(2).run(materialize.check_set_full_copies)
+    assert all(len(r) == 12 for r in reports), reports

@@ -232,9 +232,11 @@ class ChunkShard(ChunkGeometry, GroupPlacement):
         piece's ``N·(hi - lo)`` elements): one row copy (:attr:`~zero_dtensor.plan.ColumnPiece.rows`: one
         ``index_select``, or a strided copy per run family), or, where rows do not pay
         (:func:`~zero_dtensor.rows.row_map`), one ``split_with_sizes_copy`` (FSDP2's copy-out; one kernel on CUDA, a
-        copy per block elsewhere)."""
+        copy per block elsewhere). One rank: the rows are parameter order already, one ``copy_``."""
         assert area is not None
         N = group.world_size
+        if N == 1:
+            return area.copy_(gathered)
         piece = plan.whole_columns(gathered.element_size()) if piece is None else piece
         if piece.rows is not None:
             piece.rows.copy(gathered, area)

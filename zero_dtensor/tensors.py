@@ -194,8 +194,10 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         bytes; each part is reordered into parameter order once it has arrived, the first while the second travels
         where the group runs collectives in issue order, as NCCL does; gloo moves both at once,
         :func:`~zero_dtensor.materialize.strategy.pipelines`; ZeRO-3 transfers of more than ``WINDOW_BYTES``, 64 MiB,
-        with every gather strategy: one collective per column window of at most 32 MiB, two in flight, each
-        reordered into the result as it arrives, :func:`~zero_dtensor.materialize.strategy.windowed`).
+        with every gather strategy: one collective per column window of at most ``max(64 MiB, S/8)`` (about 8 for
+        a large transfer), one at a time, each reordered into the result as it arrives,
+        :func:`~zero_dtensor.materialize.strategy.windowed`; a process group of one rank: no collective, each
+        partition copied, ZeRO-3 reordered, straight into the result).
         ``all_to_all``: the same gather by one
         ``all_to_all_single`` per flat group, the same bytes (gloo receives it in place, where its all_gather
         stages and copies out; ZeRO-3 copies this rank's partition into parameter order while the others' travel).
@@ -206,8 +208,8 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         per (process group, dtype, device) of a zero-filled ``S`` buffer, ``2(N-1)/N·S`` bytes per rank. ``auto`` on
         gloo, for transfers of at least 1 MiB: the first call per (process group, dtype, power-of-two size) also
         calibrates (9 more collectives, 13 where the all_gather is pipelined, 4 more where the transfer is one flat
-        group and all_to_all is timed too, and 4 point-to-point batches: send_recv is timed too, except for CUDA tensors on gloo, whose ``isend``/``irecv`` cannot move them:
-        there ``send_recv`` is never picked, and asked for it raises ``ValueError`` before anything moves,
+        group and all_to_all is timed too, and 4 point-to-point batches: send_recv is timed too, except for CUDA tensors on gloo, whose ``isend``/``irecv`` and ``all_to_all_single`` cannot move them:
+        there ``send_recv`` and ``all_to_all`` are never picked, and asked for either raises ``ValueError`` before anything moves,
         :func:`zero_dtensor.process_groups.comm_support`); pin it with ``ZERO_DTENSOR_GATHER_STRATEGY`` or
         :func:`~zero_dtensor.materialize.set_gather_strategy`. Replicated groups (``BF16_Optimizer``,
         ``keep_full_grads``): none.
@@ -215,8 +217,9 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         Results are a **snapshot** the caller owns: changing them does not change the tensor, and
         ``engine.step()`` does not change them. Entries are views of one parameter-order buffer per flat group
         (ZeRO-1/2: the gathered buffer itself; ZeRO-3: one reordering copy after an all_gather, all_to_all or
-        send_recv, from a staging area of the result's size kept with it up to 64 MiB, beyond that from two
-        window buffers of at most 32 MiB freed on return; on the communication device;
+        send_recv, from a staging area of the result's size kept with it up to 64 MiB, beyond that from one
+        window buffer of at most ``max(64 MiB, S/8)`` freed on return; one rank: the partition copied straight
+        into the result, no staging; on the communication device;
         replicated: one local copy). Without ``out=`` the buffers are recycled from the previous call once none of that call's
         tensors (nor its dict) is alive, so a loop that drops each step's result allocates only once; a live result
         is never overwritten (``zero_dtensor.materialize.BUFFERS.recycle = False`` turns this off).

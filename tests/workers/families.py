@@ -60,10 +60,12 @@ def sharded_multi(front: Any) -> bool:
 
 def data_collectives(front: Any, strategy: str) -> int:
     """The data collectives of one ``full_tensors(strategy=...)`` of every parameter (no calibration: pinned), as
-    the gradient tests count them (one rank: all_gather and all_reduce still issue theirs, on a one-rank group)."""
+    the gradient tests count them (one rank: none, whatever the strategy: the partition is copied)."""
     sharded = [i for i, g in enumerate(front.layout.groups) if not g.replicated]
-    if strategy == "all_to_all":  # one rank: nothing to send, a local copy
-        return len(sharded) if dist.get_world_size() > 1 else 0
+    if dist.get_world_size() == 1:
+        return 0
+    if strategy == "all_to_all":
+        return len(sharded)
     return len({(id(front._storage.process_groups[i]), front.local_partitions[i].dtype) for i in sharded})
 
 

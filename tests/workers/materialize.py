@@ -58,15 +58,17 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) ->
 def _expected_collectives(grads: zd.ShardedGrads, strategy: str, names: list[str] | None = None) -> int:
     """One collective per (process group, dtype, device) bucket of sharded groups holding a requested name (per
     sharded group for all_to_all, which has no coalesced form; one batch of point-to-point ops per bucket for
-    send_recv; none on one rank for either), plus the always-on
+    send_recv; none on one rank for any strategy), plus the always-on
     rank-agreement check."""
     wanted = {grads.layout.by_name[n].group for n in (names or grads.names)}
     sharded = [i for i in wanted if not grads.layout.groups[i].replicated]
     keys = {(grads._storage.process_groups[i], grads.local_partitions[i].dtype) for i in sharded}
-    if strategy == "all_to_all":  # one rank: nothing to send, a local copy
-        data = len(sharded) if dist.get_world_size() > 1 else 0
-    elif strategy == "send_recv":  # one batch of point-to-point ops per bucket; one rank: a local copy
-        data = len(keys) if dist.get_world_size() > 1 else 0
+    if dist.get_world_size() == 1:  # one rank, every strategy: the partition is the whole, a local copy
+        data = 0
+    elif strategy == "all_to_all":
+        data = len(sharded)
+    elif strategy == "send_recv":  # one batch of point-to-point ops per bucket
+        data = len(keys)
     else:
         data = len(keys)
     return data + rank_checks(grads, names)
@@ -159,6 +161,14 @@ def _option_strategy(st: _Options, strategy: str) -> None:
     expected = st.expected(strategy)
     assert mode.get_total_counts() == expected, (strategy, mode.get_comm_counts())
     st.report[f"count_{strategy}"] = mode.get_total_counts() - rank_checks(st.grads)  # the data collectives
+    if st.world == 1:  # the partition is the whole: one copy (ZeRO-3: the reorder) into the result, no staging
+        result_bytes = sum(p.numel() * p.element_size() for p in st.grads.local_partitions)
+        del got
+        with DispatchProbe() as probe:
+            got = st.grads.full_tensors(strategy=strategy)
+        _equal(dict(got), st.default, f"{strategy} one rank")
+        assert probe.largest <= result_bytes and probe.written <= result_bytes + 1024, (
+            strategy, probe.largest, probe.written, result_bytes)
     if strategy == "send_recv":  # one isend and one irecv per peer and sharded group, all in the one batch
         sharded = sum(not g.replicated for g in st.grads.layout.groups)
         assert mode.p2p_ops == 2 * (st.world - 1) * sharded, mode.get_comm_counts()
@@ -248,8 +258,10 @@ def _option_dst(st: _Options, strategy: str) -> None:
             assert dict(got) == {}, (strategy, dst, list(got))
         groups = {grads.layout.by_name[n].group for n in grads.names}
         n_sharded = sum(1 for i in groups if not grads.layout.groups[i].replicated)
-        # gather (all_gather and all_to_all alike): one per group; reduce: per bucket (both + the agreement check)
-        want = n_sharded + rank_checks(grads) if strategy != "all_reduce" else st.expected(strategy)
+        # gather (all_gather and all_to_all alike): one per group; reduce: per bucket (both + the agreement check);
+        # one rank: none
+        want = (n_sharded + rank_checks(grads) if strategy != "all_reduce" and st.world > 1
+                else st.expected(strategy))
         assert mode.get_total_counts() == want, (strategy, dst, mode.get_comm_counts())
 
 
@@ -432,22 +444,49 @@ def check_errors() -> None:
 def gloo_as_if_cuda() -> Iterator[None]:
     """Make every tensor answer as a CUDA one to :func:`zero_dtensor.process_groups.comm_support` (the device seam
     of the one capability decision), and make the exchanges gloo cannot run on CUDA tensors raise instead of
-    aborting: point-to-point ops (``batch_isend_irecv``, ``isend``, ``irecv``) and the coalescing manager. The old
-    code has no seam (``create=True``): there the patches still catch every point-to-point op or coalescing
-    manager it issues."""
+    aborting: point-to-point ops (``batch_isend_irecv``, ``isend``, ``irecv``), the coalescing manager, and
+    ``all_to_all_single`` of any tensor but a host copy made through :mod:`zero_dtensor.devices` (``to_host`` /
+    ``host_empty``: moves copy here, and their results are the only "host" tensors). The old code has no seam
+    (``create=True``): there the patches still catch every such op it issues."""
     from unittest import mock
 
-    from zero_dtensor import process_groups
+    from zero_dtensor import devices, process_groups
 
     def refused(what: str) -> Any:
         def fail(*args: Any, **kwargs: Any) -> Any:
             raise AssertionError(f"{what} issued for (faked) CUDA tensors on gloo")
         return fail
 
+    host: list[torch.Tensor] = []  # staged copies, kept alive while faked (their addresses name them)
+    host_device = getattr(devices, "HOST", torch.device("cpu"))
+
+    def move(t: torch.Tensor, device: Any, non_blocking: bool = False) -> torch.Tensor:
+        moved = t.to(device, copy=True)
+        if torch.device(device) == host_device:
+            host.append(moved)
+        return moved
+
+    def host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+        made = torch.empty(numel, dtype=dtype)
+        host.append(made)
+        return made
+
+    real_all_to_all = dist.all_to_all_single
+
+    def all_to_all_single(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        staged = {t.untyped_storage().data_ptr() for t in host}
+        cuda = [tuple(t.shape) for t in (output, input) if t.numel() and t.untyped_storage().data_ptr() not in staged]
+        if cuda:
+            raise AssertionError(f"all_to_all_single issued for (faked) CUDA tensors on gloo: {cuda}")
+        return real_all_to_all(output, input, *args, **kwargs)
+
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(process_groups, "device_type_of", lambda device: "cuda", create=True))
         for what in ("batch_isend_irecv", "isend", "irecv", "_coalescing_manager"):
             stack.enter_context(mock.patch.object(dist, what, refused(what)))
+        stack.enter_context(mock.patch.object(dist, "all_to_all_single", all_to_all_single))
+        stack.enter_context(mock.patch.object(devices, "_move", move))
+        stack.enter_context(mock.patch.object(devices, "host_empty", host_empty, create=True))
         yield
 
 
@@ -477,7 +516,7 @@ def check_gloo_over_cuda(stage: int, groups: int = 1, world: int = 2) -> dict:
         finally:
             mz.strategy.CALIBRATION_MIN_BYTES = previous_min
             mz.clear_calibration()
-        for strategy in ("all_gather", "all_to_all", "all_reduce"):
+        for strategy in ("all_gather", "all_reduce"):
             _equal(dict(grads.full_tensors(strategy=strategy)), default, strategy)
         with pipelining():
             _equal(dict(grads.full_tensors(strategy="all_gather")), default, "pipelined all_gather")
@@ -486,12 +525,15 @@ def check_gloo_over_cuda(stage: int, groups: int = 1, world: int = 2) -> dict:
             streamed = dict(grads.iter_full(bucket_bytes=bucket, strategy=strategy))
             assert sorted(streamed) == sorted(default)
             assert all(torch.equal(streamed[n], default[n]) for n in default), strategy
-        for call in (lambda: grads.full_tensors(strategy="send_recv"),
-                     lambda: grads.iter_full(strategy="send_recv")):
-            with pytest.raises(ValueError, match="send_recv"):
-                call()
-        with pinned("send_recv"), pytest.raises(ValueError, match="send_recv"):
-            grads.full_tensors()
+        for refused_strategy in ("send_recv", "all_to_all"):  # gloo cannot run either on CUDA tensors
+            for call in (lambda: grads.full_tensors(strategy=refused_strategy),
+                         lambda: grads.iter_full(strategy=refused_strategy)):
+                with pytest.raises(ValueError, match=refused_strategy):
+                    call()
+            with pinned(refused_strategy), pytest.raises(ValueError, match=refused_strategy):
+                grads.full_tensors()
+    # the redistribution calls exchange by all_to_all_single: staged on the host there, the CPU path's values
+    report["redistribution"] = _redistribute_over_cuda(grads)
     engine.step()  # DeepSpeed's own step: not under test here
     master = zd.sharded_master_params(engine)
     with pinned("all_gather"):
@@ -507,6 +549,27 @@ def check_gloo_over_cuda(stage: int, groups: int = 1, world: int = 2) -> dict:
     for name, value in before.items():
         assert torch.equal(working[name], (2.0 * value).to(working[name].dtype)), name
     return report
+
+
+def _redistribute_over_cuda(grads: Any) -> list[str]:
+    """to_dtensors / set_dtensors_ / owned / set_owned_ / map_full_ under :func:`gloo_as_if_cuda` return and write
+    what they do without it (each write restores the values it read, so the gradients end as they began)."""
+    names = list(grads.names)
+    plain_dt = {n: t.to_local().clone() for n, t in grads.to_dtensors().items()}
+    plain_owned = {n: t.clone() for n, t in grads.owned().items()}
+    with gloo_as_if_cuda():
+        got = grads.to_dtensors()
+        assert sorted(got) == sorted(plain_dt) and all(torch.equal(got[n].to_local(), plain_dt[n]) for n in got)
+        grads.set_dtensors_({n: 2 * t for n, t in got.items()})
+        owned = grads.owned()
+        assert sorted(owned) == sorted(plain_owned)
+        assert all(torch.equal(owned[n], 2 * plain_owned[n]) for n in owned), "set_dtensors_ or owned"
+        grads.set_owned_({n: t / 2 for n, t in owned.items()})
+        grads.map_full_(lambda name, t: t * 3)
+        grads.map_full_(lambda name, t: t / 3)
+    back = grads.owned()
+    assert all(torch.allclose(back[n], plain_owned[n]) for n in back), "set_owned_ or map_full_"
+    return names
 
 
 @contextlib.contextmanager
@@ -525,14 +588,15 @@ def windows(sharded: Any, window: int) -> int:
     from zero_dtensor.state import state_of
 
     state = state_of(sharded)
-    return sum(len(window_pieces(state, g, window // 2)) for g, group in enumerate(state.layout.groups)
+    return sum(len(window_pieces(state, g, window)) for g, group in enumerate(state.layout.groups)
                if group.placement.is_sharded)
 
 
 def check_windowed(case: EngineCase) -> dict:
     """ZeRO-3, every gather strategy in bounded windows (forced small), for the gradients and then (after a step)
     the fp32 masters: values bit for bit those of one all_gather; the pool allocates the result and at most one
-    window (two halves) besides, never a staging twin of the result; one collective per window (send_recv: one
+    window (``max(WINDOW_BYTES, result/8)``) besides, never a staging twin of the result; one collective per window,
+    at most about ``2·result/window`` of them (send_recv: one
     point-to-point batch per window); async, ``out=`` and ``dtype`` too."""
     assert case.stage == 3, case
     engine = build_engine(case)
@@ -552,6 +616,7 @@ def _check_windowed(sharded: Any) -> dict:
     widest = max(world * -(-sharded[n].numel // world) for n in sharded.names) * esize  # an (N, chunk) block
     window = max(result_bytes // 4, 2 * widest)  # two halves, each holding the widest parameter
     assert window < result_bytes, (window, result_bytes)  # a staging twin of the result would exceed the bound
+    limit = max(window, -(-result_bytes // 8))  # a window holds max(WINDOW_BYTES, result / 8)
     report: dict[str, Any] = {"result_bytes": result_bytes, "window_bytes": window}
     with small_windows(window):
         for strategy in ("all_gather", "all_to_all", "send_recv"):
@@ -568,8 +633,12 @@ def _check_windowed(sharded: Any) -> dict:
             assert probe.written <= result_bytes + result_bytes // world + 1024, (strategy, probe.written)
             data = mode.get_total_counts() - rank_checks(sharded)  # send_recv: its point-to-point batches
             report[strategy] = {"peak": rec.peak, "collectives": data}
-            assert rec.peak <= result_bytes + window, (strategy, rec.peak, result_bytes, window, rec.sizes)
-            assert data == windows(sharded, window) > 1, (strategy, data, mode.get_comm_counts())
+            assert rec.peak <= result_bytes + limit, (strategy, rec.peak, result_bytes, limit, rec.sizes)
+            # one collective per window, and few of them: two consecutive windows of a group hold more than one
+            # window's bytes, so a group of S_g bytes has at most 2·S_g/limit + 1 (here 2·4 + 1 per group)
+            groups = sum(p.numel() > 0 for p in sharded.local_partitions)
+            assert data == windows(sharded, limit) > 1, (strategy, data, mode.get_comm_counts())
+            assert data <= 2 * result_bytes / limit + groups, (strategy, data, result_bytes, limit)
             del got
             # async: the later windows travel from wait(); out= reuses the result; a dtype converts once
             handle = sharded.full_tensors(strategy=strategy, async_op=True)
@@ -580,4 +649,42 @@ def _check_windowed(sharded: Any) -> dict:
             as_fp64 = sharded.full_tensors(strategy=strategy, dtype=torch.float64)
             assert all(torch.equal(as_fp64[n], default[n].double()) for n in default), strategy
             del got, again, as_fp64, handle
+    return report
+
+
+def check_set_full_copies(stages: tuple[int, ...] = (1, 2, 3)) -> dict:
+    """``set_full_`` of every parameter (gradients, then fp32 masters after a step) on ZeRO-1/2/3, counted by
+    :class:`DispatchProbe` with the partitions watched: the bytes written into DeepSpeed's partitions are at most
+    what this rank holds (each byte once); on the per-parameter path (forced with ``STAGE_BELOW = 0``; on this
+    model the default takes it too: its rows do not pay for staging) nothing else is written and nothing is
+    allocated: one ``_foreach_copy_``."""
+    from unittest import mock
+
+    from zero_dtensor import writes
+
+    report: dict[str, Any] = {}
+    for stage in stages:
+        engine = build_engine(EngineCase(stage, world=dist.get_world_size(), model="deep"))  # small parameters
+        forward_backward(engine)
+        families = {"grads": zd.sharded_grads(engine)}
+        for name, family in list(families.items()) + [("masters", None)]:
+            if family is None:
+                engine.step()
+                family = zd.sharded_master_params(engine)
+            values = dict(family.full_tensors(strategy="all_gather"))
+            held = sum(p.numel() * p.element_size() for p in family.local_partitions)
+            for path, below in (("default", writes.STAGE_BELOW), ("direct", 0)):
+                with mock.patch.object(writes, "STAGE_BELOW", below):
+                    family.set_full_(values)  # warm: kept staging buffers, cached plans
+                    with DispatchProbe() as probe:
+                        probe.watch(family.local_partitions)
+                        family.set_full_(values)
+                got = dict(family.full_tensors(strategy="all_gather"))
+                _equal(got, values, f"z{stage} {name} {path}")
+                row = {"held": held, "data_written": probe.data_written, "written": probe.written,
+                       "largest": probe.largest, "ops": probe.ops}
+                report[f"z{stage} {name} {path}"] = row
+                assert probe.data_written <= held, row  # each byte of the partition written at most once
+                if path == "direct":
+                    assert probe.written == probe.data_written and probe.largest == 0, row
     return report

@@ -27,7 +27,7 @@ from ..layout import ParamLayout
 from ..process_groups import global_rank, global_world_size, group_rank_of
 from ..state import FlatState
 from .emit import emit, request_names, target_dtype
-from .gathers import WindowedGather, fill_for_reduce, gather_by_peers, pipelined_gather, send_only, windowed_gather
+from .gathers import WindowedGather, copy_whole, fill_for_reduce, gather_by_peers, pipelined_gather, send_only, windowed_gather
 from .results import GatheredGrads, PendingFullTensors, run_steps
 from .strategy import CALIBRATES, check_strategy, resolve
 from .transfers import Buffers, Transfer, narrower, plan_transfers, view_cache
@@ -122,6 +122,13 @@ def full_tensors(
     for t in transfers:
         if not (is_dst or t.strategy == "all_reduce"):
             steps.append((send_only(t, dst, async_op), None))
+            continue
+        if t.single:  # one rank: each partition is its whole group, copied (ZeRO-3: reordered) into the result
+            buf = buffers.get(t.key(), t.numel, t.dtype, t.device)
+            narrow = narrower(buf, view_cache(result, buf))
+            for g, part in zip(t.groups, t.partitions):
+                regions[g] = (narrow(t.offsets[g], state.group(g).flat_numel), None)
+                copy_whole(state, g, part, regions[g][0], view_cache(result, buf))
             continue
         if t.windowed:  # the result alone, in parameter order; each window staged and reordered into it
             buf = buffers.get(t.key(), t.numel, t.dtype, t.device)

@@ -27,7 +27,7 @@ from .buffers import BUFFERS
 from . import strategy as _strategy
 from .transfers import Transfer, pipeline_pieces, view_cache, window_pieces
 
-__all__ = ["fill_for_reduce", "gather_by_peers", "pipelined_gather", "send_only", "windowed_gather"]
+__all__ = ["copy_whole", "fill_for_reduce", "gather_by_peers", "pipelined_gather", "send_only", "windowed_gather"]
 
 Regions = dict[int, tuple[torch.Tensor, torch.Tensor | None]]  # group -> (assembled, reorder area)
 Step = tuple[list[Any], Callable[[], None] | None]  # pending works, and what runs once they are done
@@ -40,6 +40,17 @@ def fill_for_reduce(state: FlatState, t: Transfer, buf: torch.Tensor) -> None:
         pieces = state.pieces[g] if part is state.storage.partitions[g] else None  # moved: cut on use
         region = buf.narrow(0, t.offsets[g], group.flat_numel)
         group.placement.fill_for_reduce(region, group, plan, part, pieces, BUFFERS.view_cache(region))
+
+
+def copy_whole(state: FlatState, g: int, part: torch.Tensor, region: torch.Tensor, cache: ViewCache | None) -> None:
+    """Group ``g`` of a process group of one rank: its partition is the whole group, copied into ``region`` in
+    parameter order by one copy (:meth:`~zero_dtensor.group_placement.GroupPlacement.to_param_order` where the
+    placement reorders, ZeRO-3; else ``copy_``). No communication, no staging: ``S`` read, ``S`` written."""
+    group = state.group(g)
+    if group.placement.reorder_area(group):
+        group.placement.to_param_order(part, group, state.plan.groups[g], region, cache)
+    else:
+        region.copy_(part)
 
 
 def pipelined_gather(state: FlatState, t: Transfer, regions: Regions, narrow: Callable[[int, int], torch.Tensor],
@@ -83,20 +94,21 @@ def _gather_rows(strategy: str) -> Callable[..., list[Any]]:
 
 class WindowedGather:
     """A ZeRO-3 transfer gathered in bounded column windows (:func:`~.strategy.windowed`): every group's windows
-    (:func:`~.transfers.window_pieces`, at most ``WINDOW_BYTES / 2`` of gathered rows each) one after the other,
-    each one collective of the transfer's strategy into one of two staging buffers, alternating, and reordered by
-    one row copy into its part of the group's parameter-order result once it has arrived; the window after the next
-    is issued into the buffer just reordered (two windows in flight). :attr:`pending` counts the windows not yet
-    issued (issued from the steps, :func:`~.results.run_steps`)."""
+    (:func:`~.transfers.window_pieces`, at most :func:`~.strategy.window_bytes` of gathered rows each:
+    ``max(WINDOW_BYTES, S/WINDOW_SHARE)``, so about ``WINDOW_SHARE`` windows for a large transfer) one after the
+    other, each one collective of the transfer's strategy into the one staging buffer, reordered by one row copy
+    into its part of the group's parameter-order result once it has arrived; the next window is issued into the same
+    buffer once it is reordered (one window in flight: the memory beyond the result is one window).
+    :attr:`pending` counts the windows not yet issued (issued from the steps, :func:`~.results.run_steps`)."""
 
     def __init__(self, state: FlatState, t: Transfer, regions: Regions, result: MutableMapping[str, torch.Tensor],
                  steps: list[Step]) -> None:
         self.state, self.t, self.regions, self.result, self.steps = state, t, regions, result, steps
-        half = _strategy.WINDOW_BYTES // 2
+        limit = _strategy.window_bytes(t.nbytes)
         self.windows = [(g, part, piece) for g, part in zip(t.groups, t.partitions)
-                        for piece in window_pieces(state, g, half)]
+                        for piece in window_pieces(state, g, limit)]
         widest = max(state.group(g).world_size * piece.width for g, _, piece in self.windows)
-        self.staging = [BUFFERS.alloc(widest, t.dtype, t.device) for _ in range(min(2, len(self.windows)))]
+        self.staging: torch.Tensor | None = BUFFERS.alloc(widest, t.dtype, t.device)
         self.gather = _gather_rows(t.strategy)
         self.issued = 0
 
@@ -105,14 +117,14 @@ class WindowedGather:
         return len(self.windows) - self.issued
 
     def start(self) -> None:
-        """Issue the first two windows (asynchronously: the steps await them)."""
-        for _ in self.staging:
-            self._issue()
+        """Issue the first window (asynchronously: the steps await it)."""
+        self._issue()
 
     def _issue(self) -> None:
         k = self.issued
         g, part, piece = self.windows[k]
-        rows = self.staging[k % 2].narrow(0, 0, self.state.group(g).world_size * piece.width)
+        assert self.staging is not None
+        rows = self.staging.narrow(0, 0, self.state.group(g).world_size * piece.width)
         works = self.gather(rows, part.narrow(0, piece.lo, piece.width), self.t.pg, async_op=True)
         self.issued += 1
         self.steps.append((works, lambda: self._arrived(k, rows)))
@@ -125,8 +137,8 @@ class WindowedGather:
                                        view_cache(self.result, area), piece)
         if self.issued < len(self.windows):
             self._issue()
-        elif k == len(self.windows) - 1:
-            self.staging = []  # the last window is in place: the staging buffers go
+        else:
+            self.staging = None  # the last window is in place: the staging buffer goes
 
 
 def windowed_gather(state: FlatState, t: Transfer, regions: Regions, result: MutableMapping[str, torch.Tensor],

@@ -130,8 +130,8 @@ class GatheredGrads(dict):
 class PendingFullTensors:
     """Pending result of ``full_tensors(..., async_op=True)``. :meth:`wait` completes the collectives already
     issued, cuts the buffers into parameters and returns the dict (idempotent). It issues new collectives only for a
-    ZeRO-3 transfer gathered in bounded windows (larger than ``WINDOW_BYTES``): two windows travel from the call
-    on, each later one is issued by ``wait()`` once the window two before it is in place (so ``wait()`` is then
+    ZeRO-3 transfer gathered in bounded windows (larger than ``WINDOW_BYTES``): the first window travels from the
+    call on, each later one is issued by ``wait()`` once the window before it is in place (so ``wait()`` is then
     collective: every rank must call it, in the same order relative to its other collectives). The gradients must
     not change (no ``engine.step()``) before ``wait()``.
 

@@ -34,7 +34,10 @@ point-to-point ops (``send_recv``), or a zero-padded ``all_reduce``.
     ``all_gather`` on every backend but gloo; on gloo the candidates are measured once per (process group, device,
     dtype, power-of-two size class, ...) and the fastest is cached (:func:`calibrate`): all_gather, all_reduce and
     send_recv (one batch per transfer), and all_to_all where the transfer is one flat group (it has no coalesced
-    form, and ``auto`` never issues more data collectives than one per transfer). Transfers under
+    form, and ``auto`` never issues more data collectives than one per transfer). Gloo over CUDA tensors has
+    neither point-to-point ops nor ``all_to_all_single`` (:func:`~zero_dtensor.process_groups.comm_support`):
+    there neither send_recv nor all_to_all is timed or used, and asking for either raises ``ValueError`` on every
+    rank before anything moves (:func:`check_possible`). Transfers under
     ``CALIBRATION_MIN_BYTES`` (1 MiB) are not measured and use all_gather.
 
 A ZeRO-3 ``all_gather`` of ``PIPELINE_MIN_BYTES`` (16 MiB) or more is *pipelined* (:func:`pipelines`): it travels as
@@ -81,6 +84,7 @@ __all__ = [
     "PIPELINE_MIN_BYTES",
     "STRATEGIES",
     "WINDOW_BYTES",
+    "WINDOW_SHARE",
     "CALIBRATES",
     "calibrate",
     "check_strategy",
@@ -95,6 +99,7 @@ __all__ = [
     "set_gather_strategy",
     "strategy_decisions",
     "stream_strategy",
+    "window_bytes",
     "windowed",
 ]
 
@@ -112,10 +117,14 @@ CALIBRATION_SEND_RECV_BATCHES = 4
 #: ZeRO-3 all_gathers of at least this many bytes (a power of two: a size class of calibration) are pipelined.
 PIPELINE_MIN_BYTES = 16 * 2**20
 CALIBRATION_MAX_BYTES = 128 * 2**20
-#: ZeRO-3 gathers (every gather strategy) of more than this many bytes travel in column windows (:func:`windowed`)
-#: of at most half of it each, two in flight: the staging memory beyond the result is at most this (or two of the
-#: widest parameter's ``(N, chunk)`` block, where one is wider than half of it).
+#: ZeRO-3 gathers (every gather strategy) of more than this many bytes travel in column windows (:func:`windowed`),
+#: each of at most :func:`window_bytes` (this, or 1/:data:`WINDOW_SHARE` of the transfer where that is more), one at a
+#: time: the staging memory beyond the result is one window (or the widest parameter's ``(N, chunk)`` block, where
+#: one is wider).
 WINDOW_BYTES = 64 * 2**20
+#: a windowed transfer of ``S`` bytes travels in windows of ``max(WINDOW_BYTES, S / WINDOW_SHARE)``: about this many
+#: collectives (at most ``2·WINDOW_SHARE`` per flat group, where parameters cut the windows short), not ``S / 64 MiB``
+WINDOW_SHARE = 8
 #: Below this size ``auto`` does not calibrate and uses all_gather (fewer bytes): small transfers are latency-bound.
 CALIBRATION_MIN_BYTES = 2**20
 
@@ -156,10 +165,17 @@ def pipelines(nbytes: int, reorder: bool) -> bool:
 def windowed(nbytes: int, reorder: bool) -> bool:
     """Whether a gather of a bulk transfer of ``nbytes`` (the gathered bytes) travels in bounded column windows:
     ZeRO-3 (``reorder``) transfers of more than :data:`WINDOW_BYTES`. Each window is one collective of the
-    transfer's strategy into a staging buffer of at most ``WINDOW_BYTES / 2`` (two of them, alternating), then
-    one reordering copy into its part of the result, so that no staging twin of the result is ever allocated.
-    No communication."""
+    transfer's strategy into one staging buffer of at most :func:`window_bytes`, then one reordering copy into its
+    part of the result, before the next window is issued into the same buffer, so that no staging twin of the
+    result is ever allocated. No communication."""
     return reorder and nbytes > WINDOW_BYTES
+
+
+def window_bytes(nbytes: int) -> int:
+    """The most gathered bytes one window of a windowed transfer of ``nbytes`` holds: ``max(WINDOW_BYTES,
+    ceil(nbytes / WINDOW_SHARE))`` (a 2 GiB transfer: 256 MiB windows, 8-9 collectives; the staging memory beyond
+    the result is one window). No communication."""
+    return max(WINDOW_BYTES, -(-int(nbytes) // WINDOW_SHARE))
 
 
 def calibrate(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, nbytes: int,
@@ -266,12 +282,16 @@ def explicit(strategy: str) -> str:
 
 
 def check_possible(chosen: str, group: dist.ProcessGroup, device: torch.device) -> None:
-    """Refuse ``send_recv`` (asked for, or pinned) where ``group``'s backend has no point-to-point ops for tensors
-    on ``device`` (:func:`~zero_dtensor.process_groups.comm_support`: gloo over CUDA tensors), before anything
-    moves: ``ValueError``. No communication."""
-    if chosen == "send_recv" and not comm_support_of(group, device).point_to_point:
-        raise ValueError(f"strategy='send_recv' cannot run on {backend_of(group)} with {device.type} tensors (its "
-                         f"isend/irecv cannot move them); use strategy='auto' or 'all_gather', or unpin it "
+    """Refuse ``send_recv`` or ``all_to_all`` (asked for, or pinned) where ``group``'s backend has no
+    point-to-point ops, or no ``all_to_all_single``, for tensors on ``device``
+    (:func:`~zero_dtensor.process_groups.comm_support`: gloo over CUDA tensors), before anything moves:
+    ``ValueError``. No communication."""
+    support = comm_support_of(group, device)
+    missing = {"send_recv": (support.point_to_point, "its isend/irecv cannot move them"),
+               "all_to_all": (support.all_to_all, "its all_to_all_single cannot move them")}.get(chosen)
+    if missing is not None and not missing[0]:
+        raise ValueError(f"strategy={chosen!r} cannot run on {backend_of(group)} with {device.type} tensors "
+                         f"({missing[1]}); use strategy='auto' or 'all_gather', or unpin it "
                          f"(set_gather_strategy(None) / unset ZERO_DTENSOR_GATHER_STRATEGY)")
 
 
@@ -292,8 +312,8 @@ def planned(strategy: str, group: dist.ProcessGroup, device: torch.device, dtype
     check_possible(chosen, group, device)
     if chosen != "auto":
         return chosen
-    if backend_of(group) != "gloo" or nbytes < CALIBRATION_MIN_BYTES:
-        return "all_gather"
+    if backend_of(group) != "gloo" or nbytes < CALIBRATION_MIN_BYTES or world_size_of(group) == 1:
+        return "all_gather"  # (one rank: nothing travels, bulk copies the partition; nothing to time)
     decision = _DECISIONS.get(_decision_key(group, device, dtype, nbytes, unpack, pipelined, one_group))
     return CALIBRATES if decision is None else decision
 
@@ -309,16 +329,17 @@ def resolve(strategy: str, group: dist.ProcessGroup, device: torch.device, dtype
     if decision != CALIBRATES:
         return decision
     key = _decision_key(group, device, dtype, nbytes, unpack, pipelined, one_group)
-    decision = _DECISIONS[key] = calibrate(group, device, dtype, nbytes, unpack, pipelined, one_group,
-                                           send_recv=comm_support_of(group, device).point_to_point)
+    support = comm_support_of(group, device)
+    decision = _DECISIONS[key] = calibrate(group, device, dtype, nbytes, unpack, pipelined,
+                                           one_group and support.all_to_all, send_recv=support.point_to_point)
     return decision
 
 
 def stream_strategy(strategy: str, group: dist.ProcessGroup, param_order_gather: bool,
                     device: torch.device) -> str:
     """What ``iter_full`` uses per window of tensors on ``device``: the explicit or pinned strategy (``all_to_all``
-    windows travel by all_gather: a window is small and gathered into scratch; ``send_recv`` where point-to-point
-    ops cannot move them raises ``ValueError``, :func:`check_possible`), else ``send_recv`` on gloo over CPU
+    windows travel by all_gather: a window is small and gathered into scratch; ``send_recv`` or ``all_to_all``
+    where the backend cannot run them on ``device`` raises ``ValueError``, :func:`check_possible`), else ``send_recv`` on gloo over CPU
     tensors (every peer's share received in place: the fewest bytes, no padding, no zero fill, and gloo's
     cheapest gather), all_reduce for parameter-order (ZeRO-1/2) windows elsewhere (no stitching), all_gather for
     ZeRO-3 windows elsewhere. No communication."""

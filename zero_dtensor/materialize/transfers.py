@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ..layout import ParamLayout
 from ..plan import ColumnPiece
+from ..process_groups import world_size_of
 from ..state import FlatState
 from ..views import ViewCache
 from .buffers import BUFFERS
@@ -38,6 +39,7 @@ class Transfer:
     reorder: bool = False  # gathered rank after rank, its groups need reordering into parameter order (ZeRO-3)
     pipelinable: bool = False  # an all_gather of it would be pipelined
     windowed: bool = False  # a gather of it travels in bounded column windows (ZeRO-3, large: strategy.windowed)
+    single: bool = False  # its process group has one rank: the partitions are the whole, nothing travels
     offsets: dict[int, int] = field(default_factory=dict)  # group index -> start in the transfer buffer
     numel: int = 0
 
@@ -57,6 +59,7 @@ def plan_transfers(state: FlatState, params: list[ParamLayout], dst: int | None,
     :func:`full_tensors` runs. No communication."""
     transfers = _transfers(state, sorted(state.plan.by_group(params)))
     for t in transfers:
+        t.single = world_size_of(t.pg) == 1
         if dst is not None:  # no calibration: it times the all-rank collectives, while dst= uses gather/reduce
             chosen = explicit(strategy)
             t.strategy = "all_reduce" if chosen == "all_reduce" else "all_gather"  # all_to_all: a gather too

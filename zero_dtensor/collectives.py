@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import devices
 from .devices import to_device
 from .process_groups import backend_of, comm_support_of, world_size_of
 
@@ -342,28 +341,9 @@ def all_to_all_into(
     group rank 0, the next ``in_splits[1]`` to rank 1, ...; ``out`` receives ``out_splits[s]`` elements from each
     rank ``s``, in rank order (every rank's splits must match its peers'). Bytes per rank: sent
     ``sum(in_splits) - in_splits[self]``, received ``sum(out_splits) - out_splits[self]`` (times the element size).
-    gloo (pairwise), NCCL and MPI implement it. Returns the pending work when async.
-
-    Where the backend has no ``all_to_all_single`` for the tensors' device
-    (:func:`~zero_dtensor.process_groups.comm_support`: gloo over CUDA tensors, which segfaults), the exchange is
-    staged on the host through :mod:`zero_dtensor.devices`: ``inp`` copied to the host (one device-to-host copy of
-    ``sum(in_splits)`` elements), one ``all_to_all_single`` of host tensors on the same group into a host buffer of
-    ``out``'s size, copied into ``out`` (one host-to-device copy of ``sum(out_splits)``): two extra copies and
-    ``sum(in_splits) + sum(out_splits)`` elements of host memory, freed on return. That path is synchronous (it
-    returns no work, even with ``async_op``: ``out`` is complete on return)."""
-    if not comm_support_of(group, inp.device).all_to_all:
-        return _all_to_all_on_host(out, inp, out_splits, in_splits, group)
+    gloo (pairwise), NCCL and MPI implement it. Returns the pending work when async."""
     work = dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=group, async_op=async_op)
     return [work] if async_op and work is not None else []
-
-
-def _all_to_all_on_host(out: torch.Tensor, inp: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
-                        group: dist.ProcessGroup) -> list[dist.Work]:
-    """:func:`all_to_all_into` staged on the host (see there): one copy each way, one host all_to_all."""
-    received = devices.host_empty(out.numel(), out.dtype)
-    dist.all_to_all_single(received, devices.to_host(inp), list(out_splits), list(in_splits), group=group)
-    out.copy_(received)
-    return []
 
 
 def sum_ints(values: Sequence[int], group: dist.ProcessGroup, device: torch.device) -> list[int]:

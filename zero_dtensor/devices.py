@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["HOST", "Devices", "host_empty", "to_comm", "to_device", "to_host", "to_storage"]
+__all__ = ["HOST", "Devices", "to_comm", "to_device", "to_host", "to_storage"]
 
 HOST = torch.device("cpu")  #: where results returned as Python numbers are read back
 
@@ -56,12 +56,6 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     """``t`` on the host (a result about to be read back as Python numbers: a host sync where ``t`` is on an
     accelerator)."""
     return _move(t, HOST)
-
-
-def host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialized 1-D buffer of ``numel`` elements on the host: a staging buffer for a collective the backend
-    cannot run on the data's device (see :func:`~zero_dtensor.collectives.all_to_all_into`)."""
-    return torch.empty(numel, dtype=dtype, device=HOST)
 
 
 def to_comm(t: torch.Tensor, devices: Devices) -> torch.Tensor:

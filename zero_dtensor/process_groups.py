@@ -34,22 +34,20 @@ __all__ = [
 @dataclass(frozen=True)
 class CommSupport:
     """What a backend can do with tensors of one device type, beyond the plain collectives (``all_reduce``,
-    ``all_gather_into_tensor``, ``broadcast``, ``reduce_scatter_tensor``, ``gather``, ``reduce``), which every
-    backend zero_dtensor runs on supports on the devices it communicates on."""
+    ``all_gather_into_tensor``, ``broadcast``, ``reduce_scatter_tensor``, ``all_to_all_single``, ``gather``,
+    ``reduce``), which every backend zero_dtensor runs on supports on the devices it communicates on."""
 
     point_to_point: bool  #: ``isend`` / ``irecv`` / ``batch_isend_irecv``
     coalescing: bool  #: ``dist._coalescing_manager`` around several collectives
-    all_to_all: bool  #: ``all_to_all_single`` (else :func:`~zero_dtensor.collectives.all_to_all_into` stages on the CPU)
 
 
 def comm_support(backend: str, device_type: str) -> CommSupport:
     """The one place that decides which exchanges zero_dtensor may issue on ``backend`` for tensors on
     ``device_type``. Gloo over CUDA (or any accelerator) tensors: no point-to-point ops (gloo's ``isend`` /
-    ``irecv`` abort the process, ``gloo::IoException ... writev: Bad address``), no coalescing manager (its
-    ``wait()`` segfaults) and no ``all_to_all_single`` (both ranks die with SIGSEGV in the redistribution calls):
-    torch 2.11, gloo, H200, 2026-12-04. Everything else: all three. No communication."""
+    ``irecv`` abort the process, ``gloo::IoException ... writev: Bad address``) and no coalescing manager (its
+    ``wait()`` segfaults): torch 2.11, gloo, H200, 2026-12-04. Everything else: both. No communication."""
     gloo_off_cpu = backend == "gloo" and device_type != "cpu"
-    return CommSupport(point_to_point=not gloo_off_cpu, coalescing=not gloo_off_cpu, all_to_all=not gloo_off_cpu)
+    return CommSupport(point_to_point=not gloo_off_cpu, coalescing=not gloo_off_cpu)
 
 
 def device_type_of(device: torch.device | str) -> str:

@@ -208,8 +208,8 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         per (process group, dtype, device) of a zero-filled ``S`` buffer, ``2(N-1)/N·S`` bytes per rank. ``auto`` on
         gloo, for transfers of at least 1 MiB: the first call per (process group, dtype, power-of-two size) also
         calibrates (9 more collectives, 13 where the all_gather is pipelined, 4 more where the transfer is one flat
-        group and all_to_all is timed too, and 4 point-to-point batches: send_recv is timed too, except for CUDA tensors on gloo, whose ``isend``/``irecv`` and ``all_to_all_single`` cannot move them:
-        there ``send_recv`` and ``all_to_all`` are never picked, and asked for either raises ``ValueError`` before anything moves,
+        group and all_to_all is timed too, and 4 point-to-point batches: send_recv is timed too, except for CUDA tensors on gloo, whose ``isend``/``irecv`` cannot move them:
+        there ``send_recv`` is never picked, and asked for it raises ``ValueError`` before anything moves,
         :func:`zero_dtensor.process_groups.comm_support`); pin it with ``ZERO_DTENSOR_GATHER_STRATEGY`` or
         :func:`~zero_dtensor.materialize.set_gather_strategy`. Replicated groups (``BF16_Optimizer``,
         ``keep_full_grads``): none.

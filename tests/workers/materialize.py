@@ -444,49 +444,22 @@ def check_errors() -> None:
 def gloo_as_if_cuda() -> Iterator[None]:
     """Make every tensor answer as a CUDA one to :func:`zero_dtensor.process_groups.comm_support` (the device seam
     of the one capability decision), and make the exchanges gloo cannot run on CUDA tensors raise instead of
-    aborting: point-to-point ops (``batch_isend_irecv``, ``isend``, ``irecv``), the coalescing manager, and
-    ``all_to_all_single`` of any tensor but a host copy made through :mod:`zero_dtensor.devices` (``to_host`` /
-    ``host_empty``: moves copy here, and their results are the only "host" tensors). The old code has no seam
-    (``create=True``): there the patches still catch every such op it issues."""
+    aborting: point-to-point ops (``batch_isend_irecv``, ``isend``, ``irecv``) and the coalescing manager. The old
+    code has no seam (``create=True``): there the patches still catch every point-to-point op or coalescing
+    manager it issues."""
     from unittest import mock
 
-    from zero_dtensor import devices, process_groups
+    from zero_dtensor import process_groups
 
     def refused(what: str) -> Any:
         def fail(*args: Any, **kwargs: Any) -> Any:
             raise AssertionError(f"{what} issued for (faked) CUDA tensors on gloo")
         return fail
 
-    host: list[torch.Tensor] = []  # staged copies, kept alive while faked (their addresses name them)
-    host_device = getattr(devices, "HOST", torch.device("cpu"))
-
-    def move(t: torch.Tensor, device: Any, non_blocking: bool = False) -> torch.Tensor:
-        moved = t.to(device, copy=True)
-        if torch.device(device) == host_device:
-            host.append(moved)
-        return moved
-
-    def host_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
-        made = torch.empty(numel, dtype=dtype)
-        host.append(made)
-        return made
-
-    real_all_to_all = dist.all_to_all_single
-
-    def all_to_all_single(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        staged = {t.untyped_storage().data_ptr() for t in host}
-        cuda = [tuple(t.shape) for t in (output, input) if t.numel() and t.untyped_storage().data_ptr() not in staged]
-        if cuda:
-            raise AssertionError(f"all_to_all_single issued for (faked) CUDA tensors on gloo: {cuda}")
-        return real_all_to_all(output, input, *args, **kwargs)
-
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(process_groups, "device_type_of", lambda device: "cuda", create=True))
         for what in ("batch_isend_irecv", "isend", "irecv", "_coalescing_manager"):
             stack.enter_context(mock.patch.object(dist, what, refused(what)))
-        stack.enter_context(mock.patch.object(dist, "all_to_all_single", all_to_all_single))
-        stack.enter_context(mock.patch.object(devices, "_move", move))
-        stack.enter_context(mock.patch.object(devices, "host_empty", host_empty, create=True))
         yield
 
 
@@ -516,7 +489,7 @@ def check_gloo_over_cuda(stage: int, groups: int = 1, world: int = 2) -> dict:
         finally:
             mz.strategy.CALIBRATION_MIN_BYTES = previous_min
             mz.clear_calibration()
-        for strategy in ("all_gather", "all_reduce"):
+        for strategy in ("all_gather", "all_to_all", "all_reduce"):
             _equal(dict(grads.full_tensors(strategy=strategy)), default, strategy)
         with pipelining():
             _equal(dict(grads.full_tensors(strategy="all_gather")), default, "pipelined all_gather")
@@ -525,15 +498,12 @@ def check_gloo_over_cuda(stage: int, groups: int = 1, world: int = 2) -> dict:
             streamed = dict(grads.iter_full(bucket_bytes=bucket, strategy=strategy))
             assert sorted(streamed) == sorted(default)
             assert all(torch.equal(streamed[n], default[n]) for n in default), strategy
-        for refused_strategy in ("send_recv", "all_to_all"):  # gloo cannot run either on CUDA tensors
-            for call in (lambda: grads.full_tensors(strategy=refused_strategy),
-                         lambda: grads.iter_full(strategy=refused_strategy)):
-                with pytest.raises(ValueError, match=refused_strategy):
-                    call()
-            with pinned(refused_strategy), pytest.raises(ValueError, match=refused_strategy):
-                grads.full_tensors()
-    # the redistribution calls exchange by all_to_all_single: staged on the host there, the CPU path's values
-    report["redistribution"] = _redistribute_over_cuda(grads)
+        for call in (lambda: grads.full_tensors(strategy="send_recv"),
+                     lambda: grads.iter_full(strategy="send_recv")):
+            with pytest.raises(ValueError, match="send_recv"):
+                call()
+        with pinned("send_recv"), pytest.raises(ValueError, match="send_recv"):
+            grads.full_tensors()
     engine.step()  # DeepSpeed's own step: not under test here
     master = zd.sharded_master_params(engine)
     with pinned("all_gather"):
@@ -549,27 +519,6 @@ def check_gloo_over_cuda(stage: int, groups: int = 1, world: int = 2) -> dict:
     for name, value in before.items():
         assert torch.equal(working[name], (2.0 * value).to(working[name].dtype)), name
     return report
-
-
-def _redistribute_over_cuda(grads: Any) -> list[str]:
-    """to_dtensors / set_dtensors_ / owned / set_owned_ / map_full_ under :func:`gloo_as_if_cuda` return and write
-    what they do without it (each write restores the values it read, so the gradients end as they began)."""
-    names = list(grads.names)
-    plain_dt = {n: t.to_local().clone() for n, t in grads.to_dtensors().items()}
-    plain_owned = {n: t.clone() for n, t in grads.owned().items()}
-    with gloo_as_if_cuda():
-        got = grads.to_dtensors()
-        assert sorted(got) == sorted(plain_dt) and all(torch.equal(got[n].to_local(), plain_dt[n]) for n in got)
-        grads.set_dtensors_({n: 2 * t for n, t in got.items()})
-        owned = grads.owned()
-        assert sorted(owned) == sorted(plain_owned)
-        assert all(torch.equal(owned[n], 2 * plain_owned[n]) for n in owned), "set_dtensors_ or owned"
-        grads.set_owned_({n: t / 2 for n, t in owned.items()})
-        grads.map_full_(lambda name, t: t * 3)
-        grads.map_full_(lambda name, t: t / 3)
-    back = grads.owned()
-    assert all(torch.allclose(back[n], plain_owned[n]) for n in back), "set_owned_ or map_full_"
-    return names
 
 
 @contextlib.contextmanager

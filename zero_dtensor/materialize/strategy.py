@@ -34,10 +34,7 @@ point-to-point ops (``send_recv``), or a zero-padded ``all_reduce``.
     ``all_gather`` on every backend but gloo; on gloo the candidates are measured once per (process group, device,
     dtype, power-of-two size class, ...) and the fastest is cached (:func:`calibrate`): all_gather, all_reduce and
     send_recv (one batch per transfer), and all_to_all where the transfer is one flat group (it has no coalesced
-    form, and ``auto`` never issues more data collectives than one per transfer). Gloo over CUDA tensors has
-    neither point-to-point ops nor ``all_to_all_single`` (:func:`~zero_dtensor.process_groups.comm_support`):
-    there neither send_recv nor all_to_all is timed or used, and asking for either raises ``ValueError`` on every
-    rank before anything moves (:func:`check_possible`). Transfers under
+    form, and ``auto`` never issues more data collectives than one per transfer). Transfers under
     ``CALIBRATION_MIN_BYTES`` (1 MiB) are not measured and use all_gather.
 
 A ZeRO-3 ``all_gather`` of ``PIPELINE_MIN_BYTES`` (16 MiB) or more is *pipelined* (:func:`pipelines`): it travels as
@@ -282,16 +279,12 @@ def explicit(strategy: str) -> str:
 
 
 def check_possible(chosen: str, group: dist.ProcessGroup, device: torch.device) -> None:
-    """Refuse ``send_recv`` or ``all_to_all`` (asked for, or pinned) where ``group``'s backend has no
-    point-to-point ops, or no ``all_to_all_single``, for tensors on ``device``
-    (:func:`~zero_dtensor.process_groups.comm_support`: gloo over CUDA tensors), before anything moves:
-    ``ValueError``. No communication."""
-    support = comm_support_of(group, device)
-    missing = {"send_recv": (support.point_to_point, "its isend/irecv cannot move them"),
-               "all_to_all": (support.all_to_all, "its all_to_all_single cannot move them")}.get(chosen)
-    if missing is not None and not missing[0]:
-        raise ValueError(f"strategy={chosen!r} cannot run on {backend_of(group)} with {device.type} tensors "
-                         f"({missing[1]}); use strategy='auto' or 'all_gather', or unpin it "
+    """Refuse ``send_recv`` (asked for, or pinned) where ``group``'s backend has no point-to-point ops for tensors
+    on ``device`` (:func:`~zero_dtensor.process_groups.comm_support`: gloo over CUDA tensors), before anything
+    moves: ``ValueError``. No communication."""
+    if chosen == "send_recv" and not comm_support_of(group, device).point_to_point:
+        raise ValueError(f"strategy='send_recv' cannot run on {backend_of(group)} with {device.type} tensors (its "
+                         f"isend/irecv cannot move them); use strategy='auto' or 'all_gather', or unpin it "
                          f"(set_gather_strategy(None) / unset ZERO_DTENSOR_GATHER_STRATEGY)")
 
 
@@ -329,17 +322,16 @@ def resolve(strategy: str, group: dist.ProcessGroup, device: torch.device, dtype
     if decision != CALIBRATES:
         return decision
     key = _decision_key(group, device, dtype, nbytes, unpack, pipelined, one_group)
-    support = comm_support_of(group, device)
-    decision = _DECISIONS[key] = calibrate(group, device, dtype, nbytes, unpack, pipelined,
-                                           one_group and support.all_to_all, send_recv=support.point_to_point)
+    decision = _DECISIONS[key] = calibrate(group, device, dtype, nbytes, unpack, pipelined, one_group,
+                                           send_recv=comm_support_of(group, device).point_to_point)
     return decision
 
 
 def stream_strategy(strategy: str, group: dist.ProcessGroup, param_order_gather: bool,
                     device: torch.device) -> str:
     """What ``iter_full`` uses per window of tensors on ``device``: the explicit or pinned strategy (``all_to_all``
-    windows travel by all_gather: a window is small and gathered into scratch; ``send_recv`` or ``all_to_all``
-    where the backend cannot run them on ``device`` raises ``ValueError``, :func:`check_possible`), else ``send_recv`` on gloo over CPU
+    windows travel by all_gather: a window is small and gathered into scratch; ``send_recv`` where point-to-point
+    ops cannot move them raises ``ValueError``, :func:`check_possible`), else ``send_recv`` on gloo over CPU
     tensors (every peer's share received in place: the fewest bytes, no padding, no zero fill, and gloo's
     cheapest gather), all_reduce for parameter-order (ZeRO-1/2) windows elsewhere (no stitching), all_gather for
     ZeRO-3 windows elsewhere. No communication."""

@@ -28,11 +28,7 @@ offset, length)`` triples in peer order. Executing a plan takes a fixed number o
 number of parameters: one ``torch.cat`` of narrow views into a send buffer, one ``all_to_all_single``, one
 ``torch.split_with_sizes_copy`` of the receive buffer into narrow views of the destination (the output buffer, or
 DeepSpeed's partitions; none when the received pieces already are the output in order), and at most two casts (fp16
-unscaling, ``dtype=``). Per-parameter results are views into the output buffer. On gloo with CUDA tensors, whose
-``all_to_all_single`` segfaults (:func:`~zero_dtensor.process_groups.comm_support`), each exchange is staged on the
-host (:func:`~zero_dtensor.collectives.all_to_all_into`: the send buffer copied to the host, a host all_to_all,
-the receive buffer copied back: two extra copies of the bytes this rank sends and receives, and as much host
-memory, freed on return); NCCL and gloo over CPU tensors exchange in place.
+unscaling, ``dtype=``). Per-parameter results are views into the output buffer.
 
 **Validation.** Writes check every entry on every rank before anything is sent or written; a bad entry on one rank
 raises on every rank (one ``all_reduce`` of ``N`` int64 error codes per process group): the failing rank raises

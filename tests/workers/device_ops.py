@@ -222,6 +222,9 @@ TRAFFIC: dict[str, Call] = {
 }
 
 
+WARM_UP = ("norms", "norms(half)", "found_inf")  #: the calls whose first run fills every cache the others use
+
+
 def check_traffic(cases: tuple[tuple[int, str], ...], dot_chunk: int = 2048) -> dict[str, dict[str, Any]]:
     """``{"z{stage}-{dtype}": {call: DispatchProbe.summary()}}`` of each reduction and clip of :data:`TRAFFIC` on a
     :class:`Blocks` engine (two param groups) per ``(stage, dtype)``, measured on its second call (caches filled by
@@ -251,12 +254,16 @@ def check_traffic(cases: tuple[tuple[int, str], ...], dot_chunk: int = 2048) -> 
             storages = [state_of(grads).storage, state_of(other).storage]
             mine, theirs = list(storages[0].partitions), list(storages[1].partitions)
             rows = {}
+            with simulated_offload(storages, offload=False), DispatchProbe(simulate=True, nccl=True,
+                                                                            raise_on_mix=False) as warm:
+                # first calls: the caches (plans' index tensors on the simulated device, selection orders) the
+                # measured calls use filled, as a GPU run's first call fills them (a call building one of its own
+                # shows its host-to-device copy)
+                warm.tag(mine + theirs, "dev")
+                for name in WARM_UP:
+                    TRAFFIC[name](grads, other)
             for name, fn in TRAFFIC.items():
                 with simulated_offload(storages, offload=False):
-                    # first call: caches (index tensors on the simulated device) filled, as a GPU run's first call
-                    with DispatchProbe(simulate=True, nccl=True, raise_on_mix=False) as warm:
-                        warm.tag(mine + theirs, "dev")
-                        fn(grads, other)
                     with DispatchProbe(simulate=True, nccl=True, raise_on_mix=False) as probe:
                         probe.tag(mine + theirs, "dev").watch(mine + (theirs if name.startswith("dots") else []))
                         fn(grads, other)

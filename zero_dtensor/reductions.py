@@ -390,9 +390,9 @@ def stats(state: FlatState, sel: Selection) -> ParamStatsMap[GradStats]:
     counts summed across ranks; max |x| and an incompleteness flag maxed; :func:`~zero_dtensor.collectives.sum_max_rows`):
     per process group one all_gather of it (gloo below 4 ranks), else two all_reduces. Locally per group one
     :func:`~zero_dtensor.segments.piece_stats` (sums of squares, sums, maxima: three reads; nan/inf counts of
-    the bits and of the up to 1/32 of the rows whose sum of squares is not finite, chosen on the device). One host
-    sync: the copy of the results (``GradStats`` hold Python numbers). Only when more than 1/32 of some rank's
-    rows of a group are not finite (the flag, the same on every rank after the reduction) are the counts taken
+    the bits and of up to max(16, rows/256) rows whose sum of squares is not finite, chosen on the device). One
+    host sync: the copy of the results (``GradStats`` hold Python numbers). Only when more of some rank's rows of
+    a group than that are not finite (the flag, the same on every rank after the reduction) are the counts taken
     again exactly (two more passes, one more collective, a second copy). The partials are reduced on the storage
     device and move to the communication device once."""
     parts = _parts((state,), sel)

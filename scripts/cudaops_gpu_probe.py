@@ -1,58 +1,121 @@
-"""Device check of issue 42 item 3 (branch cudaops), prepared, not yet run: the segment reductions at W=2048 on
-a 1.03B-element bf16 buffer in 198 pieces (the gpu_check model) against the flat floors, their values against float64
-references, no host sync (set_sync_debug_mode error), and the CUDA scale path bitwise equal to mul_/div_ by a 0-d
-fp32 tensor. Run from the repository root: PYTHONPATH=$PWD timeout 220 python scripts/cudaops_gpu_probe.py
-(about 1-2 minutes; needs torch with CUDA, no DeepSpeed)."""
-import math, time, torch, json, os
+"""Device check of issue 42 (branch cudaops2), to run right after benchmarks/gpu_check.py (which times the public
+calls on engines): the per-group kernels those calls run, on a 1.03B-element bf16 buffer in 198 pieces (the
+gpu_check model) at the accelerator row width, against the flat floors; values against float64 references; nan/inf
+counts on the device; the per-fragment clip multiply; and no host sync (``torch.cuda.set_sync_debug_mode("error")``).
+One line per figure: ``name value [xN floor]``. About 1 minute on an H200; torch with CUDA, no DeepSpeed:
+
+    PYTHONPATH=$PWD timeout 200 python scripts/cudaops_gpu_probe.py
+
+(``PROBE_H=256`` shrinks the model: a CPU smoke run, no sync check.)"""
+import math
+import os
+
+import torch
+
 from zero_dtensor import segments as S
+from zero_dtensor.reductions import _order
 from zero_dtensor.tiling import Tiling
-from zero_dtensor.transforms import _scale_op
-dev = "cuda"; torch.manual_seed(0)
-h, L = 2304, 16
-blk = [h, h, 3*h*h, 3*h, h*h, h, h, h, 4*h*h, 4*h, 4*h*h, h]
-sizes = [h*h, h] + blk * L + [h, h, h*h, h]
-N = sum(sizes)
-flat = (torch.randn(N, device=dev) * 1e-3).to(torch.bfloat16)
-t0 = time.time(); seg = S.segment_plan(Tiling(tuple(sizes), tuple(range(len(sizes))), ()), S.block_for(flat.device))
-S.piece_pow_sums(flat, seg); torch.cuda.synchronize(); r = {"plan_build_s": time.time() - t0, "W": seg.block}
-def tm(fn, n=10):
-    for _ in range(2): fn()
-    torch.cuda.synchronize(); ev = []
+from zero_dtensor.transforms import _cast_on_cuda, _scale_op
+
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+torch.manual_seed(0)
+h, L = int(os.environ.get("PROBE_H", 2304)), 16
+blk = [h, h, 3 * h * h, 3 * h, h * h, h, h, h, 4 * h * h, 4 * h, 4 * h * h, h]
+sizes = [h * h, h] + blk * L + [h, h, h * h, h]
+flat = (torch.randn(sum(sizes), device=dev) * 1e-3).to(torch.bfloat16)
+other = (torch.randn(sum(sizes), device=dev) * 1e-3).to(torch.bfloat16)
+seg = S.segment_plan(Tiling(tuple(sizes), tuple(range(len(sizes))), ()), S.block_for(flat.device))
+views = list(flat.split(sizes))
+
+
+def sync() -> None:
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def tm(fn, n: int = 10) -> float:
+    """Median milliseconds of ``fn`` (CUDA events; wall clock on the CPU)."""
+    import time
+    for _ in range(2):
+        fn()
+    sync()
+    out = []
     for _ in range(n):
-        s, e = torch.cuda.Event(True), torch.cuda.Event(True); s.record(); fn(); e.record(); ev.append((s, e))
-    torch.cuda.synchronize(); return sorted(s.elapsed_time(e) for s, e in ev)[n // 2]
-r["floor_norm"] = tm(lambda: torch.linalg.vector_norm(flat, dtype=torch.float32))
-r["floor_mul"] = tm(lambda: flat.mul_(1.0))
-r["piece_pow_sums"] = tm(lambda: S.piece_pow_sums(flat, seg))
-r["piece_pow_sums_p1"] = tm(lambda: S.piece_pow_sums(flat, seg, 1.0))
-r["piece_max_abs"] = tm(lambda: S.piece_max_abs(flat, seg))
-r["piece_stats"] = tm(lambda: S.piece_stats(flat, seg))
-r["piece_dots"] = tm(lambda: S.piece_dots(flat, flat, seg), 5)
-c = torch.tensor(1.0, device=dev); whole = _scale_op("mul")
-r["mul_0d_fp32"] = tm(lambda: flat.mul_(c)); r["scale_op"] = tm(lambda: whole(flat, c))
-ref = torch.stack([v.double().square().sum() for v in flat.split(sizes)])
-r["pow2_max_rel_err"] = float(((S.piece_pow_sums(flat, seg) - ref).abs() / ref).max())
-ref1 = torch.stack([v.double().abs().sum() for v in flat.split(sizes)])
-r["pow1_max_rel_err"] = float(((S.piece_pow_sums(flat, seg, 1.0) - ref1).abs() / ref1).max())
-refm = torch.stack([v.double().abs().max() for v in flat.split(sizes)])
-r["maxabs_equal"] = bool(torch.equal(S.piece_max_abs(flat, seg), refm))
-st = S.piece_stats(flat, seg); refs = torch.stack([v.double().sum() for v in flat.split(sizes)])
-r["stats_rel_err"] = [float(((st[:, 0] - ref).abs() / ref).max()), float((st[:, 1] - refs).abs().max() / ref1.max()), bool(torch.equal(st[:, 2], refm))]
-r["dots_rel_err"] = float(((S.piece_dots(flat, flat, seg) - ref).abs() / ref).max())
-bit = {}
-for dt in (torch.bfloat16, torch.float16, torch.float32):
-    x = (torch.randn(1 << 22, device=dev) * 3).to(dt); bad = 0
-    for i in range(20):
-        cc = torch.rand((), device=dev) * 2; a = x.clone().mul_(cc); b = x.clone(); whole(b, cc); bad += int(not torch.equal(a, b))
-        a = x.clone().div_(cc); b = x.clone(); _scale_op("div")(b, cc); bad += int(not torch.equal(a, b))
-    bit[str(dt)] = bad
-r["scale_op_mismatches"] = bit
-torch.cuda.set_sync_debug_mode("error")
-try:
-    S.piece_pow_sums(flat, seg); S.piece_pow_sums(flat, seg, 1.0); S.piece_max_abs(flat, seg); S.piece_stats(flat, seg); S.piece_dots(flat, flat, seg); whole(flat, c)
-    r["no_sync"] = True
-except RuntimeError as e:
-    r["no_sync"] = str(e)[:300]
-finally:
-    torch.cuda.set_sync_debug_mode(0)
-print(json.dumps(r, indent=1))
+        if dev == "cuda":
+            s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+            s.record(); fn(); e.record(); torch.cuda.synchronize(); out.append(s.elapsed_time(e))
+        else:
+            t = time.perf_counter(); fn(); out.append((time.perf_counter() - t) * 1e3)
+    return sorted(out)[n // 2]
+
+
+def line(name: str, value, floor: float | None = None) -> None:
+    ratio = f"  x{value / floor:.2f} floor" if floor and isinstance(value, float) else ""
+    print(f"{name:34s} {value:.3f}{ratio}" if isinstance(value, float) else f"{name:34s} {value}", flush=True)
+
+
+norm_f = tm(lambda: torch.linalg.vector_norm(flat, dtype=torch.float32))
+mul_f = tm(lambda: flat.mul_(1.0))
+line("W (row width)", seg.block)
+line("floor_norm_ms", norm_f)
+line("floor_mul_ms", mul_f)
+line("piece_pow_sums_ms (norms)", tm(lambda: S.piece_pow_sums(flat, seg)), norm_f)
+line("piece_max_abs_ms (vector_norm inf)", tm(lambda: S.piece_max_abs(flat, seg)), norm_f)
+line("piece_stats_counts_ms (stats)", tm(lambda: S.piece_stats(flat, seg, counts=True)), norm_f)
+line("target stats <= 3x floor", "")
+line("piece_dots_ms (dots)", tm(lambda: S.piece_dots(flat, other, seg), 5), 2 * norm_f)
+rows_a, rows_b = S._rows(flat, seg), S._rows(other, seg)
+try:  # a candidate for dots at the floor: cuBLAS batched dot products, float32 output (CUDA only)
+    line("alt_bmm_out_fp32_dots_ms", tm(lambda: torch.bmm(rows_a.unsqueeze(1), rows_b.unsqueeze(2),
+                                                          out_dtype=torch.float32), 5), 2 * norm_f)
+except Exception as e:  # noqa: BLE001
+    line("alt_bmm_out_fp32_dots_ms", f"n/a {type(e).__name__}")
+coef = torch.full((), 0.999, device=dev)
+line("clip_whole_ms (norm + scale_op)", tm(lambda: (S.piece_pow_sums(flat, seg), _scale_op("mul")(flat, coef))),
+     norm_f + mul_f)
+factors = list(torch.full((len(views),), 0.999, device=dev).unbind(0))
+line("clip_per_param_mul_ms (198 fp32 0-d)", tm(lambda: torch._foreach_mul_(views, factors)), mul_f)
+line("clip_per_param_mul_ms (cast, lib)", tm(lambda: torch._foreach_mul_(views, _cast_on_cuda(views, factors))),
+     mul_f)
+
+# values
+ref2 = torch.stack([v.double().square().sum() for v in views])
+line("pow2_max_rel_err", float(((S.piece_pow_sums(flat, seg) - ref2).abs() / ref2).max()))
+refm = torch.stack([v.double().abs().max() for v in views])
+line("max_abs_equal", bool(torch.equal(S.piece_max_abs(flat, seg), refm)))
+refd = torch.stack([(v.double() * w.double()).sum() for v, w in zip(views, other.split(sizes))])
+refa = torch.stack([(v.double() * w.double()).abs().sum() for v, w in zip(views, other.split(sizes))])
+line("dots_max_err_rel_to_sum_abs", float(((S.piece_dots(flat, other, seg) - refd).abs() / refa).max()))
+bad = flat.clone()
+hit = torch.randint(0, bad.numel(), (40,), device=dev)  # (repeats possible: counts come from bad itself)
+bad[hit[:25]] = math.nan
+bad[hit[25:]] = -math.inf
+st = S.piece_stats(bad, seg, counts=True)
+want_nan = torch.stack([torch.isnan(v).sum() for v in bad.split(sizes)]).double()
+want_inf = torch.stack([torch.isinf(v).sum() for v in bad.split(sizes)]).double()
+line("counts_exact (40 specials)", bool(torch.equal(st[:, 3], want_nan) and torch.equal(st[:, 4], want_inf)
+                                        and not bool(st[:, 5].any())))
+line("max_abs_nan_propagates", bool(torch.equal(torch.isnan(st[:, 2]), want_nan > 0)))
+c = torch.rand((), device=dev) * 2
+a, b = flat.clone().mul_(c), flat.clone()
+_scale_op("mul")(b, c)
+fa = [v.clone() for v in views[:8]]
+fb = [v.clone() for v in views[:8]]
+fs = list((torch.rand(8, device=dev) * 2).unbind(0))
+torch._foreach_mul_(fa, fs)
+torch._foreach_mul_(fb, _cast_on_cuda(fb, fs))
+line("scale_bitwise (whole, per-param)", (bool(torch.equal(a, b)), all(map(torch.equal, fa, fb))))
+
+if dev == "cuda":
+    _order((0, 1, 0, 1), torch.device(dev))  # the cached selection order (filled once, as a first call does)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        S.piece_pow_sums(flat, seg); S.piece_pow_sums(flat, seg, 1.0); S.piece_max_abs(flat, seg)
+        S.piece_stats(bad, seg, counts=True); S.piece_dots(flat, other, seg)
+        _scale_op("mul")(flat, coef); torch._foreach_mul_(views, _cast_on_cuda(views, factors))
+        _order((0, 1, 0, 1), torch.device(dev))
+        line("no_sync", True)
+    except RuntimeError as e:
+        line("no_sync", str(e)[:300])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

@@ -62,9 +62,15 @@ TRAFFIC_CASES = ((1, "fp16"), (2, "bf16"), (3, "fp32"))
 TRAFFIC_LIMITS = {"norms": (1, 0), "norms(1)": (1, 0), "norms(inf)": (1, 0), "norms(half)": (1, 0),
                   "global_norm": (1, 0), "global_norm(inf)": (1, 0), "dots": (1, 0), "dots(with_norms)": (2, 0),
                   "stats": (3, 0), "found_inf": (1, 0), "clip_grad_norm_": (2, 1), "clip_per_param_": (2, 1)}
-#: host syncs allowed: the rank agreement's read of its gathered rows ('tolist', zero_dtensor.agreement), plus
-#: stats' finiteness check and found_inf's answer ('_local_scalar_dense')
-TRAFFIC_SYNCS = {"stats": ["tolist", "_local_scalar_dense"], "found_inf": ["tolist", "_local_scalar_dense"]}
+#: host syncs allowed: the rank agreement's upload of its values and read of its gathered rows ('to_device' there,
+#: 'tolist'; zero_dtensor.agreement), plus found_inf's answer ('_local_scalar_dense'). None elsewhere: no
+#: host-to-device copy of a selection's order (ZeRO-3's sub-groups: two flat groups here) and no finiteness check
+#: in stats (its result copy to the host is its one sync, not counted here: a copy to the real CPU)
+TRAFFIC_SYNCS = {"found_inf": ["to_device", "tolist", "_local_scalar_dense"]}
+AGREEMENT_SITES = {"collectives.py:gather_int_rows_within"}
+#: dots: rows in a bounded number of chunks (zero_dtensor.segments.DOT_PARTS = 16, about 4 operations each, two
+#: flat groups), however small DOT_CHUNK is (2048 elements here: 64 chunks per group before the bound)
+TRAFFIC_OPS = {"dots": 2 * (4 * 17 + 20) + 30, "dots(with_norms)": 2 * (4 * 17 + 50) + 30}
 _TRAFFIC: list = []
 
 
@@ -85,8 +91,11 @@ def test_reductions_read_the_data_once_without_copies_or_syncs(ranks, name: str)
                                 f"{r['data_written'] / data:.2f}x the data (at most {reads}x, {writes}x)")
             if r["largest"] > data / 16:  # an upcast copy, a mask or a product of the data's size
                 problems.append(f"rank {rank} {case}: a temporary of {r['largest'] / data:.2f}x the data")
-            if r["syncs"] != TRAFFIC_SYNCS.get(name, ["tolist"]):
-                problems.append(f"rank {rank} {case}: host syncs {r['syncs']}")
+            if (r["syncs"] != TRAFFIC_SYNCS.get(name, ["to_device", "tolist"])
+                    or not set(r["sync_sites"]) <= AGREEMENT_SITES):
+                problems.append(f"rank {rank} {case}: host syncs {r['syncs']} (host to device at {r['sync_sites']})")
             if r["refused"]:
                 problems.append(f"rank {rank} {case}: {r['refused'][:2]}")
+            if r["ops"] > TRAFFIC_OPS.get(name, 10**9):
+                problems.append(f"rank {rank} {case}: {r['ops']} operations (at most {TRAFFIC_OPS[name]})")
     assert not problems, f"{name}: " + "; ".join(problems)

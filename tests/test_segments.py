@@ -347,3 +347,34 @@ def test_public_reductions_on_a_single_rank_layout(case, seed, scale, specials, 
             assert abs(float(dots[n]) - float(prod.sum())) <= 2e-5 * float(prod.abs().sum()) + 1e-30
             assert math.isclose(float(mine[n]), ref_norm(true[n], 2), rel_tol=2e-6, abs_tol=1e-30)
             assert math.isclose(float(their_norms[n]), ref_norm(theirs[n], 2), rel_tol=2e-6, abs_tol=1e-30)
+
+
+def test_stats_count_nonfinite_rows_on_the_device_and_flag_what_they_miss() -> None:
+    """issue 42: piece_stats(counts=True) counts nan/inf without a host branch: exact with up to
+    max(COUNT_ROWS, rows/COUNT_SHARE) non-finite rows (bits and rows straddling pieces included), the 'missed' flag
+    set beyond; max |x| by vector_norm(inf) propagates nan as aminmax did."""
+    from zero_dtensor import segments
+
+    sizes = [700, 64 * 40 + 5, 3, 64 * 200, 130]
+    seg = segments.sizes_plan(sizes, 64)
+    for bad_rows, missed in ((5, False), (segments.COUNT_ROWS + 3, True)):
+        x = torch.randn(seg.numel, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(bad_rows))
+        at = torch.randperm(seg.numel - 64, generator=torch.Generator().manual_seed(1))[: bad_rows * 3]
+        where = torch.unique(at // 64)[:bad_rows] * 64 + 7  # one special in each of `bad_rows` distinct rows
+        x[where[::2]] = math.nan
+        x[where[1::2]] = -math.inf
+        x[3], x[701] = math.inf, math.nan  # bits
+        got = piece_stats(x, seg, counts=True)
+        assert got.shape == (len(sizes), 6)
+        plain = piece_stats(x, seg)
+        assert torch.equal(torch.isnan(got[:, :3]), torch.isnan(plain))
+        assert torch.equal(got[:, :3][~torch.isnan(plain)], plain[~torch.isnan(plain)])
+        pieces = x.split(sizes)
+        want_nan = torch.tensor([float(torch.isnan(p).sum()) for p in pieces], dtype=torch.float64)
+        want_inf = torch.tensor([float(torch.isinf(p).sum()) for p in pieces], dtype=torch.float64)
+        assert bool(got[:, 5].eq(1.0).all()) is missed and bool(got[:, 5].eq(0.0).all()) is not missed
+        if not missed:
+            assert torch.equal(got[:, 3], want_nan) and torch.equal(got[:, 4], want_inf)
+        else:
+            assert bool((got[:, 3] <= want_nan).all() and (got[:, 4] <= want_inf).all())
+        assert torch.equal(torch.isnan(got[:, 2]), want_nan > 0)

@@ -33,6 +33,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import repeat
 from typing import Any
 
@@ -41,7 +42,7 @@ import torch.distributed as dist
 
 from .collectives import all_reduce_rows, sum_max_rows
 from .agreement import distinct_groups
-from .devices import to_comm, to_host, to_storage
+from .devices import to_comm, to_device, to_host, to_storage
 from .param_values import ParamStatsMap, ParamValues
 from .segments import (
     SegmentPlan,
@@ -151,9 +152,17 @@ def _per_param(state: FlatState, sel: Selection, parts: list[_Part], values: Cal
     if len(out) == 1:
         return to_comm(out[0], devices)
     # parts are in ascending group order; a stable sort of the selection by group says where each row goes
-    order = to_comm(torch.argsort(torch.tensor([p.group for p in sel.params]), stable=True), devices)
+    order = _order(tuple(p.group for p in sel.params), devices.comm)
     stacked = to_comm(torch.cat(out), devices)
     return torch.empty_like(stacked).index_copy_(0, order, stacked)
+
+
+@lru_cache(maxsize=32)
+def _order(groups: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Where each selected parameter's row goes among rows stacked group by group: a (k,) int64 index on
+    ``device``, cached per (groups of the selection, device). Built once: a host-to-device copy on every call
+    would be a host sync on CUDA (a blocking copy from pageable memory)."""
+    return to_device(torch.argsort(torch.tensor(groups), stable=True), device)
 
 
 def _reduce(state: FlatState, sel: Selection, local: torch.Tensor, op: Any,
@@ -343,58 +352,65 @@ def dots(state: FlatState, other: FlatState, sel: Selection, with_norms: bool) -
 
 
 def _moments(part: _Part) -> torch.Tensor:
-    """(pieces, 3) float64: sum of squares, sum, max |x| (:func:`~zero_dtensor.segments.piece_stats`)."""
+    """(pieces, 6) float64: sum of squares, sum, max |x|, nan count, inf count, missed
+    (:func:`~zero_dtensor.segments.piece_stats` with ``counts``: three reads, counts decided on the device)."""
     (buf,) = part.bufs
-    return piece_stats(buf, part.seg, part.device)
+    return piece_stats(buf, part.seg, part.device, counts=True)
 
 
 def _counts(part: _Part) -> torch.Tensor:
-    """(pieces, 2) float64: nan and inf counts (two more passes and two masks of the buffer's size: only taken
-    when some value is not finite)."""
+    """(pieces, 2) float64: nan and inf counts, exactly (two more passes and two masks of the buffer's size: only
+    taken when :func:`_moments` could not count every non-finite row)."""
     (buf,) = part.bufs
     return torch.stack([piece_sums(torch.isnan(buf), part.seg, part.device),
                         piece_sums(torch.isinf(buf), part.seg, part.device)], dim=1)
 
 
+#: columns of :func:`_stat_rows`: summed across ranks (the first four), maxed (the last two)
+_SUMMED = 4
+
+
 def _stat_columns(part: _Part) -> torch.Tensor:
-    """(pieces, 5) float64 of one part, the columns :func:`_stat_rows` gives (with a finiteness check of its own:
-    a host sync; :func:`stats` checks all groups at once instead)."""
-    moments = _moments(part)
-    counts = (torch.zeros_like(moments[:, :2]) if bool(torch.isfinite(moments[:, 0]).all()) else _counts(part))
-    return torch.cat([moments[:, :2], counts, moments[:, 2:]], dim=1)
+    """(pieces, 5) float64 of one part: sum of squares, sum, nan count, inf count, max |x| (with a host check of
+    its own when the counts may be incomplete; :func:`stats` decides that from its one result copy instead)."""
+    m = _moments(part)
+    counts = m[:, 3:5] if not bool(m[:, 5].any()) else _counts(part)
+    return torch.cat([m[:, :2], counts, m[:, 2:3]], dim=1)
 
 
-def _stat_rows(state: FlatState, sel: Selection) -> torch.Tensor:
-    """(k, 5) float64 on the communication device: sum of squares, sum, nan count, inf count, max |x| per selected
-    parameter. The counts are taken (:func:`_counts`) only when some sum of squares is not finite: one host sync
-    for all groups, else zero."""
-    parts = _parts((state,), sel)
-    moments = _per_param(state, sel, parts, _moments, torch.float64, (3,))
-    if bool(torch.isfinite(moments[:, 0]).all()):
-        counts = torch.zeros_like(moments[:, :2])
-    else:  # rare: the 2-norm and the max are nan/inf then
-        counts = _per_param(state, sel, parts, _counts, torch.float64, (2,))
-    return torch.cat([moments[:, :2], counts, moments[:, 2:]], dim=1)
+def _stat_rows(state: FlatState, sel: Selection, parts: list[_Part]) -> torch.Tensor:
+    """(k, 6) float64 on the communication device: sum of squares, sum, nan count, inf count, max |x|, missed
+    (1.0 where some part's counts may be incomplete) per selected parameter. No host sync."""
+    m = _per_param(state, sel, parts, _moments, torch.float64, (6,))
+    return torch.cat([m[:, :2], m[:, 3:5], m[:, 2:3], m[:, 5:]], dim=1)
 
 
 def stats(state: FlatState, sel: Selection) -> ParamStatsMap[GradStats]:
-    """Per parameter 2-norm, max |g|, mean, nan and inf counts: a (k, 5) float64 matrix, its first four columns
-    summed and the last maxed across ranks (:func:`~zero_dtensor.collectives.sum_max_rows`): per process group one
-    all_gather of it (gloo below 4 ranks), else two all_reduces. Locally per group: one
-    :func:`~zero_dtensor.segments.piece_stats` (sums of squares, sums, maxima: three reads), nan/inf counts only
-    when some value is not finite (one host sync for all groups: the check); then one host copy of the results
-    (the second). The partials are reduced on the storage device and move to the communication device once."""
-    local = _stat_rows(state, sel)
+    """Per parameter 2-norm, max |g|, mean, nan and inf counts: a (k, 6) float64 matrix (sums of squares, sums,
+    counts summed across ranks; max |x| and an incompleteness flag maxed; :func:`~zero_dtensor.collectives.sum_max_rows`):
+    per process group one all_gather of it (gloo below 4 ranks), else two all_reduces. Locally per group one
+    :func:`~zero_dtensor.segments.piece_stats` (sums of squares, sums, maxima: three reads; nan/inf counts of
+    the bits and of up to max(16, rows/256) rows whose sum of squares is not finite, chosen on the device). One
+    host sync: the copy of the results (``GradStats`` hold Python numbers). Only when more of some rank's rows of
+    a group than that are not finite (the flag, the same on every rank after the reduction) are the counts taken
+    again exactly (two more passes, one more collective, a second copy). The partials are reduced on the storage
+    device and move to the communication device once."""
+    parts = _parts((state,), sel)
+    local = _stat_rows(state, sel, parts)
     names = sel.names
     scale = state.loss_scale
-    host = to_host(_reduce_rows(state, sel, local, lambda rows, which, pg: sum_max_rows(rows, which, pg, 4)))
-    sumsq, total, nans, infs, top = host.unbind(1)
-    numels, counts = sel.numels()
+    reduced = _reduce_rows(state, sel, local, lambda rows, which, pg: sum_max_rows(rows, which, pg, _SUMMED))
+    host = to_host(reduced)
+    if bool(host[:, 5].any()):  # rare (a host value: no sync): count every element, agreed by the flag
+        counts = _reduce(state, sel, _per_param(state, sel, parts, _counts, torch.float64, (2,)), dist.ReduceOp.SUM)
+        host[:, 2:4] = to_host(counts)
+    sumsq, total, nans, infs, top, _ = host.unbind(1)
+    numels, counts_ = sel.numels()
     norm = list(map(math.sqrt, sumsq.tolist()))  # correctly rounded (torch's vectorized sqrt may be 1 ulp off)
     if scale != 1.0:
         norm = [x / scale for x in norm]
     max_abs = torch.where(nans != 0, math.nan, top / scale).tolist()
-    mean = torch.where(counts > 0, total / counts / scale, 0.0).tolist()
+    mean = torch.where(counts_ > 0, total / counts_ / scale, 0.0).tolist()
     nan_count, inf_count = nans.to(torch.int64).tolist(), infs.to(torch.int64).tolist()
     columns = (norm, max_abs, mean, nan_count, inf_count, numels)
 

@@ -189,13 +189,16 @@ def _other_fragments(state: FlatState, other: FlatState, g: int, indices: list[i
 
 def _with_other(state: FlatState, other: FlatState, sel: Selection,
                 whole_op: Callable[[torch.Tensor, torch.Tensor, Any], Any],
-                flat_op: Callable[[torch.Tensor, torch.Tensor, Any], Any], operand: Any = None) -> None:
+                flat_op: Callable[[torch.Tensor, torch.Tensor, Any], Any], operand: Any = None,
+                per_op: Callable[[list[torch.Tensor], torch.Tensor, list[int], list[Any]], Any] | None = None
+                ) -> None:
     """Elementwise ops whose second operand is another gradient set with the same layout.
 
     Whole groups (uniform operand): ``whole_op(partition, other_partition, operand)``. Otherwise per group the
-    selected fragments are concatenated (one ``cat`` each side), ``flat_op`` runs once on the concatenations (with a
-    per-element operand expanded by one ``repeat_interleave`` for a :class:`PerParam`), and the result is written
-    back with one ``_foreach_copy_``.
+    selected fragments are concatenated (one ``cat`` each side), ``flat_op`` runs once on the concatenations and
+    the result is written back with one ``_foreach_copy_``. A :class:`PerParam` operand goes to
+    ``per_op(fragments, other_concatenated, lengths, values)`` instead (``values`` numbers or 0-d tensors on the
+    storage device, one per fragment): ``_foreach_*`` calls with per-fragment operands, no per-element expansion.
     """
     operand = _to_storage(state, operand)
     per = _group_operands(sel, operand, state) if isinstance(operand, PerParam) else None
@@ -214,19 +217,17 @@ def _with_other(state: FlatState, other: FlatState, sel: Selection,
             if not keep:
                 continue
             frags = state.fragments_of(g, keep)
-            flat, flat_other = torch.cat(frags), _other_fragments(state, other, g, keep)
+            lengths = [plan.frag_len[k] for k in keep]
             if per is not None:
+                if per_op is None:
+                    raise TypeError("per-parameter operands are not supported here")
                 pos = {k: i for i, k in enumerate(indices)}
                 values = _as_list([per[g][pos[k]] for k in keep], devices.storage)
-                lengths = to_storage(torch.tensor([plan.frag_len[k] for k in keep]), devices)
-                factors = values if isinstance(values[0], torch.Tensor) else None
-                vector = (torch.stack(factors) if factors is not None
-                          else to_storage(torch.tensor(values, dtype=torch.float32), devices))
-                expanded = vector.to(torch.float32).repeat_interleave(lengths)
-                flat_op(flat, flat_other, expanded)
-            else:
-                flat_op(flat, flat_other, operand)
-            torch._foreach_copy_(frags, flat.split_with_sizes([plan.frag_len[k] for k in keep]))
+                per_op(frags, _other_fragments(state, other, g, keep), lengths, values)
+                continue
+            flat, flat_other = torch.cat(frags), _other_fragments(state, other, g, keep)
+            flat_op(flat, flat_other, operand)
+            torch._foreach_copy_(frags, flat.split_with_sizes(lengths))
         state.storage.after_write(sel.names)
 
 
@@ -257,10 +258,17 @@ def div_(state: FlatState, sel: Selection, divisor: float | torch.Tensor | PerPa
 
 
 def _cast_on_cuda(xs: list[torch.Tensor], f: Any) -> Any:
-    """A uniform 0-d tensor operand of a ``_foreach_*`` over CUDA fragments, cast to their dtype (the fast
-    multi-tensor path needs equal dtypes; bitwise equal there, see :func:`_scale_op`); else ``f``."""
-    if isinstance(f, torch.Tensor) and xs[0].device.type == "cuda" and f.device == xs[0].device:
+    """A 0-d tensor operand of a ``_foreach_*`` over CUDA fragments (uniform, or a list of per-fragment 0-d tensors
+    on their device), cast to their dtype (the fast multi-tensor path needs equal dtypes; CUDA casts a 0-d device
+    operand to the data's dtype itself, so values are bitwise equal, see :func:`_scale_op`): one ``stack``, one
+    cast and an ``unbind`` for a list, whatever its length; else ``f``."""
+    if not xs or xs[0].device.type != "cuda":
+        return f
+    if isinstance(f, torch.Tensor) and f.device == xs[0].device:
         return f.to(xs[0].dtype)
+    if (isinstance(f, list) and f and all(isinstance(v, torch.Tensor) and v.device == xs[0].device for v in f)
+            and any(v.dtype != xs[0].dtype for v in f)):
+        return list(torch.stack(f).to(xs[0].dtype).unbind(0))
     return f
 
 
@@ -304,12 +312,19 @@ def add_other_(state: FlatState, other: FlatState, sel: Selection, alpha: float 
         factor = (a * ratio).to(o.device) if isinstance(a, torch.Tensor) else a * ratio
         return x.add_(o.to(torch.float32) * factor)
 
-    def flat(x: torch.Tensor, o: torch.Tensor, a: Any) -> Any:
-        if isinstance(a, torch.Tensor) and a.dim() == 1:  # per element, expanded from per-parameter alphas
-            return x.add_(o.to(torch.float32) * (a * ratio))
-        return whole(x, o, a)
+    def per(xs: list[torch.Tensor], o: torch.Tensor, lengths: list[int], alphas: list[Any]) -> None:
+        """Per fragment ``x += float32(o) · (alpha · ratio)``, one rounding, as :func:`whole` does: one float32
+        copy of the other fragments' concatenation (split into views), one ``_foreach_mul_`` by per-fragment
+        factors (0-d float32 tensors, or numbers), one ``_foreach_add_``: a fixed number of operations."""
+        if isinstance(alphas[0], torch.Tensor):
+            factors: list[Any] = list((torch.stack(alphas).to(torch.float32) * ratio).unbind(0))
+        else:  # numbers: their float32 products with the ratio, as the tensor path forms them
+            factors = (torch.tensor(alphas, dtype=torch.float32) * ratio).tolist()
+        products = list(o.to(torch.float32, copy=True).split_with_sizes(lengths))
+        torch._foreach_mul_(products, factors)
+        torch._foreach_add_(xs, products)
 
-    _with_other(state, other, sel, whole, flat, alpha)
+    _with_other(state, other, sel, whole, whole, alpha, per)
 
 
 def clamp_(state: FlatState, sel: Selection, lo: float | torch.Tensor | None, hi: float | torch.Tensor | None) -> None:

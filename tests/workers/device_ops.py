@@ -222,9 +222,13 @@ TRAFFIC: dict[str, Call] = {
 }
 
 
+WARM_UP = ("norms", "norms(half)", "found_inf")  #: the calls whose first run fills every cache the others use
+
+
 def check_traffic(cases: tuple[tuple[int, str], ...], dot_chunk: int = 2048) -> dict[str, dict[str, Any]]:
     """``{"z{stage}-{dtype}": {call: DispatchProbe.summary()}}`` of each reduction and clip of :data:`TRAFFIC` on a
-    :class:`Blocks` engine per ``(stage, dtype)``, measured on its second call (caches filled by the first) with
+    :class:`Blocks` engine (two param groups) per ``(stage, dtype)``, measured on its second call (caches filled by
+    the first, also simulated) with
     the gradient partitions (and the clone's, for ``dots``) watched as the data, under simulated devices without
     offload (partitions and results on the simulated accelerator: a read back to the host is a sync).
     ``dot_chunk``: :data:`zero_dtensor.segments.DOT_CHUNK` meanwhile (small, so that a chunk is far smaller than
@@ -236,7 +240,11 @@ def check_traffic(cases: tuple[tuple[int, str], ...], dot_chunk: int = 2048) -> 
     try:
         for stage, dtype in cases:
             config = EngineCase(stage, dtype).config()
-            engine = make_engine(config, Blocks())
+            model = Blocks()
+            # two param groups (weights, biases): two flat groups, whose per-parameter rows are put back in
+            # selection order (as ZeRO-3's sub-groups of a large model are)
+            groups = [{"params": [p for n, p in model.named_parameters() if n.endswith(k)]} for k in ("weight", "bias")]
+            engine = make_engine(config, model, model_parameters=groups)
             g = torch.Generator().manual_seed(3 + dist.get_rank())
             x = torch.randn(engine.train_micro_batch_size_per_gpu(), 256, generator=g).to(
                 next(engine.module.parameters()).dtype)
@@ -246,12 +254,19 @@ def check_traffic(cases: tuple[tuple[int, str], ...], dot_chunk: int = 2048) -> 
             storages = [state_of(grads).storage, state_of(other).storage]
             mine, theirs = list(storages[0].partitions), list(storages[1].partitions)
             rows = {}
+            with simulated_offload(storages, offload=False), DispatchProbe(simulate=True, nccl=True,
+                                                                            raise_on_mix=False) as warm:
+                # first calls: the caches (plans' index tensors on the simulated device, selection orders) the
+                # measured calls use filled, as a GPU run's first call fills them (a call building one of its own
+                # shows its host-to-device copy)
+                warm.tag(mine + theirs, "dev")
+                for name in WARM_UP:
+                    TRAFFIC[name](grads, other)
             for name, fn in TRAFFIC.items():
-                fn(grads, other)
-                with simulated_offload(storages, offload=False), DispatchProbe(simulate=True, nccl=True,
-                                                                                raise_on_mix=False) as probe:
-                    probe.tag(mine + theirs, "dev").watch(mine + (theirs if name.startswith("dots") else []))
-                    fn(grads, other)
+                with simulated_offload(storages, offload=False):
+                    with DispatchProbe(simulate=True, nccl=True, raise_on_mix=False) as probe:
+                        probe.tag(mine + theirs, "dev").watch(mine + (theirs if name.startswith("dots") else []))
+                        fn(grads, other)
                 rows[name] = probe.summary()
             out[f"z{stage}-{dtype}"] = rows
             engine.step()

@@ -14,7 +14,9 @@ and the ``prim``/``c10d`` namespaces are not counted as operations, as in ``op_c
 - ``syncs``: host syncs on device data: ``_local_scalar_dense`` (``.item()``, ``bool()``), ``nonzero``,
   ``masked_select``, ``unique*``, ``bincount``, ``Tensor.tolist`` / ``numpy``, and copies from the simulated
   communication device to the host, when the tensor is on the simulated communication device or derived from the
-  data (``tainted``);
+  data (``tainted``); simulated, also blocking copies from the host to the simulated device (``to_device``:
+  ``.to``, ``copy_`` of a host tensor of one or more dimensions, ``torch.tensor(..., device=)``), which CUDA
+  makes with a stream sync;
 - **device tags** (``simulate=True``): every tensor carries a simulated device, ``"host"`` (the CPU) or ``"dev"``
   (the accelerator collectives run on under NCCL). On the CPU a library sees two devices: :data:`HOST` (``cpu:0``)
   and :data:`DEV` (``cpu:1``); torch accepts both and places the tensors on the CPU, whose ``.device`` then reads
@@ -141,6 +143,7 @@ class DispatchProbe(TorchDispatchMode):
         self.data_passes = 0
         self.largest = self.allocated = 0
         self.syncs: list[str] = []
+        self.sync_sites: list[str] = []  # where the library made each host-to-device sync
         self.refused: list[str] = []
         self._data: set[int] = set()
         self._data_bytes = 0
@@ -209,6 +212,9 @@ class DispatchProbe(TorchDispatchMode):
                 where = _classify(kwargs.get("device"))
                 if isinstance(out, torch.Tensor):
                     probe._set_tag(out, where or "host")
+                    if where == "dev" and probe.simulate:  # host data copied to the device, blocking
+                        probe.syncs.append("to_device")
+                        probe.sync_sites.append(_library_site())
                 return out
 
             setattr(torch, name, made)
@@ -253,6 +259,12 @@ class DispatchProbe(TorchDispatchMode):
         if (name == "_to_copy" and _classify(device) == "host" and inputs and self.simulate
                 and self.where(inputs[0]) == "dev"):
             self.syncs.append("to_host")
+        if (self.simulate and inputs and not kwargs.get("non_blocking", False)
+                and ((name == "_to_copy" and _classify(device) == "dev" and self.where(inputs[0]) == "host")
+                     or (name == "copy_" and len(inputs) > 1 and self.where(inputs[0]) == "dev"
+                         and self.where(inputs[1]) == "host" and inputs[1].dim() > 0))):
+            self.syncs.append("to_device")  # a blocking copy from (pageable) host memory: CUDA syncs the stream
+            self.sync_sites.append(_library_site())
         in_ptrs = {_ptr(t) for t in inputs}
         out = func(*args, **kwargs)
         self._after(name, namespace, inputs, in_ptrs, out, device)
@@ -337,7 +349,17 @@ class DispatchProbe(TorchDispatchMode):
         return {"ops": self.ops, "by_op": dict(self.by_op), "read": self.read, "written": self.written,
                 "data_read": self.data_read, "data_written": self.data_written, "data_bytes": self._data_bytes,
                 "data_passes": self.data_passes, "largest": self.largest, "allocated": self.allocated,
-                "syncs": list(self.syncs), "refused": list(self.refused)}
+                "syncs": list(self.syncs), "sync_sites": list(self.sync_sites), "refused": list(self.refused)}
+
+
+def _library_site() -> str:
+    """``file:function`` of the innermost ``zero_dtensor`` frame on the stack (where a sync was made)."""
+    import traceback
+
+    for frame in reversed(traceback.extract_stack()):
+        if "/zero_dtensor/" in frame.filename:
+            return f"{frame.filename.rsplit('/zero_dtensor/', 1)[1]}:{frame.name}"
+    return "?"
 
 
 def _counted_name(name: str, namespace: str) -> bool:

@@ -19,7 +19,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from workers.common import DTYPES, EngineCase, build_engine, forward_backward
+from workers.common import DTYPES, EngineCase, build_engine, forward_backward, raises_everywhere
 from workers.families_ds import assemble
 from zero_dtensor._deepspeed import checkpointing as dsck
 from zero_dtensor._deepspeed import families
@@ -623,14 +623,6 @@ def load_plans(root: str, cases: list[EngineCase]) -> list[dict[str, Any]]:
 
 # ---- issue 45: save and load calls that differ between ranks -------------------------------------------------------
 
-def _raises_everywhere(what: str, call: Any, error: type[BaseException]) -> str:
-    try:
-        call()
-    except error as exc:
-        return str(exc)
-    raise AssertionError(f"{what}: returned on rank {dist.get_rank()} (expected {error.__name__} on every rank)")
-
-
 def disagreeing_saves(root: str, case: EngineCase) -> dict[str, str]:
     """Issue 45, items 4 and 5: ``save`` agrees on its normalized path and ``async_`` before its first collective.
     A path per rank (each rank's own directory; or rank 0 over an existing checkpoint) and ``async_=True`` on some
@@ -646,12 +638,12 @@ def disagreeing_saves(root: str, case: EngineCase) -> dict[str, str]:
     save(engine, existing)
     before = snapshot(engine)
     messages = {
-        "path per rank": _raises_everywhere(
+        "path per rank": raises_everywhere(
             "path per rank", lambda: save(engine, os.path.join(root, f"per-rank-{rank}")), RankDisagreementError),
-        "over a checkpoint on rank 0": _raises_everywhere(
+        "over a checkpoint on rank 0": raises_everywhere(
             "over a checkpoint", lambda: save(engine, existing if rank == 0 else os.path.join(root, "elsewhere")),
             RankDisagreementError),
-        "async on some ranks": _raises_everywhere(
+        "async on some ranks": raises_everywhere(
             "async on some ranks", lambda: save(engine, os.path.join(root, "async-some"), async_=not last),
             RankDisagreementError),
     }
@@ -698,12 +690,12 @@ def disagreeing_loads(root: str, case: EngineCase) -> dict[str, str]:
     messages: dict[str, str] = {}
     for name, engine_ in (("stepped", target), ("never stepped", fresh)):
         before = snapshot(engine_)
-        messages[f"{name}: another path"] = _raises_everywhere(
+        messages[f"{name}: another path"] = raises_everywhere(
             f"{name}: another path", lambda: load(engine_, new if last else old), RankDisagreementError)
         same_name = mock.patch.object(ckio, "normalized", lambda path: os.path.abspath(old)) if last \
             else contextlib.nullcontext()
         with same_name:  # the last rank reads `new` under the name `old`
-            messages[f"{name}: another checkpoint"] = _raises_everywhere(
+            messages[f"{name}: another checkpoint"] = raises_everywhere(
                 f"{name}: another checkpoint", lambda: load(engine_, new if last else old), RankDisagreementError)
         after = snapshot(engine_)
         assert same(before, after), f"{name}: a refused load changed {diff(before, after)}"

@@ -325,3 +325,12 @@ def params_snapshot(engine: Any) -> dict[str, torch.Tensor]:
     from deepspeed.utils import safe_get_full_fp32_param
 
     return {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters() if p.requires_grad}
+
+
+def raises_everywhere(what: str, call: Any, error: type[BaseException]) -> str:
+    """``call()`` must raise ``error`` on this rank (every rank runs this, so: on every rank); returns its message."""
+    try:
+        call()
+    except error as exc:
+        return str(exc)
+    raise AssertionError(f"{what}: returned on rank {dist.get_rank()} (expected {error.__name__} on every rank)")

@@ -22,7 +22,7 @@ from deepspeed.utils import (
     safe_set_local_optimizer_state,
 )
 
-from workers.common import DTYPES, MODELS, EngineCase, batch, build_engine, count_comms, fill_value
+from workers.common import DTYPES, MODELS, EngineCase, batch, build_engine, count_comms, fill_value, raises_everywhere
 from zero_dtensor._deepspeed import families, grad_storage, sync
 from zero_dtensor.errors import OptimizerStateNotReadyError
 from zero_dtensor.errors import UnsupportedDeepSpeedError
@@ -394,15 +394,6 @@ def check_refusals() -> None:
 
 # ---- issue 45: calls that differ between ranks in what they read or write -------------------------------------------
 
-def _raises_everywhere(what: str, call: Any, error: type[BaseException]) -> str:
-    """``call()`` must raise ``error`` on this rank (every rank runs this, so: on every rank)."""
-    try:
-        call()
-    except error as exc:
-        return str(exc)
-    raise AssertionError(f"{what}: returned on rank {dist.get_rank()} (expected {error.__name__} on every rank)")
-
-
 def _family_bytes(engine: Any) -> dict[str, torch.Tensor]:
     """This rank's partitions of the masters and of every optimizer-state key, copied."""
     out = {f"master {i}": t.detach().clone() for i, t in enumerate(families.master_storage(engine).partitions)}
@@ -464,12 +455,12 @@ def disagreeing_families(case: EngineCase) -> dict[str, Any]:
             if call is None:
                 dts = mine.to_dtensors()  # the same on every rank: agrees
                 call = lambda t, dts=dts: t.set_dtensors_(dts)  # noqa: E731
-            messages[f"{pair}: {what}"] = _raises_everywhere(f"{pair}: {what}", lambda: call(use),
+            messages[f"{pair}: {what}"] = raises_everywhere(f"{pair}: {what}", lambda: call(use),
                                                              RankDisagreementError)
-        messages[f"{pair}: dots"] = _raises_everywhere(
+        messages[f"{pair}: dots"] = raises_everywhere(
             f"{pair}: dots", lambda: master.dots(theirs if last else mine), RankDisagreementError)
         _unchanged(engine, before, pair)
-    messages["get_full_optimizer_state"] = _raises_everywhere(
+    messages["get_full_optimizer_state"] = raises_everywhere(
         "get_full_optimizer_state",
         lambda: zd.get_full_optimizer_state(engine, "exp_avg_sq" if last else "exp_avg"), RankDisagreementError)
     assert_same(ema.full_tensors(), ema_before, "clone after refusals")
@@ -497,16 +488,16 @@ def disagreeing_fp32_writes(case: EngineCase) -> dict[str, Any]:
     before = _family_bytes(engine)
     messages: dict[str, str] = {}
     value = {first: torch.full_like(master.full_tensors([first])[first], 0.25)}
-    messages["set_full_fp32_params value / {}"] = _raises_everywhere(
+    messages["set_full_fp32_params value / {}"] = raises_everywhere(
         "set_full_fp32_params", lambda: zd.set_full_fp32_params(engine, {} if last else value),
         RankDisagreementError)
     names = list(master.names)
-    messages["set_full_fp32_params other names"] = _raises_everywhere(
+    messages["set_full_fp32_params other names"] = raises_everywhere(
         "set_full_fp32_params names", lambda: zd.set_full_fp32_params(
             engine, {n: torch.zeros(master[n].shape) for n in (names[-1:] if last else names[:1])}),
         RankDisagreementError)
     bad = {first: value[first].flatten()[:1]} if last else value  # a bad entry on one rank: its class everywhere
-    messages["set_full_fp32_params bad entry"] = _raises_everywhere(
+    messages["set_full_fp32_params bad entry"] = raises_everywhere(
         "set_full_fp32_params bad entry", lambda: zd.set_full_fp32_params(engine, bad), ValueError)
     _unchanged(engine, before, "set_full_fp32_params")
     assert not zd.master.needs_sync(engine), "a refused set_full_fp32_params set the sync mark"

@@ -22,7 +22,7 @@ checked against the CRC-32 its archive records (torch's zip reader does not: a f
 read straight into place are CRC-ed there (``zlib.crc32``), an entry ``torch.load``ed over its loaded storage, and a
 record read only in part, or bound for a deferred destination, is read whole in the first pass and CRC-ed there
 (a deferred one is read again, into place, in the second pass): one of 256 KiB or more by one of a few threads
-while the reader reads on (:class:`_Checksums`). Bytes are CRC-ed 1 MiB at a time right after each read (in
+while the reader reads on (:class:`Checksums`). Bytes are CRC-ed 1 MiB at a time right after each read (in
 cache: :data:`_CHUNK`); the CRC-32 is the data
 record's zip data descriptor's (torch's writer puts one after the data) or its local header's. A mismatch raises
 ``OSError`` naming the file and the entry, in the first pass (before ``between``). A recorded 0 is none
@@ -31,7 +31,7 @@ in file order. With
 ``defer`` the reads into some destinations wait for a second pass (:class:`DirectReader`). Memory: no more than
 DCP's path (one entry at a time, and only for destinations off the CPU), except that entries taking DCP's path into
 deferred destinations are held until the second pass, and, for the first pass, 1 MiB buffers for the CRC-32 of
-records checked apart: the reader's and one per thread of :class:`_Checksums` (up to 4). No communication
+records checked apart: the reader's and one per thread of :class:`Checksums` (up to 4). No communication
 (``between`` may communicate).
 """
 
@@ -42,12 +42,9 @@ import math
 import os
 import struct
 import sys
-import threading
 import zipfile
 import zlib
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future as _TaskFuture
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import IO, Any, cast
 
@@ -56,6 +53,8 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
+
+from .crc import HAS_DESCRIPTOR, Checksums, check_loaded, compare, crc_read, descriptor_crc
 
 __all__ = ["DirectReader", "read_bytes_entries"]
 
@@ -67,15 +66,11 @@ _GAP = 1 << 16
 #: while it is in the core's cache (64 MB from the page cache, 2-core Xeon: read in 0.5-1 MiB pieces, each CRC-ed,
 #: 22-23 ms of CPU; in 4 MiB pieces 28 ms; read whole, then CRC-ed, 43 ms)
 _CHUNK = 1 << 20
-#: records at least this long, checked apart (deferred, or read in part), are read and CRC-ed by :class:`_Checksums`'
+#: records at least this long, checked apart (deferred, or read in part), are read and CRC-ed by :class:`Checksums`'
 #: threads while the reader reads on; shorter ones inline
 _THREADED = 1 << 18
-#: :class:`_Checksums`' threads (records are independent: each is read and CRC-ed by one thread)
+#: :class:`Checksums`' threads (records are independent: each is read and CRC-ed by one thread)
 _THREADS = min(4, os.cpu_count() or 1)
-#: the optional signature of a zip data descriptor (torch's writer puts one, with the CRC-32, after every record)
-_DESCRIPTOR = b"PK\x07\x08"
-#: a local file header's general-purpose flag saying that the CRC-32 and sizes follow the data (a data descriptor)
-_HAS_DESCRIPTOR = 0x08
 
 
 @dataclass(frozen=True)
@@ -137,7 +132,7 @@ class _Layout:
                 or not head[start + zipfile.sizeFileHeader:name_end].endswith(_DATA.encode())):
             return None
         crc = start + 14  # the local file header's CRC-32: 4 bytes, after signature, versions, flags, method, time
-        descriptor = bool(fields[zipfile._FH_GENERAL_PURPOSE_FLAG_BITS] & _HAS_DESCRIPTOR)
+        descriptor = bool(fields[zipfile._FH_GENERAL_PURPOSE_FLAG_BITS] & HAS_DESCRIPTOR)
         return cls(head[:crc], head[crc + 4:], len(head), stored, descriptor)
 
     def header_crc(self, head: bytes) -> int:
@@ -177,7 +172,7 @@ class DirectReader(FileSystemReader):
         self._layouts: dict[int, list[_Layout]] = {}  # per entry length, the layouts seen (:meth:`_located`)
         self._defer, self._between = defer, between
         self._deferred: list[_Deferred] = []
-        self._checksums: _Checksums | None = None  # :meth:`_check_record`'s threads (one load's)
+        self._checksums: Checksums | None = None  # :meth:`_check_record`'s threads (one load's)
         self._scratch = bytearray()  # :meth:`_check_record`'s buffer for short records
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -259,7 +254,7 @@ class DirectReader(FileSystemReader):
         stream.seek(info.offset + data + run[0] * size)
         crc = _read_to(stream, target, item, crc=whole)
         if whole:
-            _compare(self._recorded(stream, where), cast(int, crc), self._entry(item))
+            compare(self._recorded(stream, where), cast(int, crc), self._entry(item))
         planner.commit_tensor(item, target)
         return None
 
@@ -271,25 +266,25 @@ class DirectReader(FileSystemReader):
 
     def _recorded(self, stream: IO[bytes], where: _Where) -> int:
         """The CRC-32 the archive records for the data record just read (``stream`` right after its data)."""
-        return where.crc if where.crc is not None else _descriptor_crc(stream.read(8))
+        return where.crc if where.crc is not None else descriptor_crc(stream.read(8))
 
     def _check_record(self, stream: IO[bytes], item: ReadItem, where: _Where, start: int, record: int) -> None:
         """Read the data record at ``start`` (``record`` bytes) and compare its CRC-32 with the archive's: a short
-        record inline, a long one by a thread of :class:`_Checksums` (its mismatch raised by :meth:`read_data`
+        record inline, a long one by a thread of :class:`Checksums` (its mismatch raised by :meth:`read_data`
         before ``between``); ``OSError`` on a mismatch or a short read."""
         entry = self._entry(item)
         if where.crc is None:  # the data descriptor's, right after the data
             stream.seek(start + record)
-            recorded = _descriptor_crc(stream.read(8))
+            recorded = descriptor_crc(stream.read(8))
         else:
             recorded = where.crc
         if record < _THREADED:
             if len(self._scratch) < min(record, _CHUNK):
                 self._scratch = bytearray(min(record, _CHUNK))
-            _compare(recorded, _crc_read(stream.fileno(), start, record, self._scratch, entry), entry)
+            compare(recorded, crc_read(stream.fileno(), start, record, self._scratch, entry), entry)
             return
         if self._checksums is None:
-            self._checksums = _Checksums()
+            self._checksums = Checksums(_THREADS, _CHUNK)
         self._checksums.check(self.storage_data[item.storage_index].relative_path, stream, start, record, recorded,
                               entry)
 
@@ -367,60 +362,6 @@ class DirectReader(FileSystemReader):
         self._copy(loaded, item, planner)
 
 
-class _Checksums:
-    """CRC-32s of long records, each read and CRC-ed by one of :data:`_THREADS` threads while the reader reads on
-    (records are independent; ``os.pread`` and ``zlib.crc32`` release the GIL): a thread reads its record in
-    :data:`_CHUNK` pieces into its own buffer and CRC-s each piece right after reading it (:func:`_crc_read`).
-    :meth:`finish` waits for every comparison and raises the first mismatch in reading order. Memory: one
-    :data:`_CHUNK` buffer per thread, and a duplicate descriptor per file read. No communication."""
-
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="zero_dtensor-crc32")
-        self._buffers = threading.local()
-        self._files: dict[str, int] = {}  # per file, a descriptor of its own (the reader's stream closes)
-        self._compared: list[_TaskFuture[None]] = []
-
-    def check(self, file: str, stream: IO[bytes], start: int, record: int, recorded: int, entry: str) -> None:
-        """Have the ``record`` bytes at ``start`` of ``stream`` (the file named ``file``) read and their CRC-32
-        compared with ``recorded``."""
-        if file not in self._files:
-            self._files[file] = os.dup(stream.fileno())
-        self._compared.append(self._pool.submit(self._check, self._files[file], start, record, recorded, entry))
-
-    def _check(self, fd: int, start: int, record: int, recorded: int, entry: str) -> None:
-        buffer = getattr(self._buffers, "buffer", None)
-        if buffer is None:
-            buffer = self._buffers.buffer = bytearray(_CHUNK)
-        _compare(recorded, _crc_read(fd, start, record, buffer, entry), entry)
-
-    def finish(self) -> None:
-        """Wait for every comparison; ``OSError`` for the first mismatch (in reading order)."""
-        try:
-            for compared in self._compared:
-                compared.result()
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        for fd in self._files.values():
-            os.close(fd)
-        self._files.clear()
-
-
-def _crc_read(fd: int, start: int, length: int, buffer: bytearray, entry: str) -> int:
-    """The CRC-32 of the ``length`` bytes at ``start`` of file ``fd``, read into ``buffer`` a piece at a time (each
-    CRC-ed right after its read, in cache); ``OSError`` naming ``entry`` on a short read."""
-    view, crc, done = memoryview(buffer), 0, 0
-    while done < length:
-        n = os.preadv(fd, [view[:min(length - done, len(view))]], start + done)
-        if not n:
-            raise OSError(f"{entry}: {done} of {length} bytes in the file (a truncated file?)")
-        crc = zlib.crc32(view[:n], crc)
-        done += n
-    return crc
-
-
 @dataclass(frozen=True)
 class _Where:
     """Where a direct entry's data lies (``data`` bytes after the entry's start) and its CRC-32: ``crc`` from the
@@ -431,45 +372,9 @@ class _Where:
     crc: int | None
 
 
-def _descriptor_crc(tail: bytes) -> int:
-    """The CRC-32 of a zip data descriptor (``tail``: its first 8 bytes; the signature is optional)."""
-    if tail[:4] == _DESCRIPTOR:
-        tail = tail[4:]
-    if len(tail) < 4:
-        raise OSError("the data record's descriptor is cut off (a truncated file?)")
-    return int.from_bytes(tail[:4], "little")
-
-
-def _compare(recorded: int, actual: int, entry: str) -> None:
-    """``OSError`` naming ``entry`` where the data's CRC-32 (``actual``) is not the one its archive records. A
-    recorded 0 is none: ``torch.serialization.set_crc32_options(False)`` writes archives without CRC-32s."""
-    if recorded != 0 and recorded != actual:
-        raise OSError(f"{entry}: the CRC-32 of its data is {actual:#010x} but the file records {recorded:#010x} "
-                      "(a damaged file: the data changed after it was written)")
-
-
 def _check_loaded(archive: IO[bytes], loaded: torch.Tensor, entry: str) -> None:
-    """Compare the CRC-32 of ``loaded``'s storage (``torch.load`` does not) with the one ``archive`` (a
-    ``torch.save`` archive, seekable) records for its data record; ``OSError`` naming ``entry`` on a mismatch."""
-    archive.seek(0)
-    reader = torch._C.PyTorchFileReader(archive)
-    if not reader.has_record(_DATA):
-        return  # no storage (a tensor without data): nothing to check
-    data = reader.get_record_offset(_DATA)
-    archive.seek(0)
-    head = archive.read(data)
-    start = head.rfind(zipfile.stringFileHeader)
-    if start < 0 or len(head) - start < zipfile.sizeFileHeader:
-        raise OSError(f"{entry}: no zip header before its data (not a torch.save archive?)")
-    fields = struct.unpack(zipfile.structFileHeader, head[start:start + zipfile.sizeFileHeader])
-    storage = loaded.untyped_storage()
-    if fields[zipfile._FH_GENERAL_PURPOSE_FLAG_BITS] & _HAS_DESCRIPTOR:
-        archive.seek(data + storage.nbytes())
-        recorded = _descriptor_crc(archive.read(8))
-    else:
-        recorded = fields[zipfile._FH_CRC]
-    raw = torch.empty(0, dtype=torch.uint8).set_(storage)
-    _compare(recorded, zlib.crc32(memoryview(raw.numpy()) if raw.numel() else b""), entry)
+    """:func:`~zero_dtensor.checkpoint.crc.check_loaded` of the archive's data record."""
+    check_loaded(archive, loaded, entry, _DATA)
 
 
 def _check_size(stream: IO[bytes], relative_path: str, items: list[ReadItem], storage_data: Any) -> None:

@@ -10,7 +10,9 @@ and the ``prim``/``c10d`` namespaces are not counted as operations, as in ``op_c
   ``take``, ``index``) reading only what they return; ``data_passes``: operations that read or write at least half
   of the data's bytes at once;
 - ``largest`` / ``allocated``: the largest fresh storage one operation returns and the sum of them (a storage no
-  input shares: the result of the call included);
+  input shares: the result of the call included); ``produced``: bytes of the fresh tensors operations return
+  (``torch.cat``, ``clone``, ``_to_copy``, ``div`` ...; factories of uninitialized memory, ``empty*``, aside), so
+  that ``written + produced`` is every byte an operation stores locally, collectives aside;
 - ``syncs``: host syncs on device data: ``_local_scalar_dense`` (``.item()``, ``bool()``), ``nonzero``,
   ``masked_select``, ``unique*``, ``bincount``, ``Tensor.tolist`` / ``numpy``, and copies from the simulated
   communication device to the host, when the tensor is on the simulated communication device or derived from the
@@ -76,6 +78,7 @@ _COMM_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional"}
 _GATHERS = {"index_select", "gather", "take", "index", "embedding"}
 _WRITE_ONLY = {"zero_", "fill_", "copy_", "_foreach_zero_", "_foreach_copy_", "empty", "empty_like", "zeros",
                "zeros_like", "full", "full_like", "new_empty", "new_zeros", "set_"}
+_UNINITIALIZED = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"}
 _CROSSING = {"copy_", "_to_copy", "_foreach_copy_", "_copy_from", "_copy_from_and_resize"}
 _SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_dim",
              "unique_consecutive", "bincount", "repeat_interleave"}
@@ -141,7 +144,7 @@ class DispatchProbe(TorchDispatchMode):
         self.by_op: Counter[str] = Counter()
         self.read = self.written = self.data_read = self.data_written = 0
         self.data_passes = 0
-        self.largest = self.allocated = 0
+        self.largest = self.allocated = self.produced = 0
         self.syncs: list[str] = []
         self.sync_sites: list[str] = []  # where the library made each host-to-device sync
         self.refused: list[str] = []
@@ -273,7 +276,7 @@ class DispatchProbe(TorchDispatchMode):
     def _check_devices(self, name: str, namespace: str, inputs: list[torch.Tensor]) -> None:
         if namespace in _COMM_NAMESPACES:
             if self.nccl:
-                host = [tuple(t.shape) for t in inputs if self.where(t) == "host"]
+                host = [tuple(t.shape) for t in inputs if self.where(t) == "host" and t.numel()]  # (empty: no tag)
                 if host:
                     self._refuse(f"{namespace}.{name}: a collective on NCCL got host tensors {host[:4]}")
             return
@@ -333,6 +336,8 @@ class DispatchProbe(TorchDispatchMode):
                 if _counted_name(name, namespace):
                     self.largest = max(self.largest, nbytes)
                     self.allocated += nbytes
+                    if name not in _UNINITIALIZED:
+                        self.produced += _extent_bytes(o)
                 if gather_data:
                     self.read += _extent_bytes(o)
                     self.data_read += _extent_bytes(o)
@@ -349,6 +354,7 @@ class DispatchProbe(TorchDispatchMode):
         return {"ops": self.ops, "by_op": dict(self.by_op), "read": self.read, "written": self.written,
                 "data_read": self.data_read, "data_written": self.data_written, "data_bytes": self._data_bytes,
                 "data_passes": self.data_passes, "largest": self.largest, "allocated": self.allocated,
+                "produced": self.produced,
                 "syncs": list(self.syncs), "sync_sites": list(self.sync_sites), "refused": list(self.refused)}
 
 

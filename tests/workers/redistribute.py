@@ -413,3 +413,88 @@ def _count_ops(stage: int, dtype: str, bf16_optimizer: bool) -> dict[str, dict[i
                                                     "comms": dict(comm_ops(mode))}
         del engine, grads
     return out
+
+
+# --- issue 44: local copies and allocations per byte exchanged (DispatchProbe) ---------------------------------------
+def _delivered(family: Any, call: str, names: list[str], assignment: dict[str, int] | None) -> dict[str, int]:
+    """From the call's plan: bytes this rank ends with (reads: the result; writes: what lands in its partitions),
+    sends to / receives from other ranks, and keeps (its own share)."""
+    from zero_dtensor.redistribute import OWNERS, ROWS, plan_for
+
+    storage = family._storage
+    selected = [storage.layout.by_name[n] for n in names]
+    kind = ROWS if "dtensors" in call else OWNERS
+    plan = plan_for(storage, selected, kind, assignment if kind == OWNERS else None)
+    out = {"result": 0, "sent": 0, "received": 0, "own": 0}
+    directions = {"to_dtensors": ("read",), "owned": ("read",), "map_full_": ("read", "write")}.get(call, ("write",))
+    for bucket in plan.buckets:
+        size = torch.empty(0, dtype=bucket.dtype).element_size()
+        for direction in directions:
+            transfer = getattr(bucket, direction)
+            out["sent"] += size * transfer.sent_elements
+            out["received"] += size * transfer.received_elements
+            out["own"] += size * (sum(transfer.recv_counts) - transfer.received_elements)
+        out["result"] += size * bucket.out_numel if "read" in directions else 0
+    return out
+
+
+def _probe_call(family: Any, call: str, arg: Any, offload: bool) -> tuple[Any, dict]:
+    """``call`` once to fill the caches, the workspace released (kept buffers are allocated again, so that what a
+    call needs shows), then once under :class:`DispatchProbe`. ``offload``: under simulated devices (partitions on
+    the host, the exchange on the simulated accelerator, NCCL's rules: a device mix raises)."""
+    import contextlib
+
+    from zero_dtensor import materialize as mz
+
+    from .dispatch_probe import DispatchProbe, simulated_offload
+
+    fn = {"to_dtensors": lambda: family.to_dtensors(), "owned": lambda: family.owned(),
+          "set_dtensors_": lambda: family.set_dtensors_(arg), "set_owned_": lambda: family.set_owned_(arg),
+          "map_full_": lambda: family.map_full_(lambda n, g: g)}[call]
+    simulated = simulated_offload([family._storage]) if offload else contextlib.nullcontext()
+    with simulated:
+        fn()
+        mz.release_workspace()
+        with DispatchProbe(simulate=offload, nccl=offload) as probe:
+            if offload:
+                probe.tag(family.local_partitions, "host")
+            result = fn()
+    return result, probe.summary()
+
+
+def check_copies(cases: tuple[tuple[int, bool], ...]) -> dict:
+    """Issue 44: per ``(stage, offload)`` case, family (gradients, then fp32 masters after a step) and call, under
+    :class:`~workers.dispatch_probe.DispatchProbe`: the bytes local operations write or return
+    (``written + produced``: every local copy, collectives aside) and allocate, beside the plan's figures (bytes
+    this rank keeps, sends and receives in the call's exchanges; map_full_: both). The writes get what the reads
+    returned (``set_dtensors_(to_dtensors())``, ``set_owned_(owned())``, ``map_full_(lambda n, g: g)``): values
+    unchanged, checked. Offloaded cases run under simulated devices (:func:`~workers.dispatch_probe.
+    simulated_offload`): a move between the host and the exchange's device counts as the copy it is."""
+    report: dict[str, Any] = {}
+    for stage, offload in cases:
+        engine = build_engine(EngineCase(stage, world=dist.get_world_size(), offload=offload))
+        forward_backward(engine)
+        for fam in ("grads", "masters"):
+            if fam == "masters":
+                engine.step()
+                family = zd.sharded_master_params(engine)
+            else:
+                family = zd.sharded_grads(engine)
+            names = list(family.names)
+            assignment = family.owners()
+            before = dict(family.full_tensors())
+            dts = owned = None
+            for call in ("to_dtensors", "set_dtensors_", "owned", "set_owned_", "map_full_"):
+                result, probe = _probe_call(family, call, dts if call == "set_dtensors_" else owned, offload)
+                if call == "to_dtensors":
+                    dts = result
+                elif call == "owned":
+                    owned = result
+                row = {k: probe[k] for k in ("written", "produced", "allocated", "largest", "by_op", "refused")}
+                row.update(_delivered(family, call, names, assignment))
+                report[f"z{stage}{'-offload' if offload else ''} {fam} {call}"] = row
+            after = dict(family.full_tensors())
+            assert all(torch.equal(before[n], after[n]) for n in before), (stage, offload, fam)
+            dts = owned = None
+        del engine
+    return report

@@ -1,5 +1,22 @@
-"""Executing a plan: pack, one ``all_to_all_single`` per bucket (with error codes where a user function ran
-before the write), unpack; a fixed number of tensor operations whatever the number of parameters."""
+"""Executing a plan: one ``all_to_all_single`` per bucket (with error codes where a user function ran before the
+write), a fixed number of tensor operations whatever the number of parameters, and each byte copied at most once
+locally beyond the exchange itself.
+
+Copies (counted per rank by ``tests/workers/dispatch_probe.py``: bytes written by local operations, collectives
+aside): what is sent is packed only where it does not already lie as one run in send order (then the run itself is
+sent, a view); what arrives is received straight into its destination (the result buffer of a read, DeepSpeed's
+partition of a write) where it arrives in the destination's order, else into a receive buffer and copied once into
+place. Where neither side can be a view, this rank's own share does not travel: it is copied once, straight from
+where it lies to where it goes. So a byte is copied at most once on the rank that sends it and once on the rank
+that receives it, and the own share once: per call at most ``own + sent + received`` bytes (the exchange's own
+traffic). Where the partitions live on another device than the exchange (CPU offload with NCCL) the pack or the
+unpack is that device move itself (``copy_`` crosses devices): no extra copy. Exceptions: fp16 loss scaling and a
+``dtype=`` that differs from the stored one add one converted copy of the result (reads) or of what is sent
+(writes).
+
+Memory: reads allocate their result once (recycled between calls) and writes nothing of the data's size; the send
+and receive buffers, where needed, are kept between calls (:meth:`~zero_dtensor.materialize.buffers.BufferPool.
+transient`), each at most the bytes that go through it."""
 
 from __future__ import annotations
 
@@ -22,21 +39,27 @@ def _pack(sources: Sequence[torch.Tensor], pieces: Sequence[Piece], dtype: torch
     return torch.cat([sources[s].narrow(0, o, n) for s, o, n in pieces])
 
 
-def _unpack(buffer: torch.Tensor, pieces: Sequence[Piece], dests: Sequence[torch.Tensor]) -> None:
-    """One ``torch.split_with_sizes_copy`` of ``buffer`` into narrow views of ``dests``."""
-    if pieces:
-        torch.split_with_sizes_copy(buffer, [n for _, _, n in pieces],
-                                    out=[dests[s].narrow(0, o, n) for s, o, n in pieces])
+def _unpack(buffer: torch.Tensor, pieces: Sequence[Piece], dests: Sequence[torch.Tensor], device: torch.device
+            ) -> None:
+    """``buffer``'s elements (on the communication ``device``), back to back, into narrow views of ``dests``: one
+    ``torch.split_with_sizes_copy``; one ``_foreach_copy_`` where the destinations lie on another device (CPU
+    offload), the move across being the one copy."""
+    if not pieces:
+        return
+    outs = [dests[s].narrow(0, o, n) for s, o, n in pieces]
+    if outs[0].device == device:
+        torch.split_with_sizes_copy(buffer, [n for _, _, n in pieces], out=outs)
+    else:
+        torch._foreach_copy_(outs, list(buffer.split([n for _, _, n in pieces])))
 
 
-def _exchange(send: torch.Tensor, transfer: Transfer, storage: FlatStorage, bucket: BucketPlan) -> torch.Tensor:
-    """The bucket's one ``all_to_all_single`` (or the send buffer itself when nothing crosses ranks)."""
-    if not transfer.communicates:
-        return send
-    recv = torch.empty(sum(transfer.recv_counts), dtype=send.dtype, device=send.device)
-    pg = storage.process_groups[bucket.groups[0]]
-    collectives.all_to_all_into(recv, send, transfer.recv_counts, transfer.send_counts, pg)
-    return recv
+def _copy_pieces(dests: Sequence[torch.Tensor], dest_pieces: Sequence[Piece], sources: Sequence[torch.Tensor],
+                 source_pieces: Sequence[Piece]) -> None:
+    """Each source piece straight into the matching destination piece (same order, same lengths): one
+    ``_foreach_copy_`` (it converts dtypes and crosses devices)."""
+    if dest_pieces:
+        torch._foreach_copy_([dests[s].narrow(0, o, n) for s, o, n in dest_pieces],
+                             [sources[s].narrow(0, o, n) for s, o, n in source_pieces])
 
 
 def _comm_device(storage: FlatStorage, bucket: BucketPlan) -> torch.device:
@@ -49,17 +72,19 @@ def read_targets(storage: FlatStorage, plan: Plan, dtype: torch.dtype | None
     """Per bucket, every target of this rank (true units, ``dtype``) as a view shaped like its slot, all views of
     one output buffer the caller owns.
 
-    Per bucket: the pieces sent are packed with one ``torch.cat`` into a kept send buffer, or sent as they lie where
-    they are one run of a partition (owners holding contiguous runs: :func:`~.assignment.balanced_owners`); one
-    ``all_to_all_single`` receives straight into the output buffer where what arrives already is the targets in
-    order; else, where the pieces were packed, this rank's own share is copied straight into place (one
-    ``_foreach_copy_``) and the other ranks' travel alone, into a kept receive buffer, then one
-    ``split_with_sizes_copy`` into the output (sent as they lie: every share travels, then one
-    ``split_with_sizes_copy``); where nothing crosses ranks the pieces are
-    packed straight into the output. The output buffer is recycled: a new one only while every earlier result
-    still holds its own (:meth:`~zero_dtensor.materialize.buffers.BufferPool.recycled_or_new`, which also keeps the
-    per-target views). Memory: the output (``S/N`` for rows, the owned tensors for owners), plus the kept send and
-    receive buffers (about ``S/N`` each, kept for later calls)."""
+    Per bucket (see the module docstring for the copies): where nothing crosses ranks, each piece is copied once
+    from the partition into the output; where what arrives already is the targets in order, one
+    ``all_to_all_single`` receives straight into the output and sends the run of a partition that is to go (a
+    view: owners holding contiguous runs, :func:`~.assignment.balanced_owners`) or, where this rank keeps no more
+    than it receives, the pieces packed once; where only the send side is one run and this rank sends others more
+    than it keeps, the run travels whole into a receive buffer that is copied once into place; else this rank's
+    own share is copied straight into place and the others' pieces travel alone (packed, exchanged, copied into
+    place). So no buffer besides the output holds more than this rank sends and receives. The output buffer is recycled: a new
+    one only while every earlier result still holds its own
+    (:meth:`~zero_dtensor.materialize.buffers.BufferPool.recycled_or_new`, which also keeps the per-target views).
+    Memory: the output (``S/N`` for rows, the owned tensors for owners), plus, kept between calls, a send buffer
+    where pieces are packed and a receive buffer where they do not arrive in place (each at most what goes
+    through it)."""
     results = []
     for bucket in plan.buckets:
         parts = [storage.partitions[g] for g in bucket.groups]
@@ -67,34 +92,24 @@ def read_targets(storage: FlatStorage, plan: Plan, dtype: torch.dtype | None
         read = bucket.read
         out = BUFFERS.recycled_or_new(("redistribute", bucket.out_numel, bucket.dtype, device), bucket.out_numel,
                                       bucket.dtype, device)
+        pg = storage.process_groups[bucket.groups[0]]
         direct = read.recv_in_order and sum(read.recv_counts) == bucket.out_numel
         run = _run_on(parts, read.send_run, device)  # what is sent, where it lies as one run (no packing)
-        if not read.communicates:  # nothing crosses ranks: what is sent is what is received
-            if direct:
-                _pack_into(out, parts, read.send_pieces, device)
-            else:
-                send = _pack_into(_scratch("send", bucket, device), parts, read.send_pieces, device)
-                _unpack(send, read.recv_pieces, [out])
-        elif direct:
+        if not read.communicates:  # nothing crosses ranks: each piece once, partition to output
+            _copy_pieces([out], read.recv_pieces, parts, read.send_pieces)
+        elif direct and (run is not None or _kept(read) <= read.received_elements):
+            # (packing the own share too costs less than copying what arrives: else the own share goes alone)
             send = run if run is not None else _pack_into(_scratch("send", bucket, device), parts, read.send_pieces,
                                                           device)
-            collectives.all_to_all_into(out, send, read.recv_counts, read.send_counts,
-                                        storage.process_groups[bucket.groups[0]])
-        elif run is not None:  # sent as it lies; own share unpacked with the rest
+            collectives.all_to_all_into(out, send, read.recv_counts, read.send_counts, pg)
+        elif run is not None and read.sent_elements > _kept(read):
+            # sent as it lies (packing the peers' share would copy more than the own share the receive buffer
+            # holds); every share received, then copied into place once
             recv = _scratch("recv", bucket, device, sum(read.recv_counts))
-            collectives.all_to_all_into(recv, run, read.recv_counts, read.send_counts,
-                                        storage.process_groups[bucket.groups[0]])
-            _unpack(recv, read.recv_pieces, [out])
+            collectives.all_to_all_into(recv, run, read.recv_counts, read.send_counts, pg)
+            _unpack(recv, read.recv_pieces, [out], out.device)
         else:  # this rank's own share copied straight into place; the others' packed, exchanged, unpacked
-            (own_sent, own_received), (sent, received) = read.own_pieces(), read.peer_pieces()
-            send_counts, recv_counts = read.peer_counts()
-            send = _pack_into(_scratch("send", bucket, device, sum(send_counts)), parts, sent, device)
-            recv = _scratch("recv", bucket, device, sum(recv_counts))
-            collectives.all_to_all_into(recv, send, recv_counts, send_counts, storage.process_groups[bucket.groups[0]])
-            if own_sent:  # (copy_ moves pieces of a partition kept elsewhere, e.g. offloaded to the CPU)
-                torch._foreach_copy_([out.narrow(0, o, n) for _, o, n in own_received],
-                                     [parts[s].narrow(0, o, n) for s, o, n in own_sent])
-            _unpack(recv, received, [out])
+            _exchange_peers(parts, [out], read, device, bucket, pg)
         true = storage.to_true(out)
         if dtype is not None and true.dtype != dtype:
             true = true.to(dtype)
@@ -105,6 +120,25 @@ def read_targets(storage: FlatStorage, plan: Plan, dtype: torch.dtype | None
             views = _slot_views(true, bucket)
         results.append((bucket, views))
     return results
+
+
+def _kept(transfer: Transfer) -> int:
+    """Elements of this rank's own share (what it keeps)."""
+    return sum(transfer.recv_counts) - transfer.received_elements
+
+
+def _exchange_peers(sources: Sequence[torch.Tensor], dests: Sequence[torch.Tensor], transfer: Transfer,
+                    device: torch.device, bucket: BucketPlan, pg: object) -> None:
+    """``transfer`` with this rank's own share copied straight from ``sources`` into ``dests`` (one
+    ``_foreach_copy_``), the other ranks' pieces packed into a kept send buffer, exchanged into a kept receive
+    buffer (one ``all_to_all_single`` with this rank's own split 0) and copied into place."""
+    (own_sent, own_received), (sent, received) = transfer.own_pieces(), transfer.peer_pieces()
+    send_counts, recv_counts = transfer.peer_counts()
+    send = _pack_into(_scratch("send", bucket, device, sum(send_counts)), sources, sent, device)
+    recv = _scratch("recv", bucket, device, sum(recv_counts))
+    collectives.all_to_all_into(recv, send, recv_counts, send_counts, pg)
+    _copy_pieces(dests, own_received, sources, own_sent)
+    _unpack(recv, received, dests, device)
 
 
 #: a recycled output buffer keeps the target views of at most this many bucket plans (selections)
@@ -124,63 +158,140 @@ def _run_on(parts: Sequence[torch.Tensor], run: Piece | None, device: torch.devi
     return parts[slot].narrow(0, start, length)
 
 
-def _scratch(what: str, bucket: BucketPlan, device: torch.device, numel: int | None = None) -> torch.Tensor:
+def _scratch(what: str, bucket: BucketPlan, device: torch.device, numel: int | None = None,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
     """A kept 1-D buffer used within one call (:meth:`~zero_dtensor.materialize.buffers.BufferPool.transient`):
-    ``what`` is ``"send"`` (the packed pieces) or ``"recv"`` (``numel`` elements)."""
+    ``what`` is ``"send"`` (the packed pieces), ``"recv"`` (``numel`` elements) or a write's ``"framed ..."``."""
     n = sum(bucket.read.send_counts) if numel is None else numel
-    return BUFFERS.transient(("redistribute " + what, bucket.dtype, device), n, bucket.dtype, device)
+    dtype = bucket.dtype if dtype is None else dtype
+    return BUFFERS.transient(("redistribute " + what, dtype, device), n, dtype, device)
 
 
 def _pack_into(buffer: torch.Tensor, sources: Sequence[torch.Tensor], pieces: Sequence[Piece],
                device: torch.device) -> torch.Tensor:
     """The pieces of ``sources`` back to back in ``buffer`` (on ``device``): one ``torch.cat(out=)``; where the
-    sources are elsewhere (a CPU-offloaded partition for a GPU collective), one ``cat`` there, then one copy."""
+    sources are elsewhere (a CPU-offloaded partition for a GPU collective), one ``_foreach_copy_`` of the pieces
+    across, the device move itself (no staging copy where they lie)."""
     if pieces:
         views = [sources[s].narrow(0, o, n) for s, o, n in pieces]
         if views[0].device == device:
             torch.cat(views, out=buffer)
-        else:  # gathered where the pieces are, then one copy across (copy_ crosses devices)
-            buffer.copy_(torch.cat(views))
+        else:
+            torch._foreach_copy_(list(buffer.split([n for _, _, n in pieces])), views)
     return buffer
 
 
 def write_targets(storage: FlatStorage, plan: Plan, values: Mapping[str, torch.Tensor], *,
-           code: int | None = None) -> list[tuple[int, int]]:
+                  code: int | None = None) -> list[tuple[int, int]]:
     """Send every bucket's targets back into the partitions. ``values[name]``: this rank's flattened target (true
     units, any floating dtype); names absent on this rank must have an empty target here.
+
+    Copies (module docstring): the targets are sent as they lie where they are one run in send order (e.g. the
+    views :func:`read_targets` returned, modified in place), else packed once; what arrives is received straight
+    into the partition where it fills one run of it in order, else copied into place once; where neither holds,
+    this rank's own share goes straight from its value into the partition. Nothing of the data's size is
+    allocated: send and receive buffers, where needed, are kept between calls. fp16 loss scaling or values of
+    another dtype than the stored one: packed, scaled and converted first (one more copy of what is sent).
 
     ``code`` (a user function ran before this write; :func:`~zero_dtensor.agreement.error_code` of its failure on
     this rank): every multi-rank bucket's exchange then carries one error code per peer after its data, every
     exchange completes before anything is written, and where any rank failed nothing is written: returns
     ``(global rank, code)`` of the failed ranks (this one included), in rank order. A failed rank sends zeros."""
     failed: dict[int, int] = {}
-    received = []
+    deferred = []
     with torch.no_grad():
         for bucket in plan.buckets:
             device = _comm_device(storage, bucket)
-            if code:
-                send = torch.zeros(sum(bucket.write.send_counts), dtype=bucket.dtype, device=device)
-            else:
-                none = _empty(bucket.dtype, device)  # for targets this rank does not hold
-                sources = [_flat_on(values.get(slot.name), none, device) for slot in bucket.params]
-                send = _pack(sources, bucket.write.send_pieces, bucket.dtype, device)
-                send = storage.to_stored(send)
-                send = send if send.dtype == bucket.dtype else send.to(bucket.dtype)
-            if code is None or bucket.world_size == 1:
-                recv = _exchange(send, bucket.write, storage, bucket)
-            else:
-                recv, codes = _exchange_with_codes(send, bucket.write, storage, bucket, code)
-                members = process_groups.group_ranks(storage.process_groups[bucket.groups[0]])
-                failed.update({members[r]: c for r, c in enumerate(codes) if c})
-            received.append((bucket, recv))
+            parts = [storage.partitions[g] for g in bucket.groups]
+            sources = _sources(storage, bucket, values, device, code)
+            if code is None:
+                _write_bucket(sources, parts, bucket, device, storage)
+                continue
+            if bucket.world_size == 1:
+                deferred.append((bucket, sources, parts, None))
+                continue
+            framed, codes = _framed_exchange(sources, parts, bucket, device, storage, code)
+            members = process_groups.group_ranks(storage.process_groups[bucket.groups[0]])
+            failed.update({members[r]: c for r, c in enumerate(codes) if c})
+            deferred.append((bucket, sources, parts, framed))
         if code:
             failed[my_rank(storage)] = code
         if failed:
             return sorted(failed.items())
-        for bucket, recv in received:
-            parts = [storage.partitions[g] for g in bucket.groups]
-            _unpack(to_device(recv, parts[0].device), bucket.write.recv_pieces, parts)
+        for bucket, sources, parts, framed in deferred:
+            if framed is None:
+                _copy_pieces(parts, bucket.write.recv_pieces, sources, bucket.write.send_pieces)
+            else:
+                _unpack_framed(framed, sources, parts, bucket)
     return []
+
+
+def _sources(storage: FlatStorage, bucket: BucketPlan, values: Mapping[str, torch.Tensor], device: torch.device,
+             code: int | None) -> list[torch.Tensor]:
+    """Per target slot, this rank's value flattened on ``device`` in stored units and dtype: the values themselves
+    where they are (views), else one packed, scaled and converted buffer the slots are views of. A failed rank
+    (``code``) sends nothing of its values."""
+    none = _empty(bucket.dtype, device)  # for targets this rank does not hold
+    if code:
+        return [none for _ in bucket.params]
+    sources = [_flat_on(values.get(slot.name), none, device) for slot in bucket.params]
+    if storage.loss_scale == 1.0 and all(t.dtype == bucket.dtype for t in sources):
+        return sources
+    # stored units or dtype differ: every slot's value converted once (fp16 loss scaling, or another dtype given)
+    flat = storage.to_stored(torch.cat(sources))  # (type promotion across the values, as the old pack)
+    flat = flat if flat.dtype == bucket.dtype else flat.to(bucket.dtype)
+    return list(flat.split([t.numel() for t in sources]))
+
+
+def _write_bucket(sources: Sequence[torch.Tensor], parts: Sequence[torch.Tensor], bucket: BucketPlan,
+                  device: torch.device, storage: FlatStorage) -> None:
+    """One bucket's write without error codes (module docstring: each byte copied at most once locally)."""
+    write = bucket.write
+    if not write.communicates:  # every piece stays on this rank: once, value to partition
+        _copy_pieces(parts, write.recv_pieces, sources, write.send_pieces)
+        return
+    pg = storage.process_groups[bucket.groups[0]]
+    aliased = _aliases(sources, parts)
+    run = None if aliased else _source_run(sources, write.send_pieces, device)
+    dest = None if aliased else _run_on(parts, write.recv_run, device)
+    if dest is not None and (run is not None or _kept(write) <= write.received_elements):
+        recv = dest  # received in place (packing the own share costs less than copying what arrives)
+    elif aliased or (run is not None and write.sent_elements > _kept(write)):
+        recv = _scratch("recv", bucket, device, sum(write.recv_counts))  # every share received, copied once
+    else:  # the own share straight from the values into the partitions; the others' pieces travel alone
+        _exchange_peers(sources, parts, write, device, bucket, pg)
+        return
+    send = run if run is not None else _pack_into(_scratch("send", bucket, device, sum(write.send_counts)),
+                                                  sources, write.send_pieces, device)
+    collectives.all_to_all_into(recv, send, write.recv_counts, write.send_counts, pg)
+    if recv is not dest:
+        _unpack(recv, write.recv_pieces, parts, device)
+
+
+def _aliases(sources: Sequence[torch.Tensor], parts: Sequence[torch.Tensor]) -> bool:
+    """Whether any value shares memory with a partition (then every piece is packed before anything is written)."""
+    held = {p.untyped_storage().data_ptr() for p in parts}
+    return any(t.numel() and t.untyped_storage().data_ptr() in held for t in sources)
+
+
+def _source_run(sources: Sequence[torch.Tensor], pieces: Sequence[Piece], device: torch.device
+                ) -> torch.Tensor | None:
+    """The pieces as one view, where they lie back to back in one storage in send order (e.g. views of one
+    buffer :func:`read_targets` returned), on ``device``; else ``None``. Metadata only: no tensor operation."""
+    if not pieces:
+        return None
+    first = sources[pieces[0][0]]
+    if first.device != device:
+        return None
+    storage_ptr = first.untyped_storage().data_ptr()
+    start = end = first.storage_offset() + pieces[0][1]
+    for s, o, n in pieces:
+        t = sources[s]
+        if (t.dtype != first.dtype or t.untyped_storage().data_ptr() != storage_ptr
+                or (t.numel() > 1 and t.stride(0) != 1) or t.storage_offset() + o != end):
+            return None
+        end += n
+    return first.as_strided((end - start,), (1,), start)
 
 
 _EMPTY: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
@@ -195,22 +306,79 @@ def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return t
 
 
-def _exchange_with_codes(send: torch.Tensor, transfer: Transfer, storage: FlatStorage, bucket: BucketPlan,
-                         code: int) -> tuple[torch.Tensor, list[int]]:
-    """The bucket's ``all_to_all_single`` with this rank's error ``code`` appended to what it sends each peer (also
-    where no data crosses ranks): returns the received data, as :func:`_exchange` would, and every peer's code in
-    group-rank order. One element more each way per peer; one copy of the data on each side."""
-    send_counts = [n + 1 for n in transfer.send_counts]
-    recv_counts = [n + 1 for n in transfer.recv_counts]
-    framed = torch.full((sum(send_counts),), float(code), dtype=send.dtype, device=send.device)
-    torch.split_with_sizes_copy(send, list(transfer.send_counts),
-                                out=[c.narrow(0, 0, n) for c, n in zip(framed.split(send_counts),
-                                                                        transfer.send_counts)])
-    recv = torch.empty(sum(recv_counts), dtype=send.dtype, device=send.device)
+def _framed_exchange(sources: Sequence[torch.Tensor], parts: Sequence[torch.Tensor], bucket: BucketPlan,
+                     device: torch.device, storage: FlatStorage, code: int) -> tuple[torch.Tensor, list[int]]:
+    """The bucket's write ``all_to_all_single`` with this rank's error ``code`` after what it sends each peer (also
+    where no data crosses ranks): the other ranks' pieces copied once into the framed send buffer (their own
+    share stays: :func:`_unpack_framed` copies it straight into place), one more element each way per peer.
+    Returns the framed receive buffer (kept; written into the partitions only once every rank's code is known)
+    and every peer's code in group-rank order."""
+    write = bucket.write
+    sent = write.peer_pieces()[0]
+    data_send, data_recv = write.peer_counts()
+    send_counts = [n + 1 for n in data_send]
+    recv_counts = [n + 1 for n in data_recv]
+    framed = _scratch("framed send", bucket, device, sum(send_counts))
+    if code:  # a failed rank sends its code in every element (its data is never written anywhere)
+        framed.fill_(float(code))
+    else:
+        code_slots = [framed.narrow(0, sum(send_counts[:d + 1]) - 1, 1) for d in range(len(send_counts))]
+        data_slots = _framed_slots(framed, send_counts, _per_peer(write.send_piece_counts, write.rank, sent))
+        torch._foreach_copy_(data_slots + code_slots,
+                             [sources[s].narrow(0, o, n) for s, o, n in sent] + [_zero(framed)] * len(code_slots))
+    recv = _scratch("framed recv", bucket, device, sum(recv_counts))
     collectives.all_to_all_into(recv, framed, recv_counts, send_counts, storage.process_groups[bucket.groups[0]])
-    chunks = recv.split(recv_counts)
-    codes = [int(c) for c in torch.cat([c.narrow(0, n, 1) for c, n in zip(chunks, transfer.recv_counts)]).tolist()]
-    return torch.cat([c.narrow(0, 0, n) for c, n in zip(chunks, transfer.recv_counts)]), codes
+    at = [sum(recv_counts[:s + 1]) - 1 for s in range(len(recv_counts))]
+    codes = [int(c) for c in torch.cat([recv.narrow(0, i, 1) for i in at]).tolist()]
+    return recv, codes
+
+
+def _per_peer(piece_counts: Sequence[int], me: int, pieces: Sequence[Piece]) -> list[list[Piece]]:
+    """``pieces`` (this rank's own left out) grouped per peer, in rank order (this rank: an empty group)."""
+    groups, at = [], 0
+    for r, k in enumerate(piece_counts):
+        k = 0 if r == me else k
+        groups.append(list(pieces[at:at + k]))
+        at += k
+    return groups
+
+
+def _framed_slots(framed: torch.Tensor, counts: Sequence[int], per_peer: Sequence[Sequence[Piece]]
+                  ) -> list[torch.Tensor]:
+    """Narrow views of ``framed`` where each peer's pieces go, back to back from the start of its block."""
+    slots, base = [], 0
+    for count, pieces in zip(counts, per_peer):
+        at = base
+        for _, _, n in pieces:
+            slots.append(framed.narrow(0, at, n))
+            at += n
+        base += count
+    return slots
+
+
+_ZEROS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _zero(like: torch.Tensor) -> torch.Tensor:
+    """A kept one-element zero (the code of a rank that did not fail) of ``like``'s dtype and device."""
+    key = (like.dtype, like.device)
+    t = _ZEROS.get(key)
+    if t is None:
+        t = _ZEROS[key] = torch.zeros(1, dtype=like.dtype, device=like.device)
+    return t
+
+
+def _unpack_framed(framed: torch.Tensor, sources: Sequence[torch.Tensor], parts: Sequence[torch.Tensor],
+                   bucket: BucketPlan) -> None:
+    """After every rank's code was 0: this rank's own share straight from its values into the partitions, and
+    the peers' pieces from the framed receive buffer (codes skipped), each once (one ``_foreach_copy_``)."""
+    write = bucket.write
+    (own_sent, own_received), (_, received) = write.own_pieces(), write.peer_pieces()
+    recv_counts = [n + 1 for n in write.peer_counts()[1]]
+    slots = _framed_slots(framed, recv_counts, _per_peer(write.recv_piece_counts, write.rank, received))
+    dests = [parts[s].narrow(0, o, n) for s, o, n in own_received + received]
+    if dests:
+        torch._foreach_copy_(dests, [sources[s].narrow(0, o, n) for s, o, n in own_sent] + slots)
 
 
 def _flat_on(value: torch.Tensor | None, none: torch.Tensor, device: torch.device) -> torch.Tensor:

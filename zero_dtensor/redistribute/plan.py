@@ -48,6 +48,7 @@ class Transfer:
     send_piece_counts: tuple[int, ...] = ()  # per destination rank, how many of ``send_pieces`` go there
     recv_piece_counts: tuple[int, ...] = ()  # per source rank, how many of ``recv_pieces`` come from there
     send_run: Piece | None = None  # ``send_pieces`` are this one run of one slot, back to back (no packing)
+    recv_run: Piece | None = None  # ``recv_pieces`` fill this one run of one slot, back to back (received in place)
 
     def own_pieces(self) -> tuple[tuple[Piece, ...], tuple[Piece, ...]]:
         """``(sent, received)``: the pieces this rank sends itself, where they are read and where they land (the
@@ -180,6 +181,7 @@ def _transfer(per_peer_send: list[list[Piece]], per_peer_recv: list[list[Piece]]
         rank=rank,
         recv_in_order=_in_order(recv_pieces),
         send_run=_one_run(send_pieces),
+        recv_run=_one_run(recv_pieces),
         send_piece_counts=tuple(map(len, per_peer_send)),
         recv_piece_counts=tuple(map(len, per_peer_recv)),
     )

@@ -169,7 +169,7 @@ def test_plans_move_every_element_exactly(model, kind, rnd) -> None:
     written = [_partitions(layout, dtypes, truth, fill=float("nan")) for layout in layouts]
     for b in range(len(plans[0].buckets)):
         buckets = [plan.buckets[b] for plan in plans]
-        sends = []
+        sends, sends_values = [], []
         for r, bk in enumerate(buckets):
             values = []
             for slot in bk.params:
@@ -182,9 +182,21 @@ def test_plans_move_every_element_exactly(model, kind, rnd) -> None:
                     chunks = torch.chunk(full, world)
                     values.append((chunks[r] if r < len(chunks) else full[:0]).reshape(-1))
             sends.append(exchange._pack(values, bk.write.send_pieces, bk.dtype, torch.device("cpu")))
+            sends_values.append(values)
         recvs = _route(sends, [bk.write for bk in buckets])
         for r, (bk, recv) in enumerate(zip(buckets, recvs)):
-            exchange._unpack(recv, bk.write.recv_pieces, [written[r][g] for g in bk.groups])
+            dests = [written[r][g] for g in bk.groups]
+            before = [d.clone() for d in dests]
+            exchange._unpack(recv, bk.write.recv_pieces, dests)
+            # issue 44: the own share copied straight from the values, the peers' pieces alone, lands the same
+            (own_sent, own_received), (_, received) = bk.write.own_pieces(), bk.write.peer_pieces()
+            exchange._copy_pieces(before, own_received, sends_values[r], own_sent)
+            skip = sum(bk.write.recv_counts[:r])
+            exchange._unpack(torch.cat([recv[:skip], recv[skip + bk.write.recv_counts[r]:]]), received, before)
+            assert all(torch.equal(a.nan_to_num(7.5), b.nan_to_num(7.5)) for a, b in zip(before, dests)), r
+            if bk.write.recv_run is not None:  # received in place: the run is exactly what arrives, in order
+                slot, start, n = bk.write.recv_run
+                assert n == recv.numel() and torch.equal(dests[slot].narrow(0, start, n), recv), r
     selected = set(names)
     for r, layout in enumerate(layouts):
         expected = _partitions(layout, dtypes, {n: (new if n in selected else truth)[n] for n in truth})

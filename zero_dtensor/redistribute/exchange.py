@@ -39,15 +39,15 @@ def _pack(sources: Sequence[torch.Tensor], pieces: Sequence[Piece], dtype: torch
     return torch.cat([sources[s].narrow(0, o, n) for s, o, n in pieces])
 
 
-def _unpack(buffer: torch.Tensor, pieces: Sequence[Piece], dests: Sequence[torch.Tensor], device: torch.device
-            ) -> None:
-    """``buffer``'s elements (on the communication ``device``), back to back, into narrow views of ``dests``: one
-    ``torch.split_with_sizes_copy``; one ``_foreach_copy_`` where the destinations lie on another device (CPU
-    offload), the move across being the one copy."""
+def _unpack(buffer: torch.Tensor, pieces: Sequence[Piece], dests: Sequence[torch.Tensor],
+            device: torch.device | None = None) -> None:
+    """``buffer``'s elements (on the communication ``device``, default its own), back to back, into narrow views of
+    ``dests``: one ``torch.split_with_sizes_copy``; one ``_foreach_copy_`` where the destinations lie on another
+    device (CPU offload), the move across being the one copy."""
     if not pieces:
         return
     outs = [dests[s].narrow(0, o, n) for s, o, n in pieces]
-    if outs[0].device == device:
+    if outs[0].device == (buffer.device if device is None else device):
         torch.split_with_sizes_copy(buffer, [n for _, _, n in pieces], out=outs)
     else:
         torch._foreach_copy_(outs, list(buffer.split([n for _, _, n in pieces])))

@@ -99,8 +99,8 @@ def read_targets(storage: FlatStorage, plan: Plan, dtype: torch.dtype | None
             _copy_pieces([out], read.recv_pieces, parts, read.send_pieces)
         elif direct and (run is not None or _kept(read) <= read.received_elements):
             # (packing the own share too costs less than copying what arrives: else the own share goes alone)
-            send = run if run is not None else _pack_into(_scratch("send", bucket, device), parts, read.send_pieces,
-                                                          device)
+            send = run if run is not None else _pack_into(_scratch("send", bucket, device), parts,
+                                                          _as_run(read.send_pieces, read.send_run), device)
             collectives.all_to_all_into(out, send, read.recv_counts, read.send_counts, pg)
         elif run is not None and read.sent_elements > _kept(read):
             # sent as it lies (packing the peers' share would copy more than the own share the receive buffer
@@ -120,6 +120,12 @@ def read_targets(storage: FlatStorage, plan: Plan, dtype: torch.dtype | None
             views = _slot_views(true, bucket)
         results.append((bucket, views))
     return results
+
+
+def _as_run(pieces: Sequence[Piece], run: Piece | None) -> Sequence[Piece]:
+    """``pieces``, as the one piece ``run`` where they form it (one copy across devices instead of one per piece,
+    where a partition lies elsewhere)."""
+    return pieces if run is None else (run,)
 
 
 def _kept(transfer: Transfer) -> int:
@@ -265,7 +271,7 @@ def _write_bucket(sources: Sequence[torch.Tensor], parts: Sequence[torch.Tensor]
                                                   sources, write.send_pieces, device)
     collectives.all_to_all_into(recv, send, write.recv_counts, write.send_counts, pg)
     if recv is not dest:
-        _unpack(recv, write.recv_pieces, parts, device)
+        _unpack(recv, _as_run(write.recv_pieces, write.recv_run), parts, device)
 
 
 def _aliases(sources: Sequence[torch.Tensor], parts: Sequence[torch.Tensor]) -> bool:

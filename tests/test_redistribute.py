@@ -305,8 +305,8 @@ def test_op_count_does_not_grow_with_parameters(ranks, stage: int, bf16_optimize
 #: bytes beyond the data allowed per call and rank: the rank agreement's few int64 (set_owned_: its who-passed-what
 #: rows, N·(2 + k) int64), map_full_'s error codes, DeepSpeed's norm bookkeeping after a ZeRO-3 offload write
 COPY_SLACK_PER_RANK = 256
-#: (stage, offload) cases per world size: every case at 2 ranks, ZeRO-1 and ZeRO-3 at 3 (about 9 s more)
-COPY_WORLDS = {2: ((1, False), (2, False), (3, False), (2, True), (3, True)), 3: ((1, False), (3, False))}
+#: (stage, offload) cases per world size: every case at 2 ranks, ZeRO-3 at 3 (its rows cross ranks unevenly)
+COPY_WORLDS = {2: ((1, False), (2, False), (3, False), (2, True), (3, True)), 3: ((3, False),)}
 
 
 @pytest.mark.parametrize("world", sorted(COPY_WORLDS))

@@ -47,8 +47,12 @@ class TensorOwners:
         selected bytes; ``full_tensors`` receives ``(N-1)/N · S``). None for replicated groups (each rank slices its
         own rows) or where the stored pieces already are whole rows (ZeRO-3 when every row count divides by ``N``):
         the plan decides this from the layout alone, identically on every rank. Results are **snapshots** the caller
-        owns (views into one buffer per process group), valid after ``engine.step()``; ``dtype`` casts after the
-        exchange.
+        owns (views into one buffer per process group, on the communication device), valid after ``engine.step()``;
+        ``dtype`` casts after the exchange (one more buffer of the result's size). Memory and copies: the result
+        once; each byte copied at most once locally on the rank that sends it and once on the rank that receives it
+        (the own share once; under CPU offload the move to the accelerator is that copy); send and receive
+        buffers only where a side cannot be a view, each at most what this rank sends and receives, kept between
+        calls.
         """
         self._check_current()
         selected: list[ParamLayout] | None = None
@@ -67,7 +71,10 @@ class TensorOwners:
         rank raises on every rank. Communication: the rank agreement (one small collective; it carries any rank's
         refusal), then one ``all_to_all_single`` per (process group, dtype), the reverse of the read, about
         ``(N-1)/N · S/N`` bytes each way per rank (replicated groups too: every rank needs the whole new value,
-        ``(N-1)/N · S`` received). Writes never record autograd history.
+        ``(N-1)/N · S`` received). Writes never record autograd history. Memory and copies: nothing of the data's
+        size is allocated; the local shards are sent as they lie where they are one run in send order (as
+        :meth:`to_dtensors` returns them), else packed once, and land in DeepSpeed's partitions straight from the
+        exchange where they arrive in its order, else copied into place once.
         """
         self._check_current()
         selected: list[ParamLayout] | None = None
@@ -104,7 +111,9 @@ class TensorOwners:
         own: with the default owners, ZeRO-1/2 ranks send only the parameters their partition boundaries cut (a
         rank's run of parameters lies mostly in its own partition, sent as it lies: no packing), ZeRO-3 ranks about
         ``(N-1)/N · S/N`` bytes each way. Replicated groups: none. Results are
-        **snapshots** the caller owns.
+        **snapshots** the caller owns, on the communication device. Memory and copies as :meth:`to_dtensors`: with
+        the default owners a ZeRO-1/2 rank sends its run as it lies and receives straight into the result (no local
+        copy); ZeRO-3 received chunks are copied into parameter order once.
         """
         self._check_current()
         selected: list[ParamLayout] | None = None
@@ -127,7 +136,9 @@ class TensorOwners:
         all_gather of ``2 + k`` int64 per rank and process group, ``k`` its parameters), then one
         ``all_to_all_single`` per (process group, dtype) where any piece crosses ranks, about ``(N-1)/N · S/N``
         bytes each way per rank (ZeRO-1/2 with the default owners: only the parameters the partition boundaries cut;
-        replicated groups: the owner's values reach every rank). Writes never record autograd history.
+        replicated groups: the owner's values reach every rank). Writes never record autograd history. Memory and
+        copies as :meth:`set_dtensors_` (the tensors :meth:`owned` returned, modified in place, are sent as they
+        lie).
         """
         self._check_current()
         _redistribute.set_owned_(self._storage, mapping, assignment=owners)
@@ -146,7 +157,9 @@ class TensorOwners:
         dtype) on any rank raises on every rank and nothing is written: the original exception where it happened,
         :class:`~zero_dtensor.errors.RankFailedError` elsewhere. ``fn`` runs on each parameter's owner only, so it
         must not communicate: a zero_dtensor collective inside it raises ``RuntimeError`` at once (compute with
-        :meth:`owned` and write back with :meth:`set_owned_` where the computation needs other ranks).
+        :meth:`owned` and write back with :meth:`set_owned_` where the computation needs other ranks). Memory and
+        copies: :meth:`owned`'s, then the write's own share copied straight into place and the peers' pieces once
+        into the framed send buffer and once out of the framed receive buffer (kept between calls).
         """
         self._check_current()
         storage = self._storage

@@ -25,10 +25,13 @@ most recently used), every piece this rank sends
 and receives: for each parameter and peer, the intersection of the source's fragment (``ParamLayout.rank_range``,
 ragged ZeRO-1/2 pieces and ``torch.chunk`` ZeRO-3 pieces alike) with the destination's target range, as ``(slot,
 offset, length)`` triples in peer order. Executing a plan takes a fixed number of tensor operations whatever the
-number of parameters: one ``torch.cat`` of narrow views into a send buffer, one ``all_to_all_single``, one
-``torch.split_with_sizes_copy`` of the receive buffer into narrow views of the destination (the output buffer, or
-DeepSpeed's partitions; none when the received pieces already are the output in order), and at most two casts (fp16
-unscaling, ``dtype=``). Per-parameter results are views into the output buffer.
+number of parameters: at most one pack (``torch.cat`` of narrow views into a kept send buffer; none where what is
+sent lies as one run in send order), one ``all_to_all_single`` (into the destination itself, the output buffer or
+DeepSpeed's partition, where what arrives is in its order), at most one ``torch.split_with_sizes_copy`` of a kept
+receive buffer into narrow views of the destination, one ``_foreach_copy_`` of this rank's own share where it does
+not travel, and at most two casts (fp16 unscaling, ``dtype=``). Each byte is copied at most once locally on the rank
+that sends it and once on the rank that receives it (the own share once); no buffer besides a read's output holds
+more than this rank sends and receives (:mod:`.exchange`). Per-parameter results are views into the output buffer.
 
 **Validation.** Writes check every entry on every rank before anything is sent or written; a bad entry on one rank
 raises on every rank (one ``all_reduce`` of ``N`` int64 error codes per process group): the failing rank raises

@@ -196,27 +196,29 @@ def write_targets(storage: FlatStorage, plan: Plan, values: Mapping[str, torch.T
     views :func:`read_targets` returned, modified in place), else packed once; what arrives is received straight
     into the partition where it fills one run of it in order, else copied into place once; where neither holds,
     this rank's own share goes straight from its value into the partition. Nothing of the data's size is
-    allocated: send and receive buffers, where needed, are kept between calls. fp16 loss scaling or values of
-    another dtype than the stored one: packed, scaled and converted first (one more copy of what is sent).
+    allocated: send and receive buffers, where needed, are kept between calls. fp16 loss scaling, values of
+    another dtype than the stored one or values sharing memory with a partition: packed (scaled, converted) first,
+    one more copy of this rank's values.
 
     ``code`` (a user function ran before this write; :func:`~zero_dtensor.agreement.error_code` of its failure on
     this rank): every multi-rank bucket's exchange then carries one error code per peer after its data, every
     exchange completes before anything is written, and where any rank failed nothing is written: returns
-    ``(global rank, code)`` of the failed ranks (this one included), in rank order. A failed rank sends zeros."""
+    ``(global rank, code)`` of the failed ranks (this one included), in rank order. A failed rank sends its code
+    in place of its data."""
     failed: dict[int, int] = {}
     deferred = []
     with torch.no_grad():
-        for bucket in plan.buckets:
+        for index, bucket in enumerate(plan.buckets):
             device = _comm_device(storage, bucket)
             parts = [storage.partitions[g] for g in bucket.groups]
-            sources = _sources(storage, bucket, values, device, code)
+            sources = _sources(storage, bucket, values, device, code, parts)
             if code is None:
                 _write_bucket(sources, parts, bucket, device, storage)
                 continue
             if bucket.world_size == 1:
                 deferred.append((bucket, sources, parts, None))
                 continue
-            framed, codes = _framed_exchange(sources, parts, bucket, device, storage, code)
+            framed, codes = _framed_exchange(sources, bucket, device, storage, code, index)
             members = process_groups.group_ranks(storage.process_groups[bucket.groups[0]])
             failed.update({members[r]: c for r, c in enumerate(codes) if c})
             deferred.append((bucket, sources, parts, framed))
@@ -233,17 +235,18 @@ def write_targets(storage: FlatStorage, plan: Plan, values: Mapping[str, torch.T
 
 
 def _sources(storage: FlatStorage, bucket: BucketPlan, values: Mapping[str, torch.Tensor], device: torch.device,
-             code: int | None) -> list[torch.Tensor]:
+             code: int | None, parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Per target slot, this rank's value flattened on ``device`` in stored units and dtype: the values themselves
-    where they are (views), else one packed, scaled and converted buffer the slots are views of. A failed rank
+    where they are (views), else one packed, scaled and converted buffer the slots are views of (also where a value
+    shares memory with a partition: then nothing written can overwrite what is still to be read). A failed rank
     (``code``) sends nothing of its values."""
     none = _empty(bucket.dtype, device)  # for targets this rank does not hold
     if code:
         return [none for _ in bucket.params]
     sources = [_flat_on(values.get(slot.name), none, device) for slot in bucket.params]
-    if storage.loss_scale == 1.0 and all(t.dtype == bucket.dtype for t in sources):
+    if storage.loss_scale == 1.0 and all(t.dtype == bucket.dtype for t in sources) and not _aliases(sources, parts):
         return sources
-    # stored units or dtype differ: every slot's value converted once (fp16 loss scaling, or another dtype given)
+    # stored units or dtype differ, or a value is a view of a partition: every slot's value copied once
     flat = storage.to_stored(torch.cat(sources))  # (type promotion across the values, as the old pack)
     flat = flat if flat.dtype == bucket.dtype else flat.to(bucket.dtype)
     return list(flat.split([t.numel() for t in sources]))
@@ -257,12 +260,11 @@ def _write_bucket(sources: Sequence[torch.Tensor], parts: Sequence[torch.Tensor]
         _copy_pieces(parts, write.recv_pieces, sources, write.send_pieces)
         return
     pg = storage.process_groups[bucket.groups[0]]
-    aliased = _aliases(sources, parts)
-    run = None if aliased else _source_run(sources, write.send_pieces, device)
-    dest = None if aliased else _run_on(parts, write.recv_run, device)
+    run = _source_run(sources, write.send_pieces, device)  # (no value shares memory with a partition: _sources)
+    dest = _run_on(parts, write.recv_run, device)
     if dest is not None and (run is not None or _kept(write) <= write.received_elements):
         recv = dest  # received in place (packing the own share costs less than copying what arrives)
-    elif aliased or (run is not None and write.sent_elements > _kept(write)):
+    elif run is not None and write.sent_elements > _kept(write):
         recv = _scratch("recv", bucket, device, sum(write.recv_counts))  # every share received, copied once
     else:  # the own share straight from the values into the partitions; the others' pieces travel alone
         _exchange_peers(sources, parts, write, device, bucket, pg)
@@ -312,13 +314,13 @@ def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return t
 
 
-def _framed_exchange(sources: Sequence[torch.Tensor], parts: Sequence[torch.Tensor], bucket: BucketPlan,
-                     device: torch.device, storage: FlatStorage, code: int) -> tuple[torch.Tensor, list[int]]:
+def _framed_exchange(sources: Sequence[torch.Tensor], bucket: BucketPlan, device: torch.device,
+                     storage: FlatStorage, code: int, index: int) -> tuple[torch.Tensor, list[int]]:
     """The bucket's write ``all_to_all_single`` with this rank's error ``code`` after what it sends each peer (also
     where no data crosses ranks): the other ranks' pieces copied once into the framed send buffer (their own
     share stays: :func:`_unpack_framed` copies it straight into place), one more element each way per peer.
-    Returns the framed receive buffer (kept; written into the partitions only once every rank's code is known)
-    and every peer's code in group-rank order."""
+    Returns the framed receive buffer (kept, one per bucket ``index``; written into the partitions only once
+    every rank's code is known) and every peer's code in group-rank order."""
     write = bucket.write
     sent = write.peer_pieces()[0]
     data_send, data_recv = write.peer_counts()
@@ -332,7 +334,7 @@ def _framed_exchange(sources: Sequence[torch.Tensor], parts: Sequence[torch.Tens
         data_slots = _framed_slots(framed, send_counts, _per_peer(write.send_piece_counts, write.rank, sent))
         torch._foreach_copy_(data_slots + code_slots,
                              [sources[s].narrow(0, o, n) for s, o, n in sent] + [_zero(framed)] * len(code_slots))
-    recv = _scratch("framed recv", bucket, device, sum(recv_counts))
+    recv = _scratch(f"framed recv {index}", bucket, device, sum(recv_counts))  # one per bucket: kept until written
     collectives.all_to_all_into(recv, framed, recv_counts, send_counts, storage.process_groups[bucket.groups[0]])
     at = [sum(recv_counts[:s + 1]) - 1 for s in range(len(recv_counts))]
     codes = [int(c) for c in torch.cat([recv.narrow(0, i, 1) for i in at]).tolist()]

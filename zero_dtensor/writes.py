@@ -338,6 +338,8 @@ class _DirectWrite:
     whole_pick: Callable[[list[torch.Tensor]], Any] | None
     whole: tuple[int, ...]  # the parameters (indices ``k`` in the group) held whole, in request order
     partial: tuple[tuple[int, int, int, int], ...]
+    whole_pieces: tuple[int, ...]  # their pieces of the local tiling
+    whole_shapes: tuple[torch.Size, ...]  # and their shapes
 
 
 _DIRECT: weakref.WeakKeyDictionary[GroupPlan, dict[tuple[str, ...], _DirectWrite]] = weakref.WeakKeyDictionary()
@@ -358,7 +360,9 @@ def _direct_write(plan: GroupPlan, names: tuple[str, ...]) -> _DirectWrite:
         partial = tuple((i, k, plan.frag_start[k], plan.frag_len[k]) for i, k in enumerate(ks)
                         if k not in whole_at and plan.frag_len[k])
         pick = None if held == list(range(len(ks))) else _picker(held)
-        found = per_plan[names] = _DirectWrite(pick, tuple(ks[i] for i in held), partial)
+        whole = tuple(ks[i] for i in held)
+        found = per_plan[names] = _DirectWrite(pick, whole, partial, tuple(plan.local.piece[k] for k in whole),
+                                               tuple(plan.params[k].shape for k in whole))
     return found
 
 
@@ -374,7 +378,7 @@ def _write_direct(state: FlatState, plan: GroupPlan, names: tuple[str, ...], val
     """Whole local parameters: the value itself into a cached view of its fragment in the parameter's shape (no
     view per call); parameters this rank holds only part of: a view of the value's part. What goes where is planned
     once per request (:class:`_DirectWrite`): a call makes no pass over the parameters in Python, only one view per
-    partly held parameter (ZeRO-1/2: at most two per rank and group)."""
+    partly held parameter (ZeRO-1/2: at most two per rank and group; ZeRO-3 over several ranks: every one)."""
     direct = _direct_write(plan, names)
     dests = list(state.view_caches[plan.index].get(("direct", plan, names),
                                                    lambda _: _direct_views(state, plan, direct)))
@@ -397,10 +401,11 @@ def _write_direct(state: FlatState, plan: GroupPlan, names: tuple[str, ...], val
 
 def _direct_views(state: FlatState, plan: GroupPlan, direct: _DirectWrite) -> list[torch.Tensor]:
     """New views of the fragments ``direct`` writes, in its order: in the parameter's shape where this rank holds
-    it whole, flat where it holds a part."""
-    pieces, piece, params = state.pieces[plan.index], plan.local.piece, plan.params
-    return ([pieces[piece[k]].view(params[k].shape) for k in direct.whole]
-            + [pieces[piece[k]].view(-1) for _, k, _, _ in direct.partial])
+    it whole, flat where it holds a part (C-level passes: made again for every partition, e.g. each step where the
+    partition is DeepSpeed's own memory)."""
+    pieces, piece = state.pieces[plan.index], plan.local.piece
+    whole = list(map(torch.Tensor.view, map(pieces.__getitem__, direct.whole_pieces), direct.whole_shapes))
+    return whole + [pieces[piece[k]].view(-1) for _, k, _, _ in direct.partial]
 
 
 _ROW_WRITES: OrderedDict[tuple[GroupPlan, tuple[str, ...], int], _RowWrite | None] = OrderedDict()

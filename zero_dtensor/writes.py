@@ -338,8 +338,9 @@ class _DirectWrite:
     whole_pick: Callable[[list[torch.Tensor]], Any] | None
     whole: tuple[int, ...]  # the parameters (indices ``k`` in the group) held whole, in request order
     partial: tuple[tuple[int, int, int, int], ...]
-    whole_pieces: tuple[int, ...]  # their pieces of the local tiling
-    whole_shapes: tuple[torch.Size, ...]  # and their shapes
+    whole_offsets: tuple[int, ...]  # where their fragments start in the partition
+    whole_shapes: tuple[torch.Size, ...]  # their shapes
+    whole_strides: tuple[tuple[int, ...], ...]  # and contiguous strides
 
 
 _DIRECT: weakref.WeakKeyDictionary[GroupPlan, dict[tuple[str, ...], _DirectWrite]] = weakref.WeakKeyDictionary()
@@ -361,8 +362,9 @@ def _direct_write(plan: GroupPlan, names: tuple[str, ...]) -> _DirectWrite:
                         if k not in whole_at and plan.frag_len[k])
         pick = None if held == list(range(len(ks))) else _picker(held)
         whole = tuple(ks[i] for i in held)
-        found = per_plan[names] = _DirectWrite(pick, whole, partial, tuple(plan.local.piece[k] for k in whole),
-                                               tuple(plan.params[k].shape for k in whole))
+        shapes = tuple(plan.params[k].shape for k in whole)
+        found = per_plan[names] = _DirectWrite(pick, whole, partial, tuple(plan.frag_offset[k] for k in whole),
+                                               shapes, tuple(_contiguous_strides(shape) for shape in shapes))
     return found
 
 
@@ -400,12 +402,23 @@ def _write_direct(state: FlatState, plan: GroupPlan, names: tuple[str, ...], val
 
 
 def _direct_views(state: FlatState, plan: GroupPlan, direct: _DirectWrite) -> list[torch.Tensor]:
-    """New views of the fragments ``direct`` writes, in its order: in the parameter's shape where this rank holds
-    it whole, flat where it holds a part (C-level passes: made again for every partition, e.g. each step where the
-    partition is DeepSpeed's own memory)."""
-    pieces, piece = state.pieces[plan.index], plan.local.piece
-    whole = list(map(torch.Tensor.view, map(pieces.__getitem__, direct.whole_pieces), direct.whole_shapes))
-    return whole + [pieces[piece[k]].view(-1) for _, k, _, _ in direct.partial]
+    """New views of the partition for the fragments ``direct`` writes, in its order: in the parameter's shape where
+    this rank holds it whole (one ``as_strided`` each, by a C-level pass), flat where it holds a part. Made once per
+    partition buffer: again every step where the partition is DeepSpeed's own memory, so one view per parameter and
+    no per-piece tiling first."""
+    buffer = state.view_caches[plan.index].buffer
+    base = buffer.storage_offset()
+    whole = list(map(buffer.as_strided, direct.whole_shapes, direct.whole_strides,
+                     map(base.__add__, direct.whole_offsets)))
+    return whole + [buffer.narrow(0, plan.frag_offset[k], length) for _, k, _, length in direct.partial]
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 _ROW_WRITES: OrderedDict[tuple[GroupPlan, tuple[str, ...], int], _RowWrite | None] = OrderedDict()

@@ -155,7 +155,8 @@ def _contiguous_partition(opt: Any, group: int) -> ViewCache:
     partition_numel = int(opt.partition_size[group])
     start = _in_place_start(key, pieces[0].element_size(), partition_numel) if key is not None else None
     if start is not None:
-        cache = ViewCache(pieces[0].as_strided((partition_numel,), (1,), start))
+        # through a detached alias: a view's ``_base`` would keep DeepSpeed's first piece alive past the step
+        cache = ViewCache(pieces[0].detach().as_strided((partition_numel,), (1,), start))
         opt.averaged_gradients[group] = _in_place(pieces, key, cache)
         return cache
     slot = _slot_for(opt, group, pieces, numels)
@@ -178,26 +179,26 @@ def _in_place_start(key: PieceKey, element_size: int, partition_numel: int) -> i
 
 
 def _in_place(pieces: Sequence[torch.Tensor], key: PieceKey, cache: ViewCache) -> list:
-    """DeepSpeed's own ``pieces`` (lying as :func:`_in_place_start` found) as a ``GradPartitionBufferGroup`` over
-    the partition ``cache.buffer``, a 1-D view of their buffer: no allocation, no copy and no new view per piece.
-    DeepSpeed's step then reads the partition without flattening it again (DeepSpeed 0.18.9, which lacks that class,
-    keeps its plain list and flattens as it does without zero_dtensor). The list (a new one, which DeepSpeed's step
-    drops) also holds ``cache``, so that a second call of this step finds it; no zero_dtensor cache keeps DeepSpeed's
-    buffer (a new one every backward) past its step."""
+    """DeepSpeed's own ``pieces`` (lying as :func:`_in_place_start` found) in a new list over the partition
+    ``cache.buffer``, a 1-D view of their buffer: no allocation, no copy and no new view per piece. A
+    ``GradPartitionBufferGroup`` where DeepSpeed has that class (its step then reads the partition without
+    flattening it again), else a :class:`_FlatViews` (DeepSpeed 0.18.9 flattens the list as it does without
+    zero_dtensor). DeepSpeed's step drops the list; it also holds ``cache``, so that a second call of this step finds
+    it, and nothing of zero_dtensor's keeps it (:func:`grad_storage` refers to it weakly) or DeepSpeed's buffer (a
+    new one every backward) past the step."""
     from deepspeed.runtime.zero import stage_1_and_2
 
     buffer_group = getattr(stage_1_and_2, "GradPartitionBufferGroup", None)
-    if buffer_group is None:
-        return pieces
     flat = cache.buffer
-    rebound = buffer_group.__new__(buffer_group)
+    rebound = _FlatViews() if buffer_group is None else buffer_group.__new__(buffer_group)
     list.extend(rebound, pieces)
     rebound.flat_partition = flat
-    # what GradPartitionBufferGroup.__init__ computes piece by piece (offset in the partition, shape, padding),
-    # from the key's byte offsets: the pieces lie in one block, none is a zero-padding tensor of its own
-    element, first = flat.element_size(), key[1][0]
-    starts = [(offset - first) // element for offset in key[1]]
-    rebound._view_specs = list(zip(starts, map(_SHAPE, pieces), itertools.repeat(False)))
+    if buffer_group is not None:
+        # what GradPartitionBufferGroup.__init__ computes piece by piece (offset in the partition, shape,
+        # padding), from the key's byte offsets: the pieces lie in one block, none is a zero-padding tensor
+        element, first = flat.element_size(), key[1][0]
+        starts = [(offset - first) // element for offset in key[1]]
+        rebound._view_specs = list(zip(starts, map(_SHAPE, pieces), itertools.repeat(False)))
     rebound._zero_dtensor_cache = cache
     return rebound
 

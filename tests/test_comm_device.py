@@ -45,3 +45,34 @@ def test_gloo_over_cuda_tensors_uses_plain_collectives(ranks, stage: int, groups
 
     reports = ranks(world).run(materialize.check_gloo_over_cuda, stage, groups, world)
     assert all("send_recv" not in r["decisions"] for r in reports), reports
+
+
+def test_row_indices_are_made_once_per_rows_and_device(monkeypatch) -> None:
+    """Issue 42: ``all_reduce_rows`` / ``sum_max_rows`` of a subset of rows (several process groups) index them with
+    a tensor made once per (rows, device), not one per call (on CUDA a small blocking host-to-device copy each)."""
+    import torch.distributed as dist
+
+    made = []
+    real = torch.tensor
+
+    def counting(*args, **kwargs):
+        made.append(args[0] if args else kwargs.get("data"))
+        return real(*args, **kwargs)
+
+    if hasattr(collectives, "row_index"):  # a fresh cache: this test makes the first index
+        collectives.row_index.cache_clear()
+    monkeypatch.setattr(collectives, "all_reduce_small", lambda t, group, op: t.mul_(2.0))  # stands for 2 ranks
+    monkeypatch.setattr(collectives, "prefers_all_reduce", lambda group: False)
+    monkeypatch.setattr(collectives, "_stacked_by_rank", lambda t, group: torch.stack([t, t]))
+    monkeypatch.setattr(torch, "tensor", counting)
+    rows = torch.arange(12.0).view(4, 3)
+    for _ in range(3):
+        collectives.all_reduce_rows(rows, [1, 3], object(), dist.ReduceOp.SUM)
+        collectives.sum_max_rows(rows, [1, 3], object(), 2)
+    monkeypatch.setattr(torch, "tensor", real)
+    expected = torch.arange(12.0).view(4, 3)
+    for _ in range(3):
+        expected[[1, 3]] *= 2.0
+        expected[[1, 3], :2] *= 2.0
+    assert torch.equal(rows, expected)
+    assert [list(m) for m in made] == [[1, 3]], f"index tensors made per call: {made}"

@@ -55,6 +55,26 @@ def test_op_count_does_not_grow_with_parameters(ranks, variant: str, name: str) 
     assert not problems, f"{name} on {variant}: " + "; ".join(problems)
 
 
+#: issue 42: calls whose Python-level work (function calls the interpreter makes, C functions called from Python
+#: included; a C-level ``map`` over the values counts once) does not grow with the parameters either: no Python pass
+#: over them per call. ZeRO-3 aside: each rank holds a part of every parameter there, one view of each value per call
+PY_FLAT = op_counts.PY_ROWS
+
+
+@pytest.mark.parametrize("variant", [v for v in op_counts.VARIANTS if v != "zero3"])
+@pytest.mark.parametrize("name", PY_FLAT)
+def test_python_work_does_not_grow_with_parameters(ranks, variant: str, name: str) -> None:
+    problems = []
+    for rank, per_rank in enumerate(_measured(ranks, variant)):
+        small, big = per_rank[name][8], per_rank[name][64]
+        if "error" in small or "error" in big:
+            problems.append(f"rank {rank} raised: {small.get('error') or big.get('error')}")
+        elif small["py_calls"] != big["py_calls"]:
+            problems.append(f"rank {rank}: {small['py_calls']} Python calls for 8 parameters, {big['py_calls']} "
+                            "for 64")
+    assert not problems, f"{name} on {variant}: " + "; ".join(problems)
+
+
 # --- issue 42: memory traffic and host syncs of the reductions (tests/workers/dispatch_probe.py), per rank, on a
 # model whose data far outweighs the per-piece bookkeeping; results on the (simulated) accelerator.
 TRAFFIC_CASES = ((1, "fp16"), (2, "bf16"), (3, "fp32"))

@@ -40,7 +40,12 @@ def sharded_grads(engine: Any) -> ShardedGrads:
     debug mode).
 
     Valid after ``engine.backward()`` at a gradient-accumulation boundary, until ``engine.step()``. Calling it again
-    in the same window returns the same object (the default ZeRO-1/2 list of views is made contiguous once per step).
+    in the same window returns the same object. Memory: none where DeepSpeed's partition already is one tensor
+    (ZeRO-3, offload, the compact fp32 buffer, ``BF16_Optimizer``) or its ZeRO-1/2 pieces lie in order in one buffer
+    (ZeRO-1: used in place, no copy). Otherwise (ZeRO-2's pieces in the order gradients arrived, a zero-padded last
+    partition) the first call of a step copies them once into a flat partition allocated once per param group and
+    reused across steps (a second one only while a caller still holds views of the first); that copy replaces the
+    flattening DeepSpeed's step would do.
     Raises :class:`~zero_dtensor.errors.GradientsNotReadyError` outside the window and
     :class:`~zero_dtensor.errors.UnsupportedDeepSpeedError` for an unknown DeepSpeed version or optimizer (ZeRO
     stage 0 included), ``TypeError`` for anything that is not a DeepSpeed engine. It also installs the
@@ -48,12 +53,12 @@ def sharded_grads(engine: Any) -> ShardedGrads:
     :mod:`zero_dtensor.agreement`); in debug mode the first call of a step is itself one agreement (one small
     collective), which arms that checkpoint on every rank.
     """
-    check_engine(engine)
+    kind = check_engine(engine)
     key = engine.optimizer
     cached = _CURRENT.get(key)
     if cached is not None and cached.is_current():
         return cached
-    storage = grad_storage(engine)
+    storage = grad_storage(engine, kind)
     install_step_checkpoint(key, storage.process_groups, storage.device)  # checks only in debug mode
     if is_debug():  # arms the step checkpoint on every rank (or raises where a rank differs)
         agree("sharded_grads", (), storage.process_groups, storage.device)

@@ -9,6 +9,7 @@ from the local data): that is what a collective is. Point-to-point exchanges are
 from __future__ import annotations
 
 import datetime
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -187,13 +188,20 @@ def all_reduce_small(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.Re
         torch.amax(by_rank, 0, out=tensor)
 
 
+@functools.lru_cache(maxsize=64)
+def row_index(which: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``which`` as an int64 index on ``device``, made once per (rows, device) and cached: a host-to-device copy
+    per call would be a small blocking copy (a host sync) on CUDA. The caller must not write to it."""
+    return to_device(torch.tensor(which, dtype=torch.int64), device)
+
+
 def all_reduce_rows(rows: torch.Tensor, which: list[int], group: dist.ProcessGroup, op: dist.ReduceOp) -> None:
     """Reduce rows ``which`` of the contiguous ``rows`` in place (:func:`all_reduce_small`): **one** collective (the
     whole tensor when every row takes part, else one ``index_select`` / ``index_copy_`` around it)."""
     if len(which) == rows.shape[0]:
         all_reduce_small(rows, group, op)
         return
-    index = torch.tensor(which, device=rows.device)
+    index = row_index(tuple(which), rows.device)
     part = rows.index_select(0, index)
     all_reduce_small(part, group, op)
     rows.index_copy_(0, index, part)
@@ -210,7 +218,7 @@ def sum_max_rows(rows: torch.Tensor, which: list[int], group: dist.ProcessGroup,
         all_reduce_rows(maxes, which, group, dist.ReduceOp.MAX)
         rows[:, :sum_columns], rows[:, sum_columns:] = sums, maxes
         return
-    index = None if len(which) == rows.shape[0] else torch.tensor(which, device=rows.device)
+    index = None if len(which) == rows.shape[0] else row_index(tuple(which), rows.device)
     part = rows if index is None else rows.index_select(0, index)
     by_rank = _stacked_by_rank(part, group)
     reduced = torch.cat([by_rank[:, :, :sum_columns].sum(0), by_rank[:, :, sum_columns:].amax(0)], dim=1)

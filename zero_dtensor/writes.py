@@ -219,7 +219,7 @@ def set_full_(state: FlatState, checked: CheckedValues) -> None:
     per-parameter path, their shapes and devices checked) first, then every group written."""
     with torch.no_grad():  # a value that requires grad must not give DeepSpeed's memory an autograd history
         staged: list[tuple[_RowWrite, torch.Tensor]] = []
-        direct: list[tuple[GroupPlan, list[ParamLayout], list[torch.Tensor]]] = []
+        direct: list[tuple[GroupPlan, tuple[str, ...], list[torch.Tensor]]] = []
         for g, ps, names, vs in checked.request.grouped(checked.values):
             plan = state.plan.groups[g]
             write = (_row_write(plan, names, state.storage.partitions[g].element_size()) if len(vs) > 1
@@ -228,13 +228,13 @@ def set_full_(state: FlatState, checked: CheckedValues) -> None:
             if write is not None and buffer is not None:
                 staged.append((write, buffer))
             else:
-                direct.append((plan, ps, vs))
+                direct.append((plan, names, vs))
         if direct and not checked.exact:
             check_shapes(state, checked)
         for write, buffer in staged:  # nothing was written before this point
             write.commit(state, buffer)
-        for plan, ps, vs in direct:
-            _write_direct(state, plan, ps, vs)
+        for plan, names, vs in direct:
+            _write_direct(state, plan, names, vs)
     if not checked.exact:  # every value passed: the next request of these names with these shapes needs no more
         all_staged = not direct and all(write.others is None for write, _ in staged)
         _ACCEPTED[checked.request] = (_ALL_STAGED if all_staged
@@ -327,24 +327,67 @@ class _RowWrite:
         self.rows.copy(staged, state.storage.partitions[self.group])
 
 
-def _write_direct(state: FlatState, plan: GroupPlan, params: list[ParamLayout], values: list[torch.Tensor]) -> None:
+@dataclass(frozen=True, eq=False)
+class _DirectWrite:
+    """How one request's values of one flat group are written value by value (planned once per request and group):
+    ``whole_pick`` picks the values of the parameters this rank holds whole (``None``: all of them, in order), each
+    copied into a cached view of its fragment in the parameter's shape; ``partial`` holds, per parameter this rank
+    holds only part of, its value's index, its index ``k`` in the group, and the part's start and length in the
+    value."""
+
+    whole_pick: Callable[[list[torch.Tensor]], Any] | None
+    whole: tuple[int, ...]  # the parameters (indices ``k`` in the group) held whole, in request order
+    partial: tuple[tuple[int, int, int, int], ...]
+    whole_offsets: tuple[int, ...]  # where their fragments start in the partition
+    whole_shapes: tuple[torch.Size, ...]  # their shapes
+    whole_strides: tuple[tuple[int, ...], ...]  # and contiguous strides
+
+
+_DIRECT: weakref.WeakKeyDictionary[GroupPlan, dict[tuple[str, ...], _DirectWrite]] = weakref.WeakKeyDictionary()
+_DIRECT_KEPT = 16
+
+
+def _direct_write(plan: GroupPlan, names: tuple[str, ...]) -> _DirectWrite:
+    """The cached :class:`_DirectWrite` of ``names`` (request order) in ``plan``'s group (a pass over the
+    parameters the first time a request is seen, none after)."""
+    per_plan = _DIRECT.setdefault(plan, {})
+    found = per_plan.get(names)
+    if found is None:
+        if len(per_plan) >= _DIRECT_KEPT:
+            per_plan.clear()
+        whole_at, positions = plan.whole_position, plan.positions
+        ks = [positions[n] for n in names]
+        held = [i for i, k in enumerate(ks) if k in whole_at]
+        partial = tuple((i, k, plan.frag_start[k], plan.frag_len[k]) for i, k in enumerate(ks)
+                        if k not in whole_at and plan.frag_len[k])
+        pick = None if held == list(range(len(ks))) else _picker(held)
+        whole = tuple(ks[i] for i in held)
+        shapes = tuple(plan.params[k].shape for k in whole)
+        found = per_plan[names] = _DirectWrite(pick, whole, partial, tuple(plan.frag_offset[k] for k in whole),
+                                               shapes, tuple(_contiguous_strides(shape) for shape in shapes))
+    return found
+
+
+def _picker(indices: list[int]) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+    """``values -> [values[i] for i in indices]`` with one C-level call."""
+    if not indices:
+        return lambda values: []
+    get = operator.itemgetter(*indices)
+    return (lambda values: [get(values)]) if len(indices) == 1 else (lambda values: list(get(values)))
+
+
+def _write_direct(state: FlatState, plan: GroupPlan, names: tuple[str, ...], values: list[torch.Tensor]) -> None:
     """Whole local parameters: the value itself into a cached view of its fragment in the parameter's shape (no
-    view per call); parameters this rank holds only part of: a view of the value's part."""
-    shaped = state.view_caches[plan.index].get(("shaped", plan), lambda _: _shaped_fragments(state, plan))
-    whole, positions = plan.whole_position, plan.positions
-    dests: list[torch.Tensor] = []
-    sources: list[torch.Tensor] = []
-    partial: list[tuple[int, torch.Tensor]] = []
-    for k, value in zip(map(positions.__getitem__, map(_NAME, params)), values):
-        i = whole.get(k)
-        if i is not None:
-            dests.append(shaped[i])
-            sources.append(value)
-        elif plan.frag_len[k]:
-            partial.append((k, value))
-    if partial:
-        dests += state.fragments_of(plan.index, [k for k, _ in partial])
-        sources += [v.reshape(-1).narrow(0, plan.frag_start[k], plan.frag_len[k]) for k, v in partial]
+    view per call); parameters this rank holds only part of: a view of the value's part. What goes where is planned
+    once per request (:class:`_DirectWrite`): a call makes no pass over the parameters in Python, only one view per
+    partly held parameter (ZeRO-1/2: at most two per rank and group; ZeRO-3 over several ranks: every one)."""
+    direct = _direct_write(plan, names)
+    dests = list(state.view_caches[plan.index].get(("direct", plan, names),
+                                                   lambda _: _direct_views(state, plan, direct)))
+    sources = values if direct.whole_pick is None else direct.whole_pick(values)
+    if direct.partial:
+        sources = [*sources, *(values[i].reshape(-1).narrow(0, start, length)
+                               for i, _, start, length in direct.partial)]
     if not dests:
         return
     scale = state.loss_scale
@@ -358,10 +401,24 @@ def _write_direct(state: FlatState, plan: GroupPlan, params: list[ParamLayout], 
     torch._foreach_copy_(dests, sources)
 
 
-def _shaped_fragments(state: FlatState, plan: GroupPlan) -> list[torch.Tensor]:
-    """Views, in each parameter's shape, of the fragments of the parameters this rank holds whole."""
-    pieces = state.pieces[plan.index]
-    return [pieces[plan.local.piece[k]].view(plan.params[k].shape) for k in plan.whole_local]
+def _direct_views(state: FlatState, plan: GroupPlan, direct: _DirectWrite) -> list[torch.Tensor]:
+    """New views of the partition for the fragments ``direct`` writes, in its order: in the parameter's shape where
+    this rank holds it whole (one ``as_strided`` each, by a C-level pass), flat where it holds a part. Made once per
+    partition buffer: again every step where the partition is DeepSpeed's own memory, so one view per parameter and
+    no per-piece tiling first."""
+    buffer = state.view_caches[plan.index].buffer
+    base = buffer.storage_offset()
+    whole = list(map(buffer.as_strided, direct.whole_shapes, direct.whole_strides,
+                     map(base.__add__, direct.whole_offsets)))
+    return whole + [buffer.narrow(0, plan.frag_offset[k], length) for _, k, _, length in direct.partial]
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 _ROW_WRITES: OrderedDict[tuple[GroupPlan, tuple[str, ...], int], _RowWrite | None] = OrderedDict()

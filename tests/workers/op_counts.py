@@ -21,6 +21,7 @@ are built once per (configuration, model size) and reused (:func:`release` drops
 from __future__ import annotations
 
 import gc
+import sys
 import time
 import traceback
 from collections import Counter
@@ -155,6 +156,20 @@ def _pipelined(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+def _per_parameter(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with ``set_full_``'s staging declined (``writes._row_write`` answers ``None``): its per-parameter
+    path, which large parameters take."""
+    def run(*args: Any) -> Any:
+        from zero_dtensor import writes
+
+        real, writes._row_write = writes._row_write, lambda *a: None
+        try:
+            return fn(*args)
+        finally:
+            writes._row_write = real
+    return run
+
+
 def _rows() -> list[OpRow]:
     rows: list[OpRow] = []
     for s in ("all_gather", "all_to_all", "all_reduce", "auto"):
@@ -182,6 +197,8 @@ def _rows() -> list[OpRow]:
               _pipelined(lambda g, c: g.full_tensors(async_op=True, strategy="all_gather").wait())),
     ]
     rows.append(OpRow("set_full_", lambda g, c: g.set_full_(c["values"]), prep=_with_values))
+    rows.append(OpRow("set_full_[per-parameter path]", _per_parameter(lambda g, c: g.set_full_(c["values"])),
+                      prep=_with_values))
     transforms: list[tuple[str, Callable, Callable]] = [
         ("mul_", lambda g, c, p: g.mul_(0.5, params=p), lambda g: {}),
         ("div_", lambda g, c, p: g.div_(2.0, params=p), lambda g: {}),
@@ -236,7 +253,11 @@ def settle(timeout: float = 0.1) -> None:
         time.sleep(0.001)
 
 
-def _measure(fn: Callable[[], Any]) -> dict[str, Any]:
+#: rows whose Python-level work is counted too (:func:`python_calls`: one more call)
+PY_ROWS = ("set_full_", "set_full_[per-parameter path]")
+
+
+def _measure(fn: Callable[[], Any], python: bool = False) -> dict[str, Any]:
     settle()
     with patient_recycling(), CommDebugMode() as comm:
         with OpCounter() as counter:
@@ -244,7 +265,28 @@ def _measure(fn: Callable[[], Any]) -> dict[str, Any]:
     del result
     comms = {str(k): int(v) for k, v in comm.get_comm_counts().items()}
     return {"ops": sum(counter.ops.values()), "by_op": dict(counter.ops), "comms": sum(comms.values()),
-            "comm_ops": comms}
+            "comm_ops": comms, **({"py_calls": python_calls(fn)} if python else {})}
+
+
+def python_calls(fn: Callable[[], Any]) -> int:
+    """Function calls the interpreter makes in one more call of ``fn`` (Python functions, and C functions called
+    from Python; a C-level ``map`` over many values counts once), outside the counting modes above (a mode makes
+    every tensor attribute read a Python call)."""
+    settle()
+    calls = [0]
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        if event in ("call", "c_call"):
+            calls[0] += 1
+
+    with patient_recycling():
+        sys.setprofile(count)
+        try:
+            result = fn()
+        finally:
+            sys.setprofile(None)
+    del result
+    return calls[0]
 
 
 def _count(engine: Any, row: OpRow) -> dict[str, Any]:
@@ -291,7 +333,7 @@ def count_variant(variant: str) -> dict[str, dict[int, dict[str, Any]]]:
                 try:  # a call that raises fails its own test only (the error is reported there)
                     ctx = row.prep(grads)
                     row.fn(grads, ctx)  # one-time caches (plans, workspaces, per-step pieces)
-                    out[row.name][2 * layers] = _measure(lambda: row.fn(grads, ctx))
+                    out[row.name][2 * layers] = _measure(lambda: row.fn(grads, ctx), row.name in PY_ROWS)
                     del ctx
                 except Exception:  # noqa: BLE001
                     out[row.name][2 * layers] = {"error": traceback.format_exc()}

@@ -17,6 +17,7 @@ from zero_dtensor.materialize import BUFFERS, release_workspace
 from zero_dtensor.views import storage_refs
 
 from .common import EngineCase, build_engine, fill_value, forward_backward
+from .dispatch_probe import DispatchProbe
 
 
 def _reference(engine) -> dict[str, torch.Tensor]:
@@ -29,10 +30,17 @@ def check_partition_reuse(case: EngineCase) -> dict[str, bool]:
     values (its memory is not reused); once nothing is held, later steps reuse the same memory."""
     engine = build_engine(case)
     copied = case.stage in (1, 2) and not case.offload and not case.bf16_optimizer
-    held, held_values, pointers = None, None, []
+    held, held_values, pointers, firsts = None, None, [], []
     for step in range(4):
         forward_backward(engine, step)
-        grads = zd.sharded_grads(engine)
+        pieces = engine.optimizer.averaged_gradients.get(0) if copied else None
+        with DispatchProbe() as probe:
+            grads = zd.sharded_grads(engine)
+        counts = probe.summary()
+        in_place = pieces is not None and (grads.local_partitions[0].untyped_storage().data_ptr()
+                                           == pieces[0].untyped_storage().data_ptr())
+        firsts.append({"ops": counts["ops"], "written": counts["written"], "allocated": counts["allocated"],
+                       "in_place": in_place})
         expected = _reference(engine)
         full = grads.full_tensors()
         for name, value in expected.items():
@@ -52,7 +60,7 @@ def check_partition_reuse(case: EngineCase) -> dict[str, bool]:
             held = held_values = None
         del full, grads
         engine.step()
-    return {"reused": pointers[3] in pointers[:3]}
+    return {"reused": pointers[3] in pointers[:3], "firsts": firsts}
 
 
 def check_replaced_pieces_freed_by_the_step(case: EngineCase) -> None:

@@ -22,6 +22,7 @@ optimizer's per-group ``step``) and :mod:`.sync` (the working weights refreshed 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from ..errors import UnsupportedDeepSpeedError
@@ -33,23 +34,19 @@ __all__ = ["MIN_DEEPSPEED", "MAX_DEEPSPEED_EXCLUSIVE", "check_deepspeed_version"
 def check_engine(engine: Any) -> str:
     """The optimizer kind of a supported DeepSpeed ``engine`` (``"zero12"``, ``"zero3"`` or ``"bf16"``), else a
     ``TypeError`` (not a DeepSpeed engine) or :class:`UnsupportedDeepSpeedError` (version, ZeRO stage 0, another
-    optimizer class). No communication; needs no gradients."""
-    from deepspeed.runtime.engine import DeepSpeedEngine
-
-    if not isinstance(engine, DeepSpeedEngine):
+    optimizer class). No communication; needs no gradients. The DeepSpeed classes are imported once per process
+    (every ``sharded_*`` call checks its engine)."""
+    engine_class, known = _classes()
+    if not isinstance(engine, engine_class):
         raise TypeError(
             f"zero_dtensor needs a DeepSpeed engine (the first value deepspeed.initialize returns), got "
             f"{type(engine).__module__}.{type(engine).__qualname__}"
         )
     check_deepspeed_version()
-    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
     kind = type(getattr(engine, "optimizer", None))
-    known = {DeepSpeedZeroOptimizer: "zero12", DeepSpeedZeroOptimizer_Stage3: "zero3", BF16_Optimizer: "bf16"}
-    if kind in known:
-        return known[kind]
+    found = known.get(kind)
+    if found is not None:
+        return found
     stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else "?"
     raise UnsupportedDeepSpeedError(
         f"engine.optimizer is {kind.__module__}.{kind.__qualname__}; zero_dtensor supports exactly "
@@ -58,9 +55,22 @@ def check_engine(engine: Any) -> str:
     )
 
 
-def grad_storage(engine: Any) -> FlatStorage:
-    """Describe ``engine``'s reduced gradient memory. No communication."""
-    kind = check_engine(engine)
+@functools.lru_cache(maxsize=1)
+def _classes() -> tuple[type, dict[type, str]]:
+    """DeepSpeed's engine class and ``{optimizer class: kind}`` of the optimizers zero_dtensor knows."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    return DeepSpeedEngine, {DeepSpeedZeroOptimizer: "zero12", DeepSpeedZeroOptimizer_Stage3: "zero3",
+                             BF16_Optimizer: "bf16"}
+
+
+def grad_storage(engine: Any, kind: str | None = None) -> FlatStorage:
+    """Describe ``engine``'s reduced gradient memory. No communication. ``kind``: what :func:`check_engine` returned
+    for ``engine`` (checked here when not given)."""
+    kind = check_engine(engine) if kind is None else kind
     if kind == "zero12":
         from . import zero12
 

@@ -22,7 +22,7 @@ def check_deepspeed_version(version: str | None = None) -> Version:
 
         version = deepspeed.__version__
     parsed = _parsed(version)
-    if not MIN_DEEPSPEED <= parsed < MAX_DEEPSPEED_EXCLUSIVE:
+    if not _known(parsed):
         raise UnsupportedDeepSpeedError(
             f"zero_dtensor reads DeepSpeed's private ZeRO state and knows DeepSpeed >= {MIN_DEEPSPEED}, "
             f"< {MAX_DEEPSPEED_EXCLUSIVE} (0.18.9 and 0.19.x); found {version}. "
@@ -36,3 +36,9 @@ def _parsed(version: str) -> Version:
     """``version`` without its local part, parsed once per string (``Version``'s parse costs a regular expression
     search, and every ``sharded_*`` call checks the installed version)."""
     return Version(version.split("+")[0])
+
+
+@functools.lru_cache(maxsize=8)
+def _known(parsed: Version) -> bool:
+    """Whether ``parsed`` is in the known range (two ``Version`` comparisons, made once per version)."""
+    return MIN_DEEPSPEED <= parsed < MAX_DEEPSPEED_EXCLUSIVE

@@ -15,6 +15,7 @@ Facts used (``deepspeed/runtime/zero/stage_1_and_2.py``, DeepSpeed 0.19.8; 0.18.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import weakref
 from collections.abc import Callable, Sequence
@@ -123,10 +124,14 @@ def _slot_for(opt: Any, group: int, pieces: Sequence[torch.Tensor], numels: tupl
 def _contiguous_partition(opt: Any, group: int) -> ViewCache:
     """This rank's partition of group ``group`` as one tensor that the optimizer step reads, with its view cache.
 
-    The compact buffer and the offload buffer already are one tensor. The default list of views is copied
-    (:func:`_copy_pieces`) into a flat tensor kept across steps (:class:`_FlatSlot`), and ``averaged_gradients[group]``
-    is rebound to views of it (a ``GradPartitionBufferGroup`` where DeepSpeed has that class, so its step reads the
-    flat tensor without flattening again).
+    The compact buffer and the offload buffer already are one tensor. The default list of views is used in place
+    where its pieces lie one after the other in one buffer and fill the partition (ZeRO-1's ``grads_in_partition``:
+    :func:`_in_place`, no allocation, no copy). Otherwise (ZeRO-2 stores them in the order gradients arrived, a
+    last rank's zero padding is a tensor of its own) it is copied (:func:`_copy_pieces`) into a flat tensor of
+    ``partition_size`` elements allocated once and kept across steps (:class:`_FlatSlot`; a second one only while a
+    caller still holds views of the first). ``averaged_gradients[group]`` is rebound either way to a
+    ``GradPartitionBufferGroup`` over the partition where DeepSpeed has that class, so its step reads the flat
+    tensor without flattening again (the copy here replaces the step's own).
     """
     if opt.cpu_offload:
         grad = opt.single_partition_of_fp32_groups[group].grad
@@ -138,24 +143,72 @@ def _contiguous_partition(opt: Any, group: int) -> ViewCache:
         raise GradientsNotReadyError(f"ZeRO-1/2 has no reduced gradient for param group {group} now: {WINDOW}")
     flat = getattr(pieces, "flat_partition", None)
     if flat is not None:
+        borrowed = getattr(pieces, "_zero_dtensor_cache", None)
+        if borrowed is not None and borrowed.buffer is flat:  # rebound by an earlier call of this step (in place)
+            return borrowed
         for slot in _SLOTS.get(opt, {}).get(group, ()):
             if slot.flat is flat:  # rebound by an earlier call of this step
                 return slot.cache
         return ViewCache(flat.view(-1))  # DeepSpeed's compact buffer: new memory every step
     key = piece_key(pieces)
     numels = key[0] if key is not None else tuple(map(torch.Tensor.numel, pieces))
+    partition_numel = int(opt.partition_size[group])
+    start = _in_place_start(key, pieces[0].element_size(), partition_numel) if key is not None else None
+    if start is not None:
+        # through a detached alias: a view's ``_base`` would keep DeepSpeed's first piece alive past the step
+        cache = ViewCache(pieces[0].detach().as_strided((partition_numel,), (1,), start))
+        opt.averaged_gradients[group] = _in_place(pieces, key, cache)
+        return cache
     slot = _slot_for(opt, group, pieces, numels)
     _copy_pieces(slot, pieces, key)
     opt.averaged_gradients[group] = _for_this_step(slot.rebound, pieces)
     return slot.cache
 
 
+def _in_place_start(key: PieceKey, element_size: int, partition_numel: int) -> int | None:
+    """Where (in elements of the first piece's storage) the partition starts when DeepSpeed's ``pieces`` (of
+    :func:`piece_key` ``key``) already lie one after the other in one buffer and fill the partition (ZeRO-1's
+    ``grads_in_partition``, in flat order; no zero-padding tensor of its own), else ``None``. A few C-level passes
+    over the key, no tensor operation."""
+    numels, offsets, nbytes = key
+    first = offsets[0]
+    if first % element_size or sum(numels) != partition_numel or first + partition_numel * element_size > nbytes:
+        return None
+    ends = itertools.accumulate(numels[:-1], lambda at, n: at + n * element_size, initial=first)
+    return first // element_size if all(map(operator.eq, ends, offsets)) else None
+
+
+def _in_place(pieces: Sequence[torch.Tensor], key: PieceKey, cache: ViewCache) -> list:
+    """DeepSpeed's own ``pieces`` (lying as :func:`_in_place_start` found) in a new list over the partition
+    ``cache.buffer``, a 1-D view of their buffer: no allocation, no copy and no new view per piece. A
+    ``GradPartitionBufferGroup`` where DeepSpeed has that class (its step then reads the partition without
+    flattening it again), else a :class:`_FlatViews` (DeepSpeed 0.18.9 flattens the list as it does without
+    zero_dtensor). DeepSpeed's step drops the list; it also holds ``cache``, so that a second call of this step finds
+    it, and nothing of zero_dtensor's keeps it (:func:`grad_storage` refers to it weakly) or DeepSpeed's buffer (a
+    new one every backward) past the step."""
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    buffer_group = getattr(stage_1_and_2, "GradPartitionBufferGroup", None)
+    flat = cache.buffer
+    rebound = _FlatViews() if buffer_group is None else buffer_group.__new__(buffer_group)
+    list.extend(rebound, pieces)
+    rebound.flat_partition = flat
+    if buffer_group is not None:
+        # what GradPartitionBufferGroup.__init__ computes piece by piece (offset in the partition, shape,
+        # padding), from the key's byte offsets: the pieces lie in one block, none is a zero-padding tensor
+        element, first = flat.element_size(), key[1][0]
+        starts = [(offset - first) // element for offset in key[1]]
+        rebound._view_specs = list(zip(starts, map(_SHAPE, pieces), itertools.repeat(False)))
+    rebound._zero_dtensor_cache = cache
+    return rebound
+
+
 def _for_this_step(rebound: list, replaced: Any) -> list:
     """A new list like ``rebound`` (the same view objects and attributes, no new view) that also holds the
     DeepSpeed list ``replaced``. DeepSpeed's step drops it (``averaged_gradients[i] = None``) and ``replaced`` with
     it: thousands of DeepSpeed's views are freed in the step, as they are without zero_dtensor, not in this call
-    (1-2 ms at 5,000 pieces). The slot keeps ``rebound`` itself; nothing of zero_dtensor's holds the new
-    list (:func:`grad_storage` refers to it weakly)."""
+    (1-2 ms at 5,000 pieces). The slot keeps ``rebound`` itself; nothing of zero_dtensor's holds the new list
+    (:func:`grad_storage` refers to it weakly)."""
     step = type(rebound).__new__(type(rebound))
     list.extend(step, rebound)
     step.__dict__.update(rebound.__dict__)

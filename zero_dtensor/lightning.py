@@ -30,7 +30,8 @@ except ImportError as _exc:  # pragma: no cover - exercised only where lightning
         "zero_dtensor.lightning needs Lightning 2.x (the `lightning` package): pip install 'zero_dtensor[lightning]'"
     ) from _exc
 
-from . import GradHookHandle, ShardedGrads, on_grads
+from .hooks import GradHookHandle, on_grads
+from .sharded import ShardedGrads
 
 __all__ = ["ZeroGradCallback"]
 

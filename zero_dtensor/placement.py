@@ -1,10 +1,12 @@
 """How a flat group's buffer (of any family) is assembled from the ranks of its process group, and what that costs.
 
 One placement kind per way DeepSpeed stores a group: its geometry (which elements each rank holds) is
-:mod:`zero_dtensor.geometry`'s; each kind here adds, for a whole group at once, how the group's full buffer is
-assembled (which collective, how many bytes) and how an assembled buffer is cut into parameters, implementing
-:class:`~zero_dtensor.group_placement.GroupPlacement` (the methods every kind has, their defaults). Nothing outside
-this module and :mod:`zero_dtensor.geometry` branches on the kind of a group.
+:mod:`zero_dtensor.layout`'s (:class:`~zero_dtensor.layout.RaggedShard`, :class:`~zero_dtensor.layout.ChunkShard`,
+:class:`~zero_dtensor.layout.Replicated`); each kind's assembly here (:func:`assembly_of` picks it) adds, for a
+whole group at once, how the group's full buffer is assembled (which collective, how many bytes) and how an
+assembled buffer is cut into parameters, implementing :class:`~zero_dtensor.group_placement.GroupAssembly` (the
+methods every kind has, their defaults). Nothing outside this module and :mod:`zero_dtensor.layout` branches on the
+kind of a group.
 
 ``N`` ranks, ``P`` elements per rank's partition, ``S`` the bytes of the group's padded flat buffer (``N·P``
 elements, stored dtype; ``P`` elements for a replicated group):
@@ -32,13 +34,13 @@ chunks' common divisor), or, where rows do not pay (under 32 bytes wide, or chun
 average), by one ``torch.split_with_sizes_copy`` along
 dimension 1 (as FSDP2 copies out its all-gather; one kernel on CUDA, a copy per block on the CPU) — and, for the
 zero-padded ``all_reduce``, each rank writes its chunks straight into parameter order (one row copy likewise). A
-pipelined all_gather (:meth:`~GroupPlacement.pipeline_pieces`: ``ChunkShard`` only, large transfers) gathers the
+pipelined all_gather (:meth:`~zero_dtensor.group_placement.GroupAssembly.pipeline_pieces`: ``ChunkShard`` only, large transfers) gathers the
 columns in two pieces cut at a parameter boundary and reorders each piece by its own row copy into its part of the
 parameter-order buffer.
 
 Streaming windows (``iter_full``): a window is consecutive parameters of one group whose spans
-(:meth:`~GroupPlacement.span`) cover ``[start, stop)``, ``W = stop - start`` elements. Its buffers come from the
-caller's allocator, and :meth:`~GroupPlacement.assemble_window` issues :attr:`~GroupPlacement.window_collectives`
+(:meth:`~zero_dtensor.group_placement.GroupAssembly.span`) cover ``[start, stop)``, ``W = stop - start`` elements. Its buffers come from the
+caller's allocator, and :meth:`~zero_dtensor.group_placement.GroupAssembly.assemble_window` issues :attr:`~zero_dtensor.group_placement.GroupAssembly.window_collectives`
 (one, or none) per window (elements per rank; times the element size for bytes):
 
 ===============  ====================================  ============================================
@@ -68,8 +70,8 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_gather_into, all_gather_single, all_reduce_sum_work, on_comm_device
-from .geometry import ChunkGeometry, RaggedGeometry, ReplicatedGeometry
-from .group_placement import Allocator, GroupPlacement
+from .group_placement import Allocator, GroupAssembly
+from .layout import ChunkShard, GroupPlacement, RaggedShard, Replicated
 from .point_to_point import all_gather_by_send_recv, send_recv
 from .tiling import Tiling, tiling
 from .views import ViewCache
@@ -79,12 +81,12 @@ if TYPE_CHECKING:
     from .plan import ColumnPiece, GroupPlan
     from .rows import RowMap
 
-__all__ = ["ChunkShard", "RaggedShard", "Replicated"]
+__all__ = ["ChunkAssembly", "RaggedAssembly", "ReplicatedAssembly", "assembly_of"]
 
 
 @dataclass(frozen=True)
-class RaggedShard(RaggedGeometry, GroupPlacement):
-    """ZeRO-1/2 (:class:`~zero_dtensor.geometry.RaggedGeometry`): gathered in parameter order."""
+class RaggedAssembly(RaggedShard, GroupAssembly):
+    """ZeRO-1/2 (:class:`~zero_dtensor.layout.RaggedShard`): gathered in parameter order."""
 
     def gather_param(self, group: GroupLayout, param: ParamLayout, partition: torch.Tensor,
                      pg: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
@@ -191,8 +193,8 @@ class RaggedShard(RaggedGeometry, GroupPlacement):
 
 
 @dataclass(frozen=True)
-class ChunkShard(ChunkGeometry, GroupPlacement):
-    """ZeRO-3 (:class:`~zero_dtensor.geometry.ChunkGeometry`): gathered rank-major, reordered into parameters."""
+class ChunkAssembly(ChunkShard, GroupAssembly):
+    """ZeRO-3 (:class:`~zero_dtensor.layout.ChunkShard`): gathered rank-major, reordered into parameters."""
 
     def gather_param(self, group: GroupLayout, param: ParamLayout, partition: torch.Tensor,
                      pg: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
@@ -347,8 +349,8 @@ class ChunkShard(ChunkGeometry, GroupPlacement):
 
 
 @dataclass(frozen=True)
-class Replicated(ReplicatedGeometry, GroupPlacement):
-    """``BF16_Optimizer`` and ``keep_full_grads`` (:class:`~zero_dtensor.geometry.ReplicatedGeometry`): nothing to
+class ReplicatedAssembly(Replicated, GroupAssembly):
+    """``BF16_Optimizer`` and ``keep_full_grads`` (:class:`~zero_dtensor.layout.Replicated`): nothing to
     gather."""
 
     def gather_param(self, group: GroupLayout, param: ParamLayout, partition: torch.Tensor,
@@ -372,6 +374,16 @@ class Replicated(ReplicatedGeometry, GroupPlacement):
                         alloc: Allocator) -> torch.Tensor:
         """No communication: one local copy of ``[start, stop)`` of the stored buffer (a snapshot, on its device)."""
         return alloc(stop - start, partition.dtype, partition.device).copy_(partition.narrow(0, start, stop - start))
+
+
+_ASSEMBLIES: dict[type[GroupPlacement], GroupAssembly] = {
+    RaggedShard: RaggedAssembly(), ChunkShard: ChunkAssembly(), Replicated: ReplicatedAssembly()}
+
+
+def assembly_of(group: GroupLayout) -> GroupAssembly:
+    """How ``group``'s buffer is assembled: the assembly of its placement (:attr:`~zero_dtensor.layout.GroupLayout.
+    placement`, whose geometry it shares). No communication."""
+    return _ASSEMBLIES[type(group.placement)]
 
 
 def _views(cache: ViewCache | None, key: object, region: torch.Tensor,

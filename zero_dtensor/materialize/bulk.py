@@ -24,6 +24,7 @@ import torch
 
 from ..collectives import all_gather_into, all_reduce_sum_work, comm_device, gather_to, reduce_sum_to
 from ..layout import ParamLayout
+from ..placement import assembly_of
 from ..process_groups import global_rank, global_world_size, group_rank_of
 from ..state import FlatState
 from .emit import emit, request_names, target_dtype
@@ -140,7 +141,7 @@ def full_tensors(
         # smaller ZeRO-3 gathered results are reordered into a second area of the same buffer (at most
         # WINDOW_BYTES), so that a kept result pins (and a recycled one frees) all of the call's memory at once
         gathered = t.strategy in GATHERS  # rank after rank: ZeRO-3 reorders
-        areas = {g: state.group(g).placement.reorder_area(state.group(g)) if gathered else 0 for g in t.groups}
+        areas = {g: assembly_of(state.group(g)).reorder_area(state.group(g)) if gathered else 0 for g in t.groups}
         buf = buffers.get(t.key(), t.numel + sum(areas.values()), t.dtype, t.device)
         narrow = narrower(buf, view_cache(result, buf))
         at = t.numel

@@ -10,7 +10,7 @@ point-to-point ops (``send_recv``), or a zero-padded ``all_reduce``.
     (:func:`~zero_dtensor.collectives.all_gather_by_all_to_all`); ZeRO-3 the other ranks' partitions received back
     to back (:func:`~zero_dtensor.collectives.peer_partitions_by_all_to_all`) while this rank's is copied into its
     rows of parameter order, then theirs into the rest (one row copy each,
-    :meth:`~zero_dtensor.group_placement.GroupPlacement.peer_rows`; where rows do not pay, gathered as ZeRO-1/2 and
+    :meth:`~zero_dtensor.group_placement.GroupAssembly.peer_rows`; where rows do not pay, gathered as ZeRO-1/2 and
     reordered). Gloo's all_gather lands in a staging buffer of ``S`` it allocates per call and copies out of (the
     rank's own input too); its all_to_all receives in place and sends nothing to the rank itself. With more than 2
     ranks the input is the partition repeated (a local copy of up to ``S``). Measured on 2 gloo ranks sharing 2

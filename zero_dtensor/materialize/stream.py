@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..layout import GroupLayout, ParamLayout
+from ..placement import assembly_of
 from ..tiling import Tiling
 from ..state import FlatState
 from .buffers import BUFFERS
@@ -53,11 +54,11 @@ class _Window:
     @property
     def elements(self) -> int:
         """Elements this module allocates to materialize the window."""
-        return self.group.placement.window_elements(self.group, self.strategy, self.start, self.stop)
+        return assembly_of(self.group).window_elements(self.group, self.strategy, self.start, self.stop)
 
     def order_tiling(self) -> Tiling:
-        """The window's parameter-order buffer (the layout :meth:`GroupPlacement.assemble_window` returns)."""
-        return self.group.placement.window_order_tiling(self.group, self.params, self.start, self.width)
+        """The window's parameter-order buffer (the layout :meth:`~zero_dtensor.group_placement.GroupAssembly.assemble_window` returns)."""
+        return assembly_of(self.group).window_order_tiling(self.group, self.params, self.start, self.width)
 
 
 def _window_cost(group: GroupLayout, strategy: str, params: list[ParamLayout]) -> int:
@@ -75,7 +76,7 @@ def _windows(state: FlatState, params: list[ParamLayout], bucket_bytes: int, str
         group = plan.group
         pg = state.storage.process_groups[group.index]
         device = _comm_device(state, group.index)
-        how = group.placement.window_strategy(lambda in_order: stream_strategy(strategy, pg, in_order, device))
+        how = assembly_of(group).window_strategy(lambda in_order: stream_strategy(strategy, pg, in_order, device))
         limit = max(1, bucket_bytes // state.storage.partitions[group.index].element_size())
         current: list[ParamLayout] = []
         for p in ordered:
@@ -93,7 +94,7 @@ def _assemble(state: FlatState, w: _Window) -> torch.Tensor:
     copy), buffers from :data:`BUFFERS`."""
     g = w.group.index
     storage = state.storage
-    return w.group.placement.assemble_window(w.group, state.plan.groups[g], storage.partitions[g],
+    return assembly_of(w.group).assemble_window(w.group, state.plan.groups[g], storage.partitions[g],
                                              storage.process_groups[g], storage.device, w.params, w.start, w.stop,
                                              w.strategy, BUFFERS.alloc)
 
@@ -153,5 +154,5 @@ def plan_windows(state: FlatState, params: list[ParamLayout], *, bucket_bytes: i
     out = []
     for w in _windows(state, params, bucket_bytes, strategy):
         out.append({"group": w.group.index, "strategy": w.strategy, "names": [p.name for p in w.params],
-                    "elements": w.elements, "collectives": w.group.placement.window_collectives})
+                    "elements": w.elements, "collectives": assembly_of(w.group).window_collectives})
     return out

@@ -32,10 +32,10 @@ from torch.distributed.tensor import Replicate, Shard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero_dtensor.layout import (ChunkShard, FlatLayout, GroupLayout, Packing, ParamLayout, RaggedShard, Replicated,
-                                 placement_of)
-from zero_dtensor.placement import assembly_of
-from zero_dtensor.plan import plan_for
+from zero_dtensor.layout.flat import (ChunkShard, FlatLayout, GroupLayout, Packing, ParamLayout, RaggedShard,
+                                      Replicated, placement_of)
+from zero_dtensor.materialize.placements import assembly_of
+from zero_dtensor.layout.plan import plan_for
 
 PAD = -1.0  # every parameter element is a non-negative id: the sentinel marks padding
 
@@ -330,7 +330,7 @@ def _chunked_case(world: int, shapes: list[tuple[int, ...]], extra: int = 0):
     (2, [(5000,), (3, 3)], 0, ("split", "index")),  # long runs: split_with_sizes_copy
 ])
 def test_pipelined_column_pieces_take_each_copy_path(world, shapes, extra, paths) -> None:
-    """The same as above on layouts whose pieces take each reorder path (:mod:`zero_dtensor.rows`): strided copies
+    """The same as above on layouts whose pieces take each reorder path (:mod:`zero_dtensor.layout.rows`): strided copies
     per run family, an ``index_select`` of rows, ``split_with_sizes_copy``."""
     case = _chunked_case(world, shapes, extra)
     for layout in case[1]:

@@ -1,4 +1,4 @@
-"""Issue 11: row copies (``zero_dtensor.rows``) and the ZeRO-3 reorder built on them, against per-run references
+"""Issue 11: row copies (``zero_dtensor.layout.rows``) and the ZeRO-3 reorder built on them, against per-run references
 (hypothesis, no processes).
 
 - ``row_map(...).copy`` equals copying every run on its own, for random disjoint runs, with and without tiling the
@@ -23,11 +23,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero_dtensor import rows as rows_mod
-from zero_dtensor.layout import FlatLayout, GroupLayout, Packing, ParamLayout
-from zero_dtensor.placement import assembly_of
-from zero_dtensor.plan import plan_for
-from zero_dtensor.rows import MIN_ROW_BYTES, piece_copy, piece_key, row_map, run_families
+from zero_dtensor.layout import rows as rows_mod
+from zero_dtensor.layout.flat import FlatLayout, GroupLayout, Packing, ParamLayout
+from zero_dtensor.materialize.placements import assembly_of
+from zero_dtensor.layout.plan import plan_for
+from zero_dtensor.layout.rows import MIN_ROW_BYTES, piece_copy, piece_key, row_map, run_families
 
 #: how a RowMap moves its runs: by strided copies of run families (the default where they are few) or by index
 ROW_PATHS = ["families", "indices"]

@@ -146,7 +146,7 @@ def _distributed_calls(source: str) -> list[tuple[int, str]]:
 
 
 #: the modules that call ``torch.distributed``: collectives, point-to-point exchanges, process-group queries
-COMMUNICATION = ("zero_dtensor.collectives", "zero_dtensor.point_to_point", "zero_dtensor.process_groups")
+COMMUNICATION = ("zero_dtensor.comm.collectives", "zero_dtensor.comm.point_to_point", "zero_dtensor.comm.process_groups")
 
 
 def _module_of(path: pathlib.Path) -> str:

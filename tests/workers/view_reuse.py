@@ -12,10 +12,10 @@ import torch
 from deepspeed.utils import safe_get_full_grad
 
 import zero_dtensor as zd
-from zero_dtensor import writes
+from zero_dtensor.ops import writes
 from zero_dtensor.materialize import BUFFERS, release_workspace
-from zero_dtensor.placement import assembly_of
-from zero_dtensor.views import storage_refs
+from zero_dtensor.materialize.placements import assembly_of
+from zero_dtensor.layout.views import storage_refs
 
 from .common import EngineCase, build_engine, fill_value, forward_backward
 

@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from .._deepspeed import checkpointing as ds
 from .._deepspeed.sync import sync_model_params
-from ..agreement import agree, agree_outcome
+from ..comm.agreement import agree, agree_outcome
 from ..errors import (
     CheckpointMismatchError,
     CheckpointReadError,
@@ -47,8 +47,8 @@ from ..errors import (
     RankDisagreementError,
     RankFailedError,
 )
-from ..master import clear_write_mark
-from ..process_groups import cpu_group_for, group_ranks, rank_in, world_size_of
+from ..families.master import clear_write_mark
+from ..comm.process_groups import cpu_group_for, group_ranks, rank_in, world_size_of
 from .boxes import storage_exact_entry
 from .metadata import METADATA, check_metadata, collector_paused, identity, read_metadata
 from .planners import CachingLoadPlanner, CachingSavePlanner, PlansNotCachedError, forget_plans, plan_key
@@ -111,7 +111,7 @@ def save(engine: Any, path: str | os.PathLike, *, async_: bool = False, client_s
     ``client_state``: any picklable object, saved as rank 0 passes it. A ``.metadata`` left by an earlier checkpoint
     in ``path`` is removed first, so a save that does not finish never looks finished.
 
-    **Communication**: first the rank agreement (one small collective, :func:`~zero_dtensor.agreement.agree`) on the
+    **Communication**: first the rank agreement (one small collective, :func:`~zero_dtensor.comm.agreement.agree`) on the
     normalized path (:func:`normalized`), ``async_`` and ``sync_files``: a path that differs between ranks, or
     ``async_=True`` on some ranks only, raises :class:`~zero_dtensor.errors.RankDisagreementError` on every rank
     before any other collective and before anything is written or removed. Then DCP's own small object collectives
@@ -317,7 +317,7 @@ def _agree_read_in_place(path: str | os.PathLike, error: BaseException | None, t
 
 def _agree(what: str, error: BaseException | None, target: Target, consequence: str,
            elsewhere: tuple[str, str], signature: Any = None) -> None:
-    """One agreement of :func:`load` (:func:`~zero_dtensor.agreement.agree_outcome`): a failing rank raises its own
+    """One agreement of :func:`load` (:func:`~zero_dtensor.comm.agreement.agree_outcome`): a failing rank raises its own
     error; every other rank :class:`CheckpointReadError` (``elsewhere``: the text before and after the agreement's
     :class:`~zero_dtensor.errors.RankFailedError`, which carries ``consequence``), or the refusal's class where
     the agreement raises that."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..state import GradsLike, state_of
+from ..core.state import GradsLike, state_of
 from . import buffers, bulk, results, stream, strategy
 from .buffers import BUFFERS, AllocationRecorder, BufferPool, release_workspace
 from .results import FullGrads, FullTensorsHandle, GatheredGrads, PendingFullTensors

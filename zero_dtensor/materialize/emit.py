@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from ..layout import ParamLayout
-from ..placement import assembly_of
-from ..plan import GroupPlan
-from ..state import FlatState
+from ..layout.flat import ParamLayout
+from .placements import assembly_of
+from ..layout.plan import GroupPlan
+from ..core.state import FlatState
 from .results import GatheredGrads
 from .transfers import Buffers, view_cache
 

@@ -11,19 +11,14 @@ from typing import Any
 
 import torch
 
-from ..collectives import (
-    all_gather_by_all_to_all,
-    all_gather_into,
-    all_gather_single,
-    gather_to,
-    peer_partitions_by_all_to_all,
-)
-from ..placement import assembly_of
-from ..plan import ColumnPiece
-from ..point_to_point import Exchange, all_gather_by_send_recv, gather_exchanges, send_recv
-from ..process_groups import group_rank_of, rank_in, world_size_of
-from ..state import FlatState
-from ..views import ViewCache
+from ..comm.collectives import (all_gather_by_all_to_all, all_gather_into, all_gather_single, gather_to,
+                                peer_partitions_by_all_to_all)
+from .placements import assembly_of
+from ..layout.plan import ColumnPiece
+from ..comm.point_to_point import Exchange, all_gather_by_send_recv, gather_exchanges, send_recv
+from ..comm.process_groups import group_rank_of, rank_in, world_size_of
+from ..core.state import FlatState
+from ..layout.views import ViewCache
 from .buffers import BUFFERS
 from . import strategy as _strategy
 from .transfers import Transfer, pipeline_pieces, view_cache, window_pieces
@@ -45,7 +40,7 @@ def fill_for_reduce(state: FlatState, t: Transfer, buf: torch.Tensor) -> None:
 
 def copy_whole(state: FlatState, g: int, part: torch.Tensor, region: torch.Tensor, cache: ViewCache | None) -> None:
     """Group ``g`` of a process group of one rank: its partition is the whole group, copied into ``region`` in
-    parameter order by one copy (:meth:`~zero_dtensor.group_placement.GroupAssembly.to_param_order` where the
+    parameter order by one copy (:meth:`~zero_dtensor.materialize.assembly.GroupAssembly.to_param_order` where the
     placement reorders, ZeRO-3; else ``copy_``). No communication, no staging: ``S`` read, ``S`` written."""
     group = state.group(g)
     if assembly_of(group).reorder_area(group):
@@ -156,7 +151,7 @@ def gather_by_peers(state: FlatState, t: Transfer, regions: Regions, result: Mut
     """Every group of the transfer gathered from its peers, and the steps that follow: by point-to-point ops
     (``by_send_recv``: :func:`_gather_by_send_recv`), or by one ``all_to_all_single`` per flat group (it has no
     coalesced form). Where the placement reorders through rows
-    (:meth:`~zero_dtensor.group_placement.GroupAssembly.peer_rows`: ZeRO-3), the all_to_all receives the other ranks'
+    (:meth:`~zero_dtensor.materialize.assembly.GroupAssembly.peer_rows`: ZeRO-3), the all_to_all receives the other ranks'
     partitions back to back into the group's region (issued asynchronously even for a synchronous call: the step
     awaits them) while this rank's partition is copied into its rows of parameter order, and copies them into
     theirs once they have arrived: ``S`` copied in all, not ``S/N`` into the gathered rows and then ``S``.
@@ -194,7 +189,7 @@ def gather_by_peers(state: FlatState, t: Transfer, regions: Regions, result: Mut
 
 def _gather_by_send_recv(state: FlatState, t: Transfer, regions: Regions,
                          result: MutableMapping[str, torch.Tensor]) -> list[Step]:
-    """The whole transfer by **one** batch of point-to-point ops (:func:`~zero_dtensor.point_to_point.send_recv`:
+    """The whole transfer by **one** batch of point-to-point ops (:func:`~zero_dtensor.comm.point_to_point.send_recv`:
     ``2(N-1)`` per flat group): each partition sent as it is, every peer's received straight into its row of the
     group's region, no copy of ``S``, no scratch; issued asynchronously even for a synchronous call (the steps
     await them). Where no reorder is needed (ZeRO-1/2), this rank's row is copied locally while the peers' travel.

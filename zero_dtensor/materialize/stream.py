@@ -5,7 +5,7 @@ buffer cut into parameters with one ``split_with_sizes``, converted once when a 
 it), whatever the number of parameters in it. See ``ShardedGrads.iter_full`` for the contract.
 
 What a window costs and how it is assembled depend on how its group is stored: this module asks the group's
-placement (:mod:`zero_dtensor.placement`: ``window_strategy``, ``window_elements``, ``assemble_window``,
+placement (:mod:`zero_dtensor.materialize.placements`: ``window_strategy``, ``window_elements``, ``assemble_window``,
 ``window_order_tiling``, ``window_collectives``) and hands it ``BUFFERS.alloc`` (:mod:`.buffers`) for every
 buffer, so that the tests and the benchmark see each allocation. It never branches on the kind of a group.
 """
@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from ..layout import GroupLayout, ParamLayout
-from ..placement import assembly_of
-from ..tiling import Tiling
-from ..state import FlatState
+from ..layout.flat import GroupLayout, ParamLayout
+from .placements import assembly_of
+from ..layout.tiling import Tiling
+from ..core.state import FlatState
 from .buffers import BUFFERS
-from ..collectives import comm_device
+from ..comm.collectives import comm_device
 from .strategy import check_possible, check_strategy, explicit, stream_strategy
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "check_request", "iter_full", "plan_windows"]
@@ -57,7 +57,7 @@ class _Window:
         return assembly_of(self.group).window_elements(self.group, self.strategy, self.start, self.stop)
 
     def order_tiling(self) -> Tiling:
-        """The window's parameter-order buffer (the layout :meth:`~zero_dtensor.group_placement.GroupAssembly.assemble_window` returns)."""
+        """The window's parameter-order buffer (the layout :meth:`~zero_dtensor.materialize.assembly.GroupAssembly.assemble_window` returns)."""
         return assembly_of(self.group).window_order_tiling(self.group, self.params, self.start, self.width)
 
 

@@ -13,12 +13,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..layout import ParamLayout
-from ..placement import assembly_of
-from ..plan import ColumnPiece
-from ..process_groups import world_size_of
-from ..state import FlatState
-from ..views import ViewCache
+from ..layout.flat import ParamLayout
+from .placements import assembly_of
+from ..layout.plan import ColumnPiece
+from ..comm.process_groups import world_size_of
+from ..core.state import FlatState
+from ..layout.views import ViewCache
 from .buffers import BUFFERS
 from .results import GatheredGrads
 from .strategy import explicit, pipelines, planned, windowed
@@ -92,7 +92,7 @@ def _transfers(state: FlatState, group_indices: Sequence[int]) -> list[Transfer]
 
 def window_pieces(state: FlatState, g: int, window_bytes: int) -> tuple[ColumnPiece, ...]:
     """Group ``g``'s column windows whose gathered ``(N, width)`` rows hold at most ``window_bytes`` (one wider
-    parameter alone): :meth:`~zero_dtensor.group_placement.GroupAssembly.window_pieces`."""
+    parameter alone): :meth:`~zero_dtensor.materialize.assembly.GroupAssembly.window_pieces`."""
     group = state.group(g)
     element_size = state.storage.partitions[g].element_size()
     max_width = window_bytes // (element_size * group.world_size)

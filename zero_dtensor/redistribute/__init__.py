@@ -35,7 +35,7 @@ raises on every rank (one ``all_reduce`` of ``N`` int64 error codes per process 
 its own error, the others the same exception class (``ValueError``, ``TypeError``, ``KeyError``; a failure of a
 user function: :class:`~zero_dtensor.errors.RankFailedError`) naming the failing ranks.
 
-Nothing here prints; every collective goes through :mod:`zero_dtensor.collectives`.
+Nothing here prints; every collective goes through :mod:`zero_dtensor.comm.collectives`.
 """
 
 from __future__ import annotations

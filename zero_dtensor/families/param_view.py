@@ -1,5 +1,5 @@
 """``ParamView``: one parameter of a family (gradient, fp32 master or optimizer-state key): its live local fragment
-and, on request, its full tensor or an exact DTensor (re-exported by :mod:`zero_dtensor.tensors`)."""
+and, on request, its full tensor or an exact DTensor (re-exported by :mod:`zero_dtensor.families.tensors`)."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ from typing import Protocol
 import torch
 from torch.distributed.tensor import DTensor
 
-from .agreement import Refusal, agree_on
-from .layout import ParamLayout
-from .placement import assembly_of
-from .state import FlatState, check_dtype
+from ..comm.agreement import Refusal, agree_on
+from ..layout.flat import ParamLayout
+from ..materialize.placements import assembly_of
+from ..core.state import FlatState, check_dtype
 
 __all__ = ["ParamView", "ViewOwner"]
 
 
 class ViewOwner(Protocol):
     """What a :class:`ParamView` reads from the family that made it (a
-    :class:`~zero_dtensor.tensors.ShardedTensors`): the family's state and how it builds one DTensor of it."""
+    :class:`~zero_dtensor.families.tensors.ShardedTensors`): the family's state and how it builds one DTensor of it."""
 
     _state: FlatState
 
@@ -89,7 +89,7 @@ class ParamView:
         """The full (true, unscaled) tensor, shape ``self.shape``: a snapshot in memory the caller owns.
         **Collective**: call on every rank of the group.
 
-        Communication (the placement's, :mod:`zero_dtensor.placement`): none for a replicated group; ZeRO-3: one
+        Communication (the placement's, :mod:`zero_dtensor.materialize.placements`): none for a replicated group; ZeRO-3: one
         ``all_gather`` of the ``ceil(numel/N)`` chunks (``(N-1)/N·numel`` elements received per rank); ZeRO-1/2: one
         sum ``all_reduce`` of a zero-padded ``numel``-element buffer in the stored dtype (exact: every element has
         one non-zero contributor). To gather many parameters use :meth:`ShardedTensors.full_tensors` (one collective

@@ -7,8 +7,8 @@ one ``_foreach_zero_``) or one ``torch._foreach_*`` call over the selected fragm
 number of parameters. Values are in true (unscaled) units; under fp16 loss scaling operands are scaled to the
 stored units (``x · loss_scale``) first. Writes never record autograd history.
 
-Devices (:mod:`zero_dtensor.devices`): every operand (0-d tensors, per-parameter factors, masks, counters; checked
-by :mod:`zero_dtensor.operands`) is moved to the **storage device** (where the partitions live: the CPU under ``offload_optimizer: cpu``) before it meets the
+Devices (:mod:`zero_dtensor.layout.devices`): every operand (0-d tensors, per-parameter factors, masks, counters; checked
+by :mod:`zero_dtensor.ops.operands`) is moved to the **storage device** (where the partitions live: the CPU under ``offload_optimizer: cpu``) before it meets the
 data, once per call (a per-parameter mapping as one stacked vector). On a CUDA device a uniform 0-d factor of
 ``mul_`` / ``div_`` is cast to the data's dtype and applied with one ``_foreach_mul_`` / ``_foreach_div_`` over the
 selected groups' partitions (CUDA casts a 0-d CUDA operand to the data's dtype anyway: bitwise equal, and the
@@ -25,12 +25,12 @@ from typing import Any
 
 import torch
 
-from .devices import to_device, to_storage
+from ..layout.devices import to_device, to_storage
 from .noise import normal_from_counters, stream_key
 from .operands import (PerParam, Scalar, foreach_operands, group_operands, per_param, scalar,  # noqa: F401
                        to_storage_operand)
-from .state import FlatState, Selection
-from .storage import FlatStorage
+from ..core.state import FlatState, Selection
+from ..core.storage import FlatStorage
 
 __all__ = [
     "PerParam",

@@ -1,4 +1,4 @@
-"""The operands of the elementwise transforms (:mod:`zero_dtensor.transforms`): checked (a real number, a 0-d tensor
+"""The operands of the elementwise transforms (:mod:`zero_dtensor.ops.transforms`): checked (a real number, a 0-d tensor
 or a mapping ``name -> operand``), moved once to the storage device, and cut per flat group for one ``_foreach_*``
 call. No communication.
 """
@@ -11,8 +11,8 @@ from typing import Any, Union
 
 import torch
 
-from .devices import Devices, to_device, to_storage
-from .state import FlatState, Selection
+from ..layout.devices import Devices, to_device, to_storage
+from ..core.state import FlatState, Selection
 
 __all__ = ["PerParam", "Scalar", "foreach_operands", "group_operands", "per_param", "scalar", "to_storage_operand",
            "values_to_storage"]

@@ -35,7 +35,7 @@ kind                      DeepSpeed                     rank ``r`` holds
 ========================  ============================  ===========================================================
 
 How each kind's buffer is assembled from the ranks (which collective, how many bytes) is
-:mod:`zero_dtensor.placement`'s, one layer up.
+:mod:`zero_dtensor.materialize.placements`'s, one layer up.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class GroupLayout:
     @cached_property
     def placement(self) -> GroupPlacement:
         """Where this group's elements lie on its ranks (:func:`placement_of`): geometry only; how its buffer is
-        assembled is :func:`zero_dtensor.placement.assembly_of`'s."""
+        assembled is :func:`zero_dtensor.materialize.placements.assembly_of`'s."""
         return placement_of(self)
 
     @property
@@ -160,7 +160,7 @@ class FlatLayout:
 @dataclass(frozen=True)
 class GroupPlacement:
     """Where one kind of flat group's elements lie on its ranks (see the module docstring): pure geometry, no dtype, no
-    family, no communication. How a kind's buffer is assembled is :mod:`zero_dtensor.placement`'s."""
+    family, no communication. How a kind's buffer is assembled is :mod:`zero_dtensor.materialize.placements`'s."""
 
     #: a short name for messages and benchmarks
     kind: str = ""

@@ -1,0 +1,1 @@
+"""Transport: process groups, collectives, point-to-point exchanges and the rank agreement."""

@@ -1,0 +1,1 @@
+"""One family's storage and state."""

@@ -1,0 +1,1 @@
+"""The family objects users hold: ShardedTensors and its views, gradients, masters, optimizer state."""

@@ -1,0 +1,1 @@
+"""Training-loop integrations: gradient hooks and the stats logger."""

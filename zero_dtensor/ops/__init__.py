@@ -1,0 +1,1 @@
+"""Operations on a family's local shards: transforms, reductions, writes, noise, overflow."""

@@ -17,7 +17,9 @@ detected (e.g. ``round_robin_bit16_offsets``, the compact fp32 partition buffer)
 Beside the optimizer adapters: :mod:`.capture` (``keep_full_grads``' capture of the ZeRO-1/2 reduction),
 :mod:`.engine_step` (the engine's ``step()`` internals that :mod:`zero_dtensor.integrations.hooks` wraps), :mod:`.version`,
 :mod:`.families` (the fp32 master weights and the optimizer state as storages with the gradient's geometry, and the
-optimizer's per-group ``step``) and :mod:`.sync` (the working weights refreshed from the masters after a write).
+optimizer's per-group ``step``) and :mod:`.sync` (the working weights refreshed from the masters after a write);
+:mod:`.checkpointing` (what a checkpoint needs from an engine beyond masters and optimizer state) and
+:mod:`._common` (what the adapters share).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ def _measure(stage: int, layers: int, width: int, repeats: int, zero: dict | Non
     import torch.distributed as dist
 
     import zero_dtensor as zd
-    from zero_dtensor.replicate import keep_full_grads
+    from zero_dtensor.families.replicate import keep_full_grads
 
     def build():
         torch.manual_seed(0)

@@ -12,10 +12,10 @@ import os
 
 import torch
 
-from zero_dtensor import segments as S
-from zero_dtensor.reductions import _order
-from zero_dtensor.tiling import Tiling
-from zero_dtensor.transforms import _cast_on_cuda, _scale_op
+from zero_dtensor.layout import segments as S
+from zero_dtensor.ops.reductions import _order
+from zero_dtensor.layout.tiling import Tiling
+from zero_dtensor.ops.transforms import _cast_on_cuda, _scale_op
 
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)

@@ -9,7 +9,7 @@ from workers import agreement
 from workers.common import EngineCase
 from workers.rows import RowResults, assert_row, slug
 
-# 4 ranks: the agreement is an all_reduce there (zero_dtensor.collectives.prefers_all_reduce), a gather below
+# 4 ranks: the agreement is an all_reduce there (zero_dtensor.comm.collectives.prefers_all_reduce), a gather below
 SETTING_CASES = [EngineCase(2), EngineCase(3), EngineCase(1, "bf16", world=3), EngineCase(3, "bf16", world=3),
                  EngineCase(2, world=4)]
 _SETTING_RESULTS = RowResults()

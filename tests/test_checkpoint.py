@@ -14,7 +14,7 @@ import pytest
 
 from workers import checkpoint as ck
 from workers.common import EngineCase
-from zero_dtensor.collectives import GLOO_REDUCE_FROM
+from zero_dtensor.comm.collectives import GLOO_REDUCE_FROM
 
 SAVES_2 = [
     ("z2-fp32", EngineCase(stage=2), 2),
@@ -142,7 +142,7 @@ def test_collectives_counted(ranks, tmp_path) -> None:
     of a never-stepped engine one agreement, its staging buffers freed before the refresh."""
     small, deep = ranks(2).run(ck.collective_counts, str(tmp_path), [EngineCase(stage=2),
                                                                      EngineCase(stage=3, model="deep")])[0]
-    # at 2 gloo ranks an agreement is one small all_gather (zero_dtensor.collectives.prefers_all_reduce)
+    # at 2 gloo ranks an agreement is one small all_gather (zero_dtensor.comm.collectives.prefers_all_reduce)
     agreement_op = "c10d.allreduce_" if 2 >= GLOO_REDUCE_FROM else "c10d._allgather_base_"
     # the refresh: ZeRO-3 gathers the persistent parameters together; ZeRO-1/2 on gloo gathers each param group by
     # one batch of 2(N-1) point-to-point ops (counted by counting_p2p, which CommDebugMode does not see)

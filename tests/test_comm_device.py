@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zero_dtensor import collectives
+from zero_dtensor.comm import collectives
 
 
 def test_tensor_stays_where_the_group_communicates(monkeypatch) -> None:
@@ -29,7 +29,7 @@ def test_device_types_of_a_real_gloo_group(ranks) -> None:
 
 
 def test_gloo_refuses_point_to_point_and_coalescing_on_cuda_only() -> None:
-    from zero_dtensor.process_groups import comm_support
+    from zero_dtensor.comm.process_groups import comm_support
 
     assert comm_support("gloo", "cpu").point_to_point and comm_support("gloo", "cpu").coalescing
     assert not comm_support("gloo", "cuda").point_to_point and not comm_support("gloo", "cuda").coalescing

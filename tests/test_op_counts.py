@@ -83,12 +83,12 @@ TRAFFIC_LIMITS = {"norms": (1, 0), "norms(1)": (1, 0), "norms(inf)": (1, 0), "no
                   "global_norm": (1, 0), "global_norm(inf)": (1, 0), "dots": (1, 0), "dots(with_norms)": (2, 0),
                   "stats": (3, 0), "found_inf": (1, 0), "clip_grad_norm_": (2, 1), "clip_per_param_": (2, 1)}
 #: host syncs allowed: the rank agreement's upload of its values and read of its gathered rows ('to_device' there,
-#: 'tolist'; zero_dtensor.agreement), plus found_inf's answer ('_local_scalar_dense'). None elsewhere: no
+#: 'tolist'; zero_dtensor.comm.agreement), plus found_inf's answer ('_local_scalar_dense'). None elsewhere: no
 #: host-to-device copy of a selection's order (ZeRO-3's sub-groups: two flat groups here) and no finiteness check
 #: in stats (its result copy to the host is its one sync, not counted here: a copy to the real CPU)
 TRAFFIC_SYNCS = {"found_inf": ["to_device", "tolist", "_local_scalar_dense"]}
-AGREEMENT_SITES = {"collectives.py:gather_int_rows_within"}
-#: dots: rows in a bounded number of chunks (zero_dtensor.segments.DOT_PARTS = 16, about 4 operations each, two
+AGREEMENT_SITES = {"comm/collectives.py:gather_int_rows_within"}
+#: dots: rows in a bounded number of chunks (zero_dtensor.layout.segments.DOT_PARTS = 16, about 4 operations each, two
 #: flat groups), however small DOT_CHUNK is (2048 elements here: 64 chunks per group before the bound)
 TRAFFIC_OPS = {"dots": 2 * (4 * 17 + 20) + 30, "dots(with_norms)": 2 * (4 * 17 + 50) + 30}
 _TRAFFIC: list = []

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from zero_dtensor import GradStats, ParamValues
-from zero_dtensor import param_values as pv
-from zero_dtensor.param_values import ParamStatsMap
+from zero_dtensor.core import param_values as pv
+from zero_dtensor.core.param_values import ParamStatsMap
 
 NAMES = tuple(f"layers.{i}.weight" for i in range(40))
 

@@ -32,9 +32,10 @@ from torch.distributed.tensor import Replicate, Shard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero_dtensor.layout import FlatLayout, GroupLayout, Packing, ParamLayout, placement_of
-from zero_dtensor.placement import ChunkShard, RaggedShard, Replicated
-from zero_dtensor.plan import plan_for
+from zero_dtensor.layout.flat import (ChunkShard, FlatLayout, GroupLayout, Packing, ParamLayout, RaggedShard,
+                                      Replicated, placement_of)
+from zero_dtensor.materialize.placements import assembly_of
+from zero_dtensor.layout.plan import plan_for
 
 PAD = -1.0  # every parameter element is a non-negative id: the sentinel marks padding
 
@@ -272,13 +273,13 @@ def _chunked_groups(case, absent):
     for gi in range(len(per_rank[0].groups)):
         g0 = per_rank[0].groups[gi]
         if g0.packing is not Packing.CHUNKED or g0.replicated:
-            assert absent(placement_of(g0), plan_for(per_rank[0]).groups[gi])
+            assert absent(assembly_of(g0), plan_for(per_rank[0]).groups[gi])
             continue
         parts = partitions(per_rank, full, gi)
         rows = torch.stack(parts)
         for layout in per_rank:
             g = layout.groups[gi]
-            yield g, plan_for(layout).groups[gi], placement_of(g), parts, rows
+            yield g, plan_for(layout).groups[gi], assembly_of(g), parts, rows
 
 
 @settings(max_examples=100, deadline=None)
@@ -329,7 +330,7 @@ def _chunked_case(world: int, shapes: list[tuple[int, ...]], extra: int = 0):
     (2, [(5000,), (3, 3)], 0, ("split", "index")),  # long runs: split_with_sizes_copy
 ])
 def test_pipelined_column_pieces_take_each_copy_path(world, shapes, extra, paths) -> None:
-    """The same as above on layouts whose pieces take each reorder path (:mod:`zero_dtensor.rows`): strided copies
+    """The same as above on layouts whose pieces take each reorder path (:mod:`zero_dtensor.layout.rows`): strided copies
     per run family, an ``index_select`` of rows, ``split_with_sizes_copy``."""
     case = _chunked_case(world, shapes, extra)
     for layout in case[1]:
@@ -349,5 +350,5 @@ def test_peer_rows_take_the_row_paths(world, shapes, extra) -> None:
     random ones mostly have rows too narrow to pay)."""
     case = _chunked_case(world, shapes, extra)
     for layout in case[1]:
-        assert placement_of(layout.groups[0]).peer_rows(plan_for(layout).groups[0], 8) is not None  # float64
+        assert assembly_of(layout.groups[0]).peer_rows(plan_for(layout).groups[0], 8) is not None  # float64
     test_peer_rows_reassemble_every_parameter.hypothesis.inner_test(case)

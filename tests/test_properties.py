@@ -20,9 +20,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero_dtensor.layout import FlatLayout, GroupLayout, Packing, ParamLayout
-from zero_dtensor.sharded import ShardedGrads
-from zero_dtensor.storage import FlatStorage
+from zero_dtensor.layout.flat import FlatLayout, GroupLayout, Packing, ParamLayout
+from zero_dtensor.families.sharded import ShardedGrads
+from zero_dtensor.core.storage import FlatStorage
 
 shapes = st.lists(
     st.one_of(

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from zero_dtensor import redistribute as rd
 from zero_dtensor.redistribute import assignment, exchange, plan as rd_plan
-from zero_dtensor.layout import FlatLayout, GroupLayout, Packing, ParamLayout
+from zero_dtensor.layout.flat import FlatLayout, GroupLayout, Packing, ParamLayout
 
 from workers import redistribute as worker
 from workers.common import EngineCase

@@ -1,4 +1,4 @@
-"""Issue 11: row copies (``zero_dtensor.rows``) and the ZeRO-3 reorder built on them, against per-run references
+"""Issue 11: row copies (``zero_dtensor.layout.rows``) and the ZeRO-3 reorder built on them, against per-run references
 (hypothesis, no processes).
 
 - ``row_map(...).copy`` equals copying every run on its own, for random disjoint runs, with and without tiling the
@@ -23,10 +23,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero_dtensor import rows as rows_mod
-from zero_dtensor.layout import FlatLayout, GroupLayout, Packing, ParamLayout
-from zero_dtensor.plan import plan_for
-from zero_dtensor.rows import MIN_ROW_BYTES, piece_copy, piece_key, row_map, run_families
+from zero_dtensor.layout import rows as rows_mod
+from zero_dtensor.layout.flat import FlatLayout, GroupLayout, Packing, ParamLayout
+from zero_dtensor.materialize.placements import assembly_of
+from zero_dtensor.layout.plan import plan_for
+from zero_dtensor.layout.rows import MIN_ROW_BYTES, piece_copy, piece_key, row_map, run_families
 
 #: how a RowMap moves its runs: by strided copies of run families (the default where they are few) or by index
 ROW_PATHS = ["families", "indices"]
@@ -173,14 +174,14 @@ def check_reorder(layouts: list[FlatLayout]) -> bool:
     expected = reference_order(layouts[0], rows)
     gp = plan_for(layouts[0]).groups[0]
     area = torch.full((world * P,), float("nan"))
-    got = g0.placement.to_param_order(rows.reshape(-1), g0, gp, area)
+    got = assembly_of(g0).to_param_order(rows.reshape(-1), g0, gp, area)
     assert torch.equal(got, expected)
     total = torch.zeros(world * P)
     for r, layout in enumerate(layouts):
         g = layout.groups[0]
         plan = plan_for(layout).groups[0]
         region = torch.full((world * P,), float("nan"))
-        g.placement.fill_for_reduce(region, g, plan, parts[r], None)
+        assembly_of(g).fill_for_reduce(region, g, plan, parts[r], None)
         total += region
     # every element of a parameter has exactly one contributor; the blocks' padding and gaps may differ
     for k, p in enumerate(gp.params):

@@ -1,11 +1,11 @@
-"""Property-based checks of :mod:`zero_dtensor.segments` (no DeepSpeed, no processes).
+"""Property-based checks of :mod:`zero_dtensor.layout.segments` (no DeepSpeed, no processes).
 
 Random tilings — zero-length pieces, pieces shorter and longer than the row width, totals that are not a multiple of
 it, empty buffers, a single piece — with several row widths (64 and small ones, which make tiny buffers exercise the
 row pass), random values in float32, bfloat16, float16 and float64 (for the max also with nan/inf): every per-piece
 function agrees with a per-piece float64 reference (sums within a few float32 roundings of 64-element rows, the max
 exactly, element counts exactly). Plus: precision on a long piece, device/dtype of results, the parameter lookup,
-and the fast ``GradStats`` constructor of :mod:`zero_dtensor.reductions`.
+and the fast ``GradStats`` constructor of :mod:`zero_dtensor.ops.reductions`.
 """
 
 from __future__ import annotations
@@ -20,19 +20,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero_dtensor.tiling import Tiling
-from zero_dtensor.reductions import GradStats, _grad_stats
-from zero_dtensor.segments import (
-    BLOCK,
-    param_index,
-    piece_dots,
-    piece_max_abs,
-    piece_pow_sums,
-    piece_stats,
-    piece_sums,
-    segment_plan,
-    sizes_plan,
-)
+from zero_dtensor.layout.tiling import Tiling
+from zero_dtensor.ops.reductions import GradStats, _grad_stats
+from zero_dtensor.layout.segments import (BLOCK, param_index, piece_dots, piece_max_abs, piece_pow_sums, piece_stats,
+                                          piece_sums, segment_plan, sizes_plan)
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 RTOL = {torch.float64: 1e-12}  # else float32 row accumulation: a few roundings of 64-element sums
@@ -230,10 +221,10 @@ def test_grad_stats_fast_constructor_is_a_normal_frozen_dataclass() -> None:
 # --- reductions over a layout, in one process ------------------------------------------------------------------------
 # Single-rank groups communicate nothing, so the public reductions run here; for a rank of a 2-rank layout only the
 # local partials are checked (no process group). Padding holds a sentinel (huge, or nan): it must never count.
-from zero_dtensor import reductions  # noqa: E402
-from zero_dtensor.layout import FlatLayout, GroupLayout, Packing, ParamLayout  # noqa: E402
-from zero_dtensor.state import FlatState  # noqa: E402
-from zero_dtensor.storage import FlatStorage  # noqa: E402
+from zero_dtensor.ops import reductions  # noqa: E402
+from zero_dtensor.layout.flat import FlatLayout, GroupLayout, Packing, ParamLayout  # noqa: E402
+from zero_dtensor.core.state import FlatState  # noqa: E402
+from zero_dtensor.core.storage import FlatStorage  # noqa: E402
 
 
 @st.composite
@@ -353,7 +344,7 @@ def test_stats_count_nonfinite_rows_on_the_device_and_flag_what_they_miss() -> N
     """issue 42: piece_stats(counts=True) counts nan/inf without a host branch: exact with up to
     max(COUNT_ROWS, rows/COUNT_SHARE) non-finite rows (bits and rows straddling pieces included), the 'missed' flag
     set beyond; max |x| by vector_norm(inf) propagates nan as aminmax did."""
-    from zero_dtensor import segments
+    from zero_dtensor.layout import segments
 
     sizes = [700, 64 * 40 + 5, 3, 64 * 200, 130]
     seg = segments.sizes_plan(sizes, 64)

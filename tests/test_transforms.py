@@ -8,7 +8,7 @@ import torch
 from workers import transforms
 from workers.common import EngineCase, OddModel
 from workers.rows import RowResults, assert_row, slug
-from zero_dtensor.noise import counter_normal
+from zero_dtensor.ops.noise import counter_normal
 
 FP32_CASES = [EngineCase(stage, world=ws) for ws in (1, 2, 3, 4) for stage in (1, 2, 3)]
 BF16_CASES = [EngineCase(1, "bf16"), EngineCase(2, "bf16"), EngineCase(3, "bf16", world=3)]

@@ -29,19 +29,19 @@ from .errors import (
     StaleTensorsError,
     UnsupportedDeepSpeedError,
 )
-from .hooks import GradHookHandle, attach_to_trainer, on_grads, on_grads_in_trainer
+from .integrations.hooks import GradHookHandle, attach_to_trainer, on_grads, on_grads_in_trainer
 from .launch import RankPool, launch
-from .layout import FlatLayout, GroupLayout, Packing, ParamLayout
-from .noise import counter_normal
-from .overflow import found_inf
-from .param_values import ParamValues
-from .reductions import GradStats
-from .replicate import FullGradsHandle, KeepFullGradsHandle, keep_full_grads
-from .master import ShardedMasterParams, ShardedOptimizerState
+from .layout.flat import FlatLayout, GroupLayout, Packing, ParamLayout
+from .ops.noise import counter_normal
+from .ops.overflow import found_inf
+from .core.param_values import ParamValues
+from .ops.reductions import GradStats
+from .families.replicate import FullGradsHandle, KeepFullGradsHandle, keep_full_grads
+from .families.master import ShardedMasterParams, ShardedOptimizerState
 from .settings import set_debug, set_gather_strategy
-from .sharded import ParamGrad, ShardedGrads
-from .stats_logger import GradStatsLogger
-from .tensors import ParamView, ShardedTensors
+from .families.sharded import ParamGrad, ShardedGrads
+from .integrations.stats_logger import GradStatsLogger
+from .families.tensors import ParamView, ShardedTensors
 
 __version__ = "0.1.0"
 

@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
-from . import master as _master
+from .families import master as _master
 from ._deepspeed import check_engine, families, grad_storage
-from .agreement import agree, install_step_checkpoint
-from .master import ShardedMasterParams, ShardedOptimizerState
+from .comm.agreement import agree, install_step_checkpoint
+from .families.master import ShardedMasterParams, ShardedOptimizerState
 from .settings import is_debug
-from .sharded import ShardedGrads
+from .families.sharded import ShardedGrads
 
 __all__ = [
     "get_full_fp32_params",
@@ -50,7 +50,7 @@ def sharded_grads(engine: Any) -> ShardedGrads:
     :class:`~zero_dtensor.errors.UnsupportedDeepSpeedError` for an unknown DeepSpeed version or optimizer (ZeRO
     stage 0 included), ``TypeError`` for anything that is not a DeepSpeed engine. It also installs the
     rank-agreement checkpoint at the optimizer step, which checks only in debug mode (see
-    :mod:`zero_dtensor.agreement`); in debug mode the first call of a step is itself one agreement (one small
+    :mod:`zero_dtensor.comm.agreement`); in debug mode the first call of a step is itself one agreement (one small
     collective), which arms that checkpoint on every rank.
     """
     kind = check_engine(engine)
@@ -98,7 +98,7 @@ def sharded_master_params(engine: Any) -> ShardedMasterParams:
     :class:`~zero_dtensor.errors.ModelParamsNotSyncedError` (a forward pre-hook on ``engine.module``, installed
     here once per engine; a submodule called directly, ``engine.module.fc1(x)``, is not guarded). From here on
     ``engine.save_checkpoint`` syncs first where any rank is marked (one small agreement per call, see
-    :mod:`zero_dtensor.master`). ``BF16_Optimizer`` keeps its masters sharded (its gradient is replicated). ZeRO-3 with
+    :mod:`zero_dtensor.families.master`). ``BF16_Optimizer`` keeps its masters sharded (its gradient is replicated). ZeRO-3 with
     NVMe offload is refused (:class:`~zero_dtensor.errors.UnsupportedDeepSpeedError`).
     """
     check_engine(engine)
@@ -126,7 +126,7 @@ def optimizer_state_keys(engine: Any) -> tuple[str, ...]:
 def sync_model_params(engine: Any) -> None:
     """Make the model's working weights the (cast) fp32 masters after a write into them, and clear the write mark.
     **Collective**: every rank of the data-parallel group, between steps. Communication: the rank agreement (one
-    small collective, :mod:`zero_dtensor.agreement`), then ZeRO-1/2 and ``BF16_Optimizer`` one
+    small collective, :mod:`zero_dtensor.comm.agreement`), then ZeRO-1/2 and ``BF16_Optimizer`` one
     ``all_gather_into_tensor`` per param group (``(N-1)/N·S`` bytes received per rank in the working dtype; ZeRO-1/2
     on gloo: one batch of ``isend``/``irecv`` per param group, the same bytes); ZeRO-3
     a local cast copy per sub-group, then DeepSpeed's bulk gather of the persistent parameters (one all_gather).

@@ -16,7 +16,7 @@ def _count(fn: Any) -> tuple[Any, int]:
     point-to-point ops, which CommDebugMode does not see, counted as one)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from .point_to_point import counting_p2p
+    from .comm.point_to_point import counting_p2p
 
     with CommDebugMode() as mode, counting_p2p() as p2p:
         result = fn()

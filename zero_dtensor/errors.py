@@ -50,7 +50,7 @@ class ModelParamsNotSyncedError(RuntimeError):
 
 class RankDisagreementError(RuntimeError):
     """Ranks called a collective with different arguments or settings, or one rank never reached it: raised on
-    every rank by the rank agreement (:mod:`zero_dtensor.agreement`) before any data moved."""
+    every rank by the rank agreement (:mod:`zero_dtensor.comm.agreement`) before any data moved."""
 
 
 class RankFailedError(RuntimeError):

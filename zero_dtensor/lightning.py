@@ -30,7 +30,8 @@ except ImportError as _exc:  # pragma: no cover - exercised only where lightning
         "zero_dtensor.lightning needs Lightning 2.x (the `lightning` package): pip install 'zero_dtensor[lightning]'"
     ) from _exc
 
-from . import GradHookHandle, ShardedGrads, on_grads
+from .integrations.hooks import GradHookHandle, on_grads
+from .families.sharded import ShardedGrads
 
 __all__ = ["ZeroGradCallback"]
 
@@ -63,7 +64,7 @@ class ZeroGradCallback(pl.Callback):
     logged steps only: **one all_reduce of a (k,) float32 vector** (k = trainable parameter tensors; the total is
     computed from it locally); clipping: **one all_reduce** of a (k,) float32 vector of partial sums, then a local
     multiply; each of the two after the rank agreement (one small collective,
-    :mod:`zero_dtensor.agreement`); and :func:`~zero_dtensor.on_grads`' error agreement, one small collective
+    :mod:`zero_dtensor.comm.agreement`); and :func:`~zero_dtensor.on_grads`' error agreement, one small collective
     after ``fn`` and one after the norms and the clip (``fn`` and this callback's own work are two hooks, so that an
     exception from ``fn`` on some ranks raises on every rank before any rank enters the norms' or the clip's
     collectives). An exception anywhere raises on every rank, no optimizer step runs and the step's gradients are

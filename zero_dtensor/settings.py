@@ -2,7 +2,7 @@
 
 Each of these changes what a collective call does (which collective travels, which extra checks run), so each must
 be the same on every rank. They are not trusted to be: every collective call agrees on :func:`fingerprint` together
-with its arguments (:mod:`zero_dtensor.agreement`), and a setting that differs between ranks raises
+with its arguments (:mod:`zero_dtensor.comm.agreement`), and a setting that differs between ranks raises
 :class:`~zero_dtensor.errors.RankDisagreementError` on every rank before any data moves.
 
 =================================  ==========================================  ==================================

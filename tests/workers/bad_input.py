@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 import zero_dtensor as zd
-from zero_dtensor import settings, writes
+from zero_dtensor import settings
+from zero_dtensor.ops import writes
 from zero_dtensor.errors import RankDisagreementError
 
 from .common import EngineCase, build_engine, count_comms, fill_value, forward_backward

@@ -749,8 +749,8 @@ def integrity(root: str, stage: int) -> dict[str, str]:
     from unittest import mock
 
     import zero_dtensor as zd
-    from zero_dtensor import master as master_module
-    from zero_dtensor.master import needs_sync
+    from zero_dtensor.families import master as master_module
+    from zero_dtensor.families.master import needs_sync
 
     case = EngineCase(stage=stage, dtype="bf16", world=dist.get_world_size())
     source = build_engine(case)

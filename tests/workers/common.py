@@ -17,8 +17,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def agreement_op(grads: Any) -> str:
     """CommDebugMode's short name of the collective an agreement (without payload) issues on ``grads``' first
-    process group: ``allreduce`` or ``allgather_base`` (``zero_dtensor.collectives.prefers_all_reduce``)."""
-    from zero_dtensor.collectives import prefers_all_reduce
+    process group: ``allreduce`` or ``allgather_base`` (``zero_dtensor.comm.collectives.prefers_all_reduce``)."""
+    from zero_dtensor.comm.collectives import prefers_all_reduce
 
     return "allreduce" if prefers_all_reduce(grads._storage.process_groups[0]) else "allgather_base"
 
@@ -87,7 +87,7 @@ class DeepModel(torch.nn.Module):
 
 class WideModel(torch.nn.Module):
     """Every size a multiple of 96, so that fragments share a wide common width (16 elements: 32 bytes even in fp16)
-    on 2 and 3 ranks: the row-copy paths (``zero_dtensor.rows``) apply."""
+    on 2 and 3 ranks: the row-copy paths (``zero_dtensor.layout.rows``) apply."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -260,7 +260,7 @@ def fill_value(name: str, shape: torch.Size) -> torch.Tensor:
 
 class CommCounts:
     """The collectives ``CommDebugMode`` counts, plus the point-to-point batches it does not see (the ``send_recv``
-    strategy's: :func:`zero_dtensor.point_to_point.counting_p2p`), each batch counted as one transfer."""
+    strategy's: :func:`zero_dtensor.comm.point_to_point.counting_p2p`), each batch counted as one transfer."""
 
     def __init__(self, mode: CommDebugMode, p2p: Any) -> None:
         self.mode, self.p2p = mode, p2p
@@ -282,7 +282,7 @@ class CommCounts:
 
 @contextlib.contextmanager
 def count_comms() -> Iterator[CommCounts]:
-    from zero_dtensor.point_to_point import counting_p2p
+    from zero_dtensor.comm.point_to_point import counting_p2p
 
     with CommDebugMode() as mode, counting_p2p() as p2p:
         yield CommCounts(mode, p2p)

@@ -146,7 +146,7 @@ def check_bf16_optimizer(gas: int) -> dict:
 
 def check_fp16_overflow(stage: int) -> dict:
     """An overflowing fp16 backward: found_inf is True on every rank and the full tensors carry the inf/nan."""
-    from zero_dtensor.overflow import found_inf
+    from zero_dtensor.ops.overflow import found_inf
 
     engine = build_engine(EngineCase(stage, "fp16"))
     forward_backward(engine)

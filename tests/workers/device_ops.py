@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import zero_dtensor as zd
-from zero_dtensor.state import state_of
+from zero_dtensor.core.state import state_of
 
 from .common import EngineCase, build_engine, make_engine
 from .dispatch_probe import DEV, DispatchProbe, simulated_offload
@@ -231,9 +231,9 @@ def check_traffic(cases: tuple[tuple[int, str], ...], dot_chunk: int = 2048) -> 
     the first, also simulated) with
     the gradient partitions (and the clone's, for ``dots``) watched as the data, under simulated devices without
     offload (partitions and results on the simulated accelerator: a read back to the host is a sync).
-    ``dot_chunk``: :data:`zero_dtensor.segments.DOT_CHUNK` meanwhile (small, so that a chunk is far smaller than
+    ``dot_chunk``: :data:`zero_dtensor.layout.segments.DOT_CHUNK` meanwhile (small, so that a chunk is far smaller than
     this model's data, as it is than a real model's)."""
-    from zero_dtensor import segments
+    from zero_dtensor.layout import segments
 
     out: dict[str, dict[str, Any]] = {}
     chunk, segments.DOT_CHUNK = getattr(segments, "DOT_CHUNK", None), dot_chunk

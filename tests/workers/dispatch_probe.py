@@ -25,7 +25,7 @@ and the ``prim``/``c10d`` namespaces are not counted as operations, as in ``op_c
   plain ``cpu``. A factory or copy given ``device=DEV`` makes a ``"dev"`` tensor, ``device=HOST`` or no device a
   ``"host"`` one; ``device=cpu`` (what ``device=t.device`` passes, whatever ``t``'s tag) makes an ``"any"`` tensor,
   which meets either without refusal (the probe cannot tell where ``t`` was: library code that must be checked
-  moves through :mod:`zero_dtensor.devices` or follows a tensor with ``new_*`` / ``*_like``); other operations'
+  moves through :mod:`zero_dtensor.layout.devices` or follows a tensor with ``new_*`` / ``*_like``); other operations'
   results take the tag of their operands (``"dev"`` if any operand is, ``"any"`` if all are). Registered tensors (:meth:`DispatchProbe.tag`) take the given tag
   whatever their origin (e.g. offloaded partitions ``"host"``, non-offloaded ones ``"dev"``). An operation whose
   operands mix the two is refused as CUDA refuses it: a ``"dev"`` tensor (even 0-d) meeting ``"host"`` data, or a
@@ -37,8 +37,8 @@ and the ``prim``/``c10d`` namespaces are not counted as operations, as in ``op_c
 
 ``torch.tensor`` / ``torch.as_tensor`` dispatch only a ``lift_fresh``: while the probe is active they are wrapped
 so that their ``device=`` argument tags the result. ``.to(device)`` of a tensor already on the real device is a
-no-op that dispatches nothing: a library must move tensors through :mod:`zero_dtensor.devices`
-(:func:`~zero_dtensor.devices.to_device`), which :func:`copying_moves` patches to copy, so that a move re-tags.
+no-op that dispatches nothing: a library must move tensors through :mod:`zero_dtensor.layout.devices`
+(:func:`~zero_dtensor.layout.devices.to_device`), which :func:`copying_moves` patches to copy, so that a move re-tags.
 
 Tags and taint are kept per storage (``data_ptr``), so views share them; they are overwritten whenever an operation
 returns a storage, so a reused address carries no stale tag into a result. Tags outlive the probe while a tensor
@@ -374,12 +374,12 @@ def _counted_name(name: str, namespace: str) -> bool:
 
 @contextlib.contextmanager
 def copying_moves() -> Iterator[None]:
-    """While active, :func:`zero_dtensor.devices.to_device` copies (``.to(device, copy=True)``) unless the innermost
+    """While active, :func:`zero_dtensor.layout.devices.to_device` copies (``.to(device, copy=True)``) unless the innermost
     simulating probe has the tensor on that simulated device already, so that a move between the simulated devices
     dispatches a ``_to_copy`` the probe re-tags (on the CPU ``.to(cpu)`` of a ``cpu:1`` tensor would be a no-op)
     and a move to where a tensor is costs nothing, as on a GPU."""
     try:
-        from zero_dtensor import devices
+        from zero_dtensor.layout import devices
     except ImportError:  # a library without the seam (the code before issue 42): nothing to patch
         yield
         return
@@ -404,9 +404,9 @@ def simulated_offload(storages: Iterable[Any], *, offload: bool = True) -> Itera
     becomes :data:`DEV`, process groups are treated as NCCL (CUDA tensors only:
     ``collectives.comm_device_types``), their storage device (``devices.storage``) becomes :data:`HOST` (``offload``) or :data:`DEV`, and moves
     copy (:func:`copying_moves`). Their partitions stay where they are: the caller tags them ``"host"`` (offloaded) or ``"dev"``. Restored on exit."""
-    from zero_dtensor import collectives
+    from zero_dtensor.comm import collectives
 
-    from zero_dtensor.storage import FlatStorage
+    from zero_dtensor.core.storage import FlatStorage
 
     storages = list(storages)
     simulated = {id(s) for s in storages}
@@ -417,7 +417,7 @@ def simulated_offload(storages: Iterable[Any], *, offload: bool = True) -> Itera
     collectives.comm_device_types = lambda group: frozenset({"cuda"})
 
     def devices(self: Any) -> Any:
-        from zero_dtensor.devices import Devices
+        from zero_dtensor.layout.devices import Devices
 
         found = original_devices.fget(self)
         return Devices(HOST if offload else DEV, DEV) if id(self) in simulated else found

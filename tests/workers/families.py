@@ -248,7 +248,7 @@ def check_front(case: EngineCase) -> dict[str, Any]:
             zd.sync_model_params(ours)
         multi = dist.get_world_size() > 1
         assert mode.get_total_counts() == sync_collectives(ours) + int(multi), mode.get_comm_counts()
-        assert not zd.master.needs_sync(ours)
+        assert not zd.families.master.needs_sync(ours)
 
     rows.run("forward without sync raises", guard)
 
@@ -316,7 +316,7 @@ def check_front(case: EngineCase) -> dict[str, Any]:
         noisy = master.clone().zero_().add_noise_(1.0, seed=7)
         for n, v in noisy.full_tensors(strategy="all_reduce").items():
             assert torch.equal(v.flatten(), zd.counter_normal(7, n, v.numel())), n
-        assert not zd.master.needs_sync(ours)
+        assert not zd.families.master.needs_sync(ours)
 
     rows.run("transforms", transforms)
 

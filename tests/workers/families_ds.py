@@ -26,8 +26,8 @@ from workers.common import DTYPES, MODELS, EngineCase, batch, build_engine, coun
 from zero_dtensor._deepspeed import families, grad_storage, sync
 from zero_dtensor.errors import OptimizerStateNotReadyError
 from zero_dtensor.errors import UnsupportedDeepSpeedError
-from zero_dtensor.layout import GroupLayout, Packing, ParamLayout
-from zero_dtensor.storage import FlatStorage
+from zero_dtensor.layout.flat import GroupLayout, Packing, ParamLayout
+from zero_dtensor.core.storage import FlatStorage
 
 
 # ---- the test's own geometry -------------------------------------------------------------------------------------
@@ -500,7 +500,7 @@ def disagreeing_fp32_writes(case: EngineCase) -> dict[str, Any]:
     messages["set_full_fp32_params bad entry"] = raises_everywhere(
         "set_full_fp32_params bad entry", lambda: zd.set_full_fp32_params(engine, bad), ValueError)
     _unchanged(engine, before, "set_full_fp32_params")
-    assert not zd.master.needs_sync(engine), "a refused set_full_fp32_params set the sync mark"
+    assert not zd.families.master.needs_sync(engine), "a refused set_full_fp32_params set the sync mark"
 
     # the group is still in step; the agreeing write costs what it did
     assert_same(master.full_tensors(dtype=torch.float32), ds_full_masters(engine), "masters")

@@ -7,7 +7,7 @@ import torch
 from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
 
 import zero_dtensor as zd
-from zero_dtensor.layout import Packing
+from zero_dtensor.layout.flat import Packing
 
 from .common import (DTYPES, EngineCase, build_engine, count_comms, fill_value, forward_backward, params_snapshot,
                      rank_checks)

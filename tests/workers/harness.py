@@ -34,6 +34,6 @@ def unpicklable_result() -> object:
 
 
 def world_device_types() -> list[str]:
-    from zero_dtensor.collectives import comm_device_types
+    from zero_dtensor.comm.collectives import comm_device_types
 
     return sorted(comm_device_types(dist.group.WORLD))

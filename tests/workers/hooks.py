@@ -12,7 +12,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
 
 import zero_dtensor as zd
-from zero_dtensor.hooks import GradHookError
+from zero_dtensor.integrations.hooks import GradHookError
 
 from .common import EngineCase, batch, build_engine, build_model, fill_value, forward_backward, params_snapshot
 

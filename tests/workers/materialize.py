@@ -442,14 +442,14 @@ def check_errors() -> None:
 
 @contextlib.contextmanager
 def gloo_as_if_cuda() -> Iterator[None]:
-    """Make every tensor answer as a CUDA one to :func:`zero_dtensor.process_groups.comm_support` (the device seam
+    """Make every tensor answer as a CUDA one to :func:`zero_dtensor.comm.process_groups.comm_support` (the device seam
     of the one capability decision), and make the exchanges gloo cannot run on CUDA tensors raise instead of
     aborting: point-to-point ops (``batch_isend_irecv``, ``isend``, ``irecv``) and the coalescing manager. The old
     code has no seam (``create=True``): there the patches still catch every point-to-point op or coalescing
     manager it issues."""
     from unittest import mock
 
-    from zero_dtensor import process_groups
+    from zero_dtensor.comm import process_groups
 
     def refused(what: str) -> Any:
         def fail(*args: Any, **kwargs: Any) -> Any:
@@ -534,7 +534,7 @@ def small_windows(nbytes: int) -> Iterator[None]:
 def windows(sharded: Any, window: int) -> int:
     """The column windows the library cuts the sharded groups into for ``window`` bytes (one collective each)."""
     from zero_dtensor.materialize.transfers import window_pieces
-    from zero_dtensor.state import state_of
+    from zero_dtensor.core.state import state_of
 
     state = state_of(sharded)
     return sum(len(window_pieces(state, g, window)) for g, group in enumerate(state.layout.groups)
@@ -609,7 +609,7 @@ def check_set_full_copies(stages: tuple[int, ...] = (1, 2, 3)) -> dict:
     allocated: one ``_foreach_copy_``."""
     from unittest import mock
 
-    from zero_dtensor import writes
+    from zero_dtensor.ops import writes
 
     report: dict[str, Any] = {}
     for stage in stages:

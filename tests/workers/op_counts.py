@@ -160,7 +160,7 @@ def _per_parameter(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` with ``set_full_``'s staging declined (``writes._row_write`` answers ``None``): its per-parameter
     path, which large parameters take."""
     def run(*args: Any) -> Any:
-        from zero_dtensor import writes
+        from zero_dtensor.ops import writes
 
         real, writes._row_write = writes._row_write, lambda *a: None
         try:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from deepspeed.utils import safe_get_full_fp32_param
 
 import zero_dtensor as zd
-from zero_dtensor.replicate import keep_full_grads
+from zero_dtensor.families.replicate import keep_full_grads
 
 from .bad_input import deepspeed_storage
 from .common import EngineCase, build_engine, count_comms, fill_value, forward_backward

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
 
 import zero_dtensor as zd
-from zero_dtensor import writes
+from zero_dtensor.ops import writes
 from zero_dtensor.errors import RankDisagreementError
 
 from .bad_input import deepspeed_storage

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
 
 import zero_dtensor as zd
-from zero_dtensor.noise import counter_normal
+from zero_dtensor.ops.noise import counter_normal
 
 from .common import EngineCase, build_engine, count_comms, forward_backward, params_snapshot
 from .rows import Rows
@@ -364,7 +364,7 @@ def write_full_grad_like_deepspeed(engine, p, value, stage: int, world: int, rep
 
 def stats_comms(grads: zd.ShardedGrads, one: int) -> int:
     """stats(): the agreement and, per process group, one all_gather (gloo below 4 ranks) or two all_reduces."""
-    from zero_dtensor.collectives import prefers_all_reduce
+    from zero_dtensor.comm.collectives import prefers_all_reduce
 
     return one and one + int(prefers_all_reduce(grads._storage.process_groups[0]))
 

@@ -12,9 +12,10 @@ import torch
 from deepspeed.utils import safe_get_full_grad
 
 import zero_dtensor as zd
-from zero_dtensor import writes
+from zero_dtensor.ops import writes
 from zero_dtensor.materialize import BUFFERS, release_workspace
-from zero_dtensor.views import storage_refs
+from zero_dtensor.materialize.placements import assembly_of
+from zero_dtensor.layout.views import storage_refs
 
 from .common import EngineCase, build_engine, fill_value, forward_backward
 from .dispatch_probe import DispatchProbe
@@ -261,4 +262,4 @@ def check_row_reorder(case: EngineCase) -> dict[str, bool]:
             assert torch.equal(again[name], value.to(again[name].dtype)), (strategy, "out=", name)
     esize = grads.local_partitions[0].element_size()
     return {"rows": all(p.column_rows(esize) is not None and p.own_column_rows(esize) is not None for p in plans),
-            "peer_rows": all(p.group.placement.peer_rows(p, esize) is not None for p in plans)}
+            "peer_rows": all(assembly_of(p.group).peer_rows(p, esize) is not None for p in plans)}

@@ -1,6 +1,6 @@
 """The only place that reads DeepSpeed's private optimizer state.
 
-One module per optimizer kind turns a live engine into a neutral :class:`~zero_dtensor.storage.FlatStorage`:
+One module per optimizer kind turns a live engine into a neutral :class:`~zero_dtensor.core.storage.FlatStorage`:
 
 ========================================  ==========================  =====================================
 optimizer class                           module                      DeepSpeed versions known
@@ -15,9 +15,11 @@ included) are refused with :class:`~zero_dtensor.errors.UnsupportedDeepSpeedErro
 detected (e.g. ``round_robin_bit16_offsets``, the compact fp32 partition buffer) rather than inferred from the version.
 
 Beside the optimizer adapters: :mod:`.capture` (``keep_full_grads``' capture of the ZeRO-1/2 reduction),
-:mod:`.engine_step` (the engine's ``step()`` internals that :mod:`zero_dtensor.hooks` wraps), :mod:`.version`,
+:mod:`.engine_step` (the engine's ``step()`` internals that :mod:`zero_dtensor.integrations.hooks` wraps), :mod:`.version`,
 :mod:`.families` (the fp32 master weights and the optimizer state as storages with the gradient's geometry, and the
-optimizer's per-group ``step``) and :mod:`.sync` (the working weights refreshed from the masters after a write).
+optimizer's per-group ``step``) and :mod:`.sync` (the working weights refreshed from the masters after a write);
+:mod:`.checkpointing` (what a checkpoint needs from an engine beyond masters and optimizer state) and
+:mod:`._common` (what the adapters share).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import functools
 from typing import Any
 
 from ..errors import UnsupportedDeepSpeedError
-from ..storage import FlatStorage
+from ..core.storage import FlatStorage
 from .version import MAX_DEEPSPEED_EXCLUSIVE, MIN_DEEPSPEED, SUPPORTED_OPTIMIZERS, check_deepspeed_version
 
 __all__ = ["MIN_DEEPSPEED", "MAX_DEEPSPEED_EXCLUSIVE", "check_deepspeed_version", "check_engine", "grad_storage"]

@@ -10,8 +10,8 @@ from typing import Any, TypeVar
 import torch
 
 from ..errors import GradientsNotReadyError
-from ..layout import FlatLayout, GroupLayout, ParamLayout
-from ..views import ViewCache
+from ..layout.flat import FlatLayout, GroupLayout, ParamLayout
+from ..layout.views import ViewCache
 
 WINDOW = (
     "gradients are available after engine.backward() at a gradient-accumulation boundary "
@@ -92,7 +92,7 @@ def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def kept_partition(opt: Any, key: object, partition: torch.Tensor) -> ViewCache:
-    """The :class:`~zero_dtensor.views.ViewCache` of a partition that DeepSpeed keeps in the same memory across
+    """The :class:`~zero_dtensor.layout.views.ViewCache` of a partition that DeepSpeed keeps in the same memory across
     steps (ZeRO-3's flat gradient buffer, an offload buffer, ``BF16_Optimizer``'s flat gradients): the same tensor
     object comes back every step, so the views cut from it are made once. The cache holds the memory alive only as
     long as DeepSpeed does (a new buffer replaces the entry)."""

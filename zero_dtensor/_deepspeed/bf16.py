@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from ..errors import GradientsNotReadyError, UnsupportedDeepSpeedError
-from ..layout import FlatLayout, GroupLayout, Packing, ParamLayout
-from ..process_groups import rank_in, world_size_of
-from ..storage import FlatStorage
+from ..layout.flat import FlatLayout, GroupLayout, Packing, ParamLayout
+from ..comm.process_groups import rank_in, world_size_of
+from ..core.storage import FlatStorage
 from ._common import WINDOW, cached_layout, kept_partition, micro_steps, model_layout, name_of, param_names
 
 

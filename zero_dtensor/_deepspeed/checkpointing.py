@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..errors import UnsupportedDeepSpeedError
-from ..process_groups import rank_in
+from ..comm.process_groups import rank_in
 from . import check_engine
 from .families import _masters, master_storage
 

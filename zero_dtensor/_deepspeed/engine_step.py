@@ -1,4 +1,4 @@
-"""What the gradient hooks (:mod:`zero_dtensor.hooks`) rely on inside ``DeepSpeedEngine.step()``.
+"""What the gradient hooks (:mod:`zero_dtensor.integrations.hooks`) rely on inside ``DeepSpeedEngine.step()``.
 
 DeepSpeed 0.18.9 / 0.19.x, ``deepspeed/runtime/engine.py``: with ``managed_gradient_accumulation`` off,
 ``step()`` finalizes the accumulation (stage 2/3: ``optimizer.finalize_gradient_accumulation_boundary()``; stage

@@ -3,7 +3,7 @@
 Beside the gradient, every ZeRO optimizer keeps two more *families* of flat, sharded tensors with the gradient's
 geometry: the fp32 **master weights** (what the inner optimizer updates) and the **optimizer state** (Adam's
 ``exp_avg``/``exp_avg_sq``, SGD's ``momentum_buffer``, ...), one state dict per master tensor. This module describes
-them as :class:`~zero_dtensor.storage.FlatStorage` objects, so that everything built on the gradient storage (plans,
+them as :class:`~zero_dtensor.core.storage.FlatStorage` objects, so that everything built on the gradient storage (plans,
 views, gathers, DTensors, transforms) applies unchanged. Facts used (DeepSpeed 0.19.8, checked by running;
 ``S12`` ``runtime/zero/stage_1_and_2.py``, ``S3`` ``runtime/zero/stage3.py``, ``BF`` ``runtime/bf16_optimizer.py``):
 
@@ -36,10 +36,10 @@ in-place writes change what the next ``engine.step()`` starts from. A master wri
 masters and state are updated in place) until DeepSpeed replaces the tensors: every ``engine.load_checkpoint`` path
 gives the optimizer state new tensors (the masters are copied in place); a storage is then stale and must be made
 again. ``after_write`` does nothing here (DeepSpeed keeps no bookkeeping derived from masters or state); the
-public front (:mod:`zero_dtensor.master`) gives the masters' storage one that marks the engine as needing
+public front (:mod:`zero_dtensor.families.master`) gives the masters' storage one that marks the engine as needing
 :func:`~zero_dtensor.sync_model_params`.
 
-Why :class:`~zero_dtensor.storage.FlatStorage` and not a new type: every field already means what a family needs
+Why :class:`~zero_dtensor.core.storage.FlatStorage` and not a new type: every field already means what a family needs
 (a layout; partitions that are the optimizer's memory; process groups; a loss scale, here 1.0; the device; a
 currency check; a write hook; view caches), so the gradient machinery (plans, gathers, redistribution, transforms)
 takes these storages as they are. Only its name and its ``is_current`` wording say "gradient"; what it cannot carry
@@ -65,8 +65,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import OptimizerStateNotReadyError, UnsupportedDeepSpeedError
-from ..layout import FlatLayout, GroupLayout, Packing
-from ..storage import FlatStorage
+from ..layout.flat import FlatLayout, GroupLayout, Packing
+from ..core.storage import FlatStorage
 from . import check_engine
 from ._common import cached_layout, kept_partition, same_memory
 
@@ -222,7 +222,7 @@ def _storage(engine: Any, masters: _Masters, family: str, tensors: tuple[torch.T
 
 
 def _family_name(family: str) -> str:
-    """The family's fingerprint (:attr:`~zero_dtensor.storage.FlatStorage.family`) and name in messages."""
+    """The family's fingerprint (:attr:`~zero_dtensor.core.storage.FlatStorage.family`) and name in messages."""
     return "master weights" if family == MASTER else f"optimizer state {family!r}"
 
 

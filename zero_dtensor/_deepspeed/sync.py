@@ -48,8 +48,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import UnsupportedDeepSpeedError
-from ..point_to_point import all_gather_by_send_recv
-from ..process_groups import backend_of, comm_support_of, rank_in, world_size_of
+from ..comm.point_to_point import all_gather_by_send_recv
+from ..comm.process_groups import backend_of, comm_support_of, rank_in, world_size_of
 from . import check_engine
 
 __all__ = ["applied_steps", "sync_model_params"]
@@ -72,7 +72,7 @@ def sync_model_params(engine: Any) -> None:
 
 def _gloo_point_to_point(opt: Any) -> bool:
     """Whether the working weights' gather goes by point-to-point ops: gloo groups whose backend can move the flat
-    working buffers' device that way (:func:`~zero_dtensor.process_groups.comm_support`: CPU, not CUDA)."""
+    working buffers' device that way (:func:`~zero_dtensor.comm.process_groups.comm_support`: CPU, not CUDA)."""
     group, flat = opt.real_dp_process_group[0], opt.bit16_groups_flat[0]
     return backend_of(group) == "gloo" and comm_support_of(group, flat.device).point_to_point
 
@@ -80,7 +80,7 @@ def _gloo_point_to_point(opt: Any) -> bool:
 def _sync_zero12_by_send_recv(opt: Any) -> None:
     """``update_lp_params`` (S12:3172-3182) with the gather by point-to-point ops: per param group the master
     partition cast into this rank's partition of the flat working buffer, then every other rank's partition received
-    in place by one batch of ``isend``/``irecv`` (:func:`~zero_dtensor.point_to_point.all_gather_by_send_recv`), which
+    in place by one batch of ``isend``/``irecv`` (:func:`~zero_dtensor.comm.point_to_point.all_gather_by_send_recv`), which
     moves the same bytes as DeepSpeed's ``all_gather_into_tensor`` in 0.3-0.4 of its time on gloo (the flat buffer
     holds the partitions rank after rank, as ``all_gather_into_tensor`` leaves them)."""
     for flat, partitions, master, group in zip(opt.bit16_groups_flat, opt.parallel_partitioned_bit16_groups,

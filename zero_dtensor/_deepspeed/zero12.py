@@ -25,12 +25,12 @@ from typing import Any
 import torch
 
 from ..errors import GradientsNotReadyError
-from ..layout import FlatLayout, GroupLayout, Packing, ParamLayout
-from ..plan import plan_for
-from ..process_groups import rank_in, world_size_of
-from ..rows import PieceCopy, PieceKey, piece_copy, piece_key
-from ..storage import FlatStorage
-from ..views import ViewCache
+from ..layout.flat import FlatLayout, GroupLayout, Packing, ParamLayout
+from ..layout.plan import plan_for
+from ..comm.process_groups import rank_in, world_size_of
+from ..layout.rows import PieceCopy, PieceKey, piece_copy, piece_key
+from ..core.storage import FlatStorage
+from ..layout.views import ViewCache
 from ._common import (
     WINDOW,
     cached_layout,
@@ -233,7 +233,7 @@ def _weak(obj: Any) -> Callable[[], Any]:
 def _copy_pieces(slot: _FlatSlot, pieces: Sequence[torch.Tensor], key: PieceKey | None) -> None:
     """DeepSpeed's pieces into the slot's flat tensor. DeepSpeed's views of one reduced buffer (ZeRO-1: in order;
     ZeRO-2: in the order gradients arrived) are copied as runs of that buffer, a fixed number of copies whatever the
-    number of pieces (:class:`~zero_dtensor.rows.PieceCopy`, its plan kept while the pieces lie the same way);
+    number of pieces (:class:`~zero_dtensor.layout.rows.PieceCopy`, its plan kept while the pieces lie the same way);
     anything else (separate tensors: ``contiguous_gradients: false``) with one ``_foreach_copy_`` into views shaped
     like the pieces (cut once per structure)."""
     plan = None

@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 
 from ..errors import GradientsNotReadyError, UnsupportedDeepSpeedError
-from ..layout import FlatLayout, GroupLayout, Packing, ParamLayout
-from ..plan import plan_for
-from ..process_groups import rank_in, world_size_of
-from ..storage import FlatStorage
-from ..views import ViewCache
+from ..layout.flat import FlatLayout, GroupLayout, Packing, ParamLayout
+from ..layout.plan import plan_for
+from ..comm.process_groups import rank_in, world_size_of
+from ..core.storage import FlatStorage
+from ..layout.views import ViewCache
 from ._common import (
     WINDOW,
     cached_layout,

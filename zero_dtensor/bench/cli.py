@@ -134,8 +134,8 @@ def _bench_stage(args: argparse.Namespace, stage: int, progress: Callable[[str],
     import zero_dtensor as zd
     from zero_dtensor import materialize as mz
     from zero_dtensor.bench.model import TransformerLike
-    from zero_dtensor.point_to_point import counting_p2p
-    from zero_dtensor.state import state_of
+    from zero_dtensor.comm.point_to_point import counting_p2p
+    from zero_dtensor.core.state import state_of
 
     world, rank = dist.get_world_size(), dist.get_rank()
     use_cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"

@@ -28,9 +28,9 @@ def add_rows(engine: Any, measure: Callable[..., None], rows: list[dict[str, Any
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     import zero_dtensor as zd
-    from ..collectives import all_gather_into, all_to_all_into
+    from ..comm.collectives import all_gather_into, all_to_all_into
     from ..redistribute import OWNERS, ROWS as ROW_TARGET, owners, plan_for
-    from ..state import state_of
+    from ..core.state import state_of
 
     engine.step()  # the optimizer state exists from the first step on
     world = dist.get_world_size()

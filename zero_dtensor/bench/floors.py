@@ -6,9 +6,9 @@ The bare candidates, on copies of the same padded flat partitions into prealloca
 
 - ``all_gather``: one ``all_gather_into_tensor`` (coalesced over the flat groups), what ``strategy="all_gather"``
   issues;
-- ``all_to_all``: one ``all_to_all_single`` per flat group (:func:`~zero_dtensor.collectives.all_gather_by_all_to_all`;
+- ``all_to_all``: one ``all_to_all_single`` per flat group (:func:`~zero_dtensor.comm.collectives.all_gather_by_all_to_all`;
   with more than 2 ranks its input is the partition repeated, a copy of ``S``);
-- ``send_recv``: one batch of ``isend`` / ``irecv`` (:func:`~zero_dtensor.point_to_point.send_recv`), every peer's
+- ``send_recv``: one batch of ``isend`` / ``irecv`` (:func:`~zero_dtensor.comm.point_to_point.send_recv`), every peer's
   partition received in place.
 
 :func:`cheapest` times them round-robin (``repeat`` rounds, each call starting at a barrier, the slowest rank's
@@ -35,9 +35,9 @@ def bare_gathers(parts: Sequence[Any], numels: Sequence[int], pg: Any) -> dict[s
     outputs, about ``S`` and ``S/N`` per rank."""
     import torch
 
-    from ..collectives import all_gather_by_all_to_all, all_gather_into
-    from ..point_to_point import gather_exchanges, send_recv
-    from ..process_groups import rank_in
+    from ..comm.collectives import all_gather_by_all_to_all, all_gather_into
+    from ..comm.point_to_point import gather_exchanges, send_recv
+    from ..comm.process_groups import rank_in
 
     ins = [p.clone() for p in parts]  # copies: holding the partitions would keep the adapter's buffers busy
     outs = [torch.empty(n, dtype=p.dtype, device=p.device) for p, n in zip(parts, numels)]

@@ -87,7 +87,7 @@ def _sweep_stage(args: argparse.Namespace, stage: int, tensors: int, progress: C
     from torch.distributed.tensor.debug import CommDebugMode
 
     import zero_dtensor as zd
-    from zero_dtensor.point_to_point import counting_p2p
+    from zero_dtensor.comm.point_to_point import counting_p2p
 
     rank = dist.get_rank()
     use_cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"

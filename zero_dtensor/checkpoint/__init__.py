@@ -4,6 +4,11 @@
 ``torch.distributed.checkpoint.state_dict`` uses for FSDP2 (model FQNs; the optimizer flattened), with sharded
 values DCP saves and reshards exactly; :func:`save` / :func:`load` write and read a whole engine (also the step
 counters, the lr scheduler, the fp16 loss scaler and a client state) at any world size and ZeRO stage 1-3.
+
+Modules: :mod:`.io` (``save``/``load``), :mod:`.metadata` (the ``.metadata`` read and checked against the engine),
+:mod:`.state_dict` (``get_state_dict``/``set_state_dict``), :mod:`.target` (what an engine holds, as a checkpoint
+sees it), :mod:`.boxes` (fragments as row boxes), :mod:`.planners` (DCP planners), :mod:`.writer` and
+:mod:`.reader` (DCP storage writer and reader), :mod:`.crc` (CRC-32 checks of the data read).
 """
 
 from __future__ import annotations

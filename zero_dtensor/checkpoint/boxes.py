@@ -21,8 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
-from ..dtensor_new import new_dtensor
-from ..layout import contiguous_stride
+from ..comm.dtensor_new import new_dtensor
+from ..layout.flat import contiguous_stride
 
 __all__ = ["Box", "boxes", "box_dtensor", "local_boxes", "storage_exact", "storage_exact_entry"]
 
@@ -87,7 +87,7 @@ def box_dtensor(fragment: torch.Tensor, shape: torch.Size | tuple[int, ...], sta
     """This rank's fragment (elements ``[start, start + fragment.numel())`` of the flattened tensor) as a DTensor
     of the global ``shape`` over a ``LocalShardsWrapper`` of box views (a DCP container: its ``Shard(0)`` placement
     does not describe the pieces, so use it for checkpointing only). ``None`` for an empty fragment: the rank then
-    omits the entry. Zero-copy (:func:`~zero_dtensor.dtensor_new.new_dtensor`: no autograd node, a cached spec);
+    omits the entry. Zero-copy (:func:`~zero_dtensor.comm.dtensor_new.new_dtensor`: no autograd node, a cached spec);
     ``fragment`` must be on ``mesh``'s device type. ``exact``: each box made :func:`storage_exact` (for writing
     only: what ``zd.save`` hands DCP)."""
     if fragment.numel() == 0:

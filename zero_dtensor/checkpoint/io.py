@@ -24,25 +24,22 @@ options=StateDictOptions(flatten_optimizer_state_dict=True))``: such a checkpoin
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import io
 import os
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
 from .._deepspeed import checkpointing as ds
 from .._deepspeed.sync import sync_model_params
-from ..agreement import agree, agree_outcome
+from ..comm.agreement import agree, agree_outcome
 from ..errors import (
     CheckpointMismatchError,
     CheckpointReadError,
@@ -50,9 +47,10 @@ from ..errors import (
     RankDisagreementError,
     RankFailedError,
 )
-from ..master import clear_write_mark
-from ..process_groups import cpu_group_for, group_ranks, rank_in, world_size_of
+from ..families.master import clear_write_mark
+from ..comm.process_groups import cpu_group_for, group_ranks, rank_in, world_size_of
 from .boxes import storage_exact_entry
+from .metadata import METADATA, check_metadata, collector_paused, identity, read_metadata
 from .planners import CachingLoadPlanner, CachingSavePlanner, PlansNotCachedError, forget_plans, plan_key
 from .reader import DirectReader, read_bytes_entries
 from .state_dict import CheckedState, apply_state, check_state, current_steps, state_partitions
@@ -61,44 +59,15 @@ from .writer import DirectWriter
 
 __all__ = ["load", "save"]
 
-METADATA = ".metadata"
 #: differences listed in a refusal's message (the rest counted)
 MAX_LINES = 12
 EXTRAS = ("engine", "lr_scheduler", "loss_scaler", "client_state")
-
-
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector paused for the block (and restored as it was). DCP builds, pickles and
-    unpickles tens of thousands of small plan objects per call (a write item per piece, a metadata entry per
-    name); their allocations start a collection of the whole heap (every torch and DeepSpeed object, about 420,000
-    in the benchmark's process) in most saves: measured 250-280 ms of a 0.5-0.8 s save at 4 ranks. The objects
-    are freed by reference counting when DCP drops them; nothing here builds cycles."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def normalized(path: str | os.PathLike) -> str:
     """``path`` as :func:`save` and :func:`load` agree on it: absolute and normalized (``os.path.abspath``), so a
     relative path means the same directory on every rank only where the working directories agree too."""
     return os.path.abspath(os.fspath(path))
-
-
-def identity(metadata: Metadata) -> str:
-    """The checkpoint's identity, as :func:`load`'s agreement compares it: DCP's ``save_id`` (a new UUID per save,
-    written into ``.metadata`` by every writer built on ``FileSystemWriter``), else the number of entries and the
-    first and last entry names (a checkpoint written without storage metadata)."""
-    meta = getattr(metadata, "storage_meta", None)
-    save_id = getattr(meta, "save_id", None)
-    if save_id:
-        return f"save_id {save_id}"
-    names = sorted(metadata.state_dict_metadata)
-    return f"{len(names)} entries {names[:1]}..{names[-1:]}"
 
 
 def _blob(value: Any) -> io.BytesIO:
@@ -142,7 +111,7 @@ def save(engine: Any, path: str | os.PathLike, *, async_: bool = False, client_s
     ``client_state``: any picklable object, saved as rank 0 passes it. A ``.metadata`` left by an earlier checkpoint
     in ``path`` is removed first, so a save that does not finish never looks finished.
 
-    **Communication**: first the rank agreement (one small collective, :func:`~zero_dtensor.agreement.agree`) on the
+    **Communication**: first the rank agreement (one small collective, :func:`~zero_dtensor.comm.agreement.agree`) on the
     normalized path (:func:`normalized`), ``async_`` and ``sync_files``: a path that differs between ranks, or
     ``async_=True`` on some ranks only, raises :class:`~zero_dtensor.errors.RankDisagreementError` on every rank
     before any other collective and before anything is written or removed. Then DCP's own small object collectives
@@ -246,64 +215,6 @@ def _read(staged: dict[str, Any], path: str, metadata: Metadata, in_engine: set[
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - any failed read must reach every rank
         raise CheckpointReadError(f"reading checkpoint {path!r} failed ({exc})") from exc
 
-
-def read_metadata(path: str | os.PathLike) -> Metadata:
-    """The checkpoint's DCP metadata; :class:`IncompleteCheckpointError` where there is none (a save that did not
-    finish), :class:`CheckpointReadError` where it cannot be read (truncated, damaged). No communication."""
-    path = os.fspath(path)
-    if not os.path.isfile(os.path.join(path, METADATA)):
-        state = "does not exist" if not os.path.isdir(path) else "has no .metadata (a save that did not finish?)"
-        raise IncompleteCheckpointError(f"checkpoint {path!r} {state}; nothing was loaded")
-    try:
-        with collector_paused():  # thousands of entries unpickled
-            return FileSystemReader(path).read_metadata()
-    except Exception as exc:  # noqa: BLE001 - a truncated or damaged .metadata: unpickling fails any way it likes
-        raise CheckpointReadError(f"checkpoint {path!r}: its .metadata cannot be read ({type(exc).__name__}: {exc}); "
-                                  "a truncated or damaged file? Nothing was loaded") from exc
-
-
-def _tensor_shape(meta: Any) -> tuple[int, ...] | None:
-    return tuple(meta.size) if isinstance(meta, TensorStorageMetadata) else None
-
-
-def check_metadata(target: Target, metadata: Metadata) -> list[str]:
-    """What differs between the checkpoint and the engine: names, shapes, optimizer-state keys."""
-    entries = metadata.state_dict_metadata
-    model = {k[len("model."):]: v for k, v in entries.items() if k.startswith("model.")}
-    shapes = target.shapes()
-    aliases = target.alias_shapes()  # optional: FSDP2 and save write them, a checkpoint without them loads too
-    problems = []
-    missing = sorted(set(shapes) - set(model))
-    extra = sorted(set(model) - set(shapes) - set(aliases))
-    if missing:
-        problems.append(f"parameters missing from the checkpoint: {missing}")
-    if extra:
-        problems.append(f"parameters in the checkpoint that the engine does not have: {extra}")
-    problems += [f"{n}: shape {_tensor_shape(model[n])} in the checkpoint, {tuple(s)} in the engine"
-                 for n, s in {**shapes, **aliases}.items() if n in model and _tensor_shape(model[n]) != tuple(s)]
-    found: dict[str, dict[str, Any]] = {}
-    for key, meta in entries.items():
-        if key.startswith("optim.state."):
-            fqn, _, name = key[len("optim.state."):].rpartition(".")
-            found.setdefault(fqn, {})[name] = meta
-    expected = set(target.entry_keys())
-    for p in target.pieces:
-        keys = found.get(p.name, {})
-        if set(keys) != expected:
-            problems.append(f"optimizer state of {p.name}: {sorted(keys)} in the checkpoint, {sorted(expected)} "
-                            "in the engine (another optimizer, or a checkpoint saved before its first step?)")
-            continue
-        for name, meta in keys.items():
-            want = () if name == "step" else tuple(p.shape)
-            if _tensor_shape(meta) != want:
-                problems.append(f"optimizer state {name} of {p.name}: shape {_tensor_shape(meta)} in the "
-                                f"checkpoint, {want} in the engine")
-    stray = sorted(set(found) - set(target.names))
-    if stray:
-        problems.append(f"optimizer state for parameters the engine does not train: {stray}")
-    return problems
-
-
 def _destination(engine: Any, target: Target, metadata: Metadata) -> tuple[dict[str, Any], set[int]]:
     """The state dict ``dcp.load`` reads into, and the storages (data pointers) in it that are the engine's own.
     Where the optimizer state exists: the engine's masters, optimizer state and frozen weights themselves (read in
@@ -406,7 +317,7 @@ def _agree_read_in_place(path: str | os.PathLike, error: BaseException | None, t
 
 def _agree(what: str, error: BaseException | None, target: Target, consequence: str,
            elsewhere: tuple[str, str], signature: Any = None) -> None:
-    """One agreement of :func:`load` (:func:`~zero_dtensor.agreement.agree_outcome`): a failing rank raises its own
+    """One agreement of :func:`load` (:func:`~zero_dtensor.comm.agreement.agree_outcome`): a failing rank raises its own
     error; every other rank :class:`CheckpointReadError` (``elsewhere``: the text before and after the agreement's
     :class:`~zero_dtensor.errors.RankFailedError`, which carries ``consequence``), or the refusal's class where
     the agreement raises that."""

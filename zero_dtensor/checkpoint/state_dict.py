@@ -41,8 +41,8 @@ from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from .._deepspeed import checkpointing as ds
 from .._deepspeed import families
 from .._deepspeed.sync import sync_model_params
-from ..master import clear_write_mark
-from ..agreement import agree_outcome
+from ..families.master import clear_write_mark
+from ..comm.agreement import agree_outcome
 from .boxes import boxes
 from ..errors import CheckpointMismatchError
 from .target import Target, describe, fragment, hyperparameters_by_name, model_dict, optim_dict
@@ -211,7 +211,7 @@ def _plan_copies(engine: Any, target: Target, model: Mapping[str, Any], optim: M
 
 def set_state_dict(engine: Any, model_state_dict: Mapping[str, Any], optim_state_dict: Mapping[str, Any]) -> None:
     """Write ``get_state_dict``-format dicts into ``engine`` (module docstring), then make the working weights the
-    cast masters. **Collective**: one agreement (one small collective, :mod:`zero_dtensor.agreement`) after the
+    cast masters. **Collective**: one agreement (one small collective, :mod:`zero_dtensor.comm.agreement`) after the
     checks, then :func:`~zero_dtensor._deepspeed.sync.sync_model_params` (ZeRO-1/2: one gather per param
     group; ZeRO-3: one of the persistent parameters together). Memory: none beyond the engine's (before the first
     step the optimizer's state is created by a zero-learning-rate step: one master-sized zero gradient at a time).

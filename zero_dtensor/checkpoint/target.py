@@ -14,10 +14,10 @@ import torch.distributed as dist
 
 from .._deepspeed import checkpointing as ds
 from .._deepspeed import families
-from ..collectives import mesh_for
+from ..comm.collectives import mesh_for
 from ..errors import UnsupportedDeepSpeedError
-from ..process_groups import global_world_size, world_size_of
-from ..storage import FlatStorage
+from ..comm.process_groups import global_world_size, world_size_of
+from ..core.storage import FlatStorage
 from .boxes import box_dtensor
 
 __all__ = ["Piece", "Target", "describe", "fragment", "hyperparameters_by_name", "model_dict", "optim_dict",

@@ -9,7 +9,8 @@ the dtype DeepSpeed stores them. "Bytes per rank" follows the ring model (nccl-t
 and reduce-scatter move ``(N-1)/N·S``, all_reduce ``2(N-1)/N·S``; a gather sends ``S/N`` from every rank and
 delivers ``(N-1)/N·S`` to the root.
 
-Modules, one concept each: :mod:`.strategy` (all_gather, all_to_all, send_recv or all_reduce, calibration on gloo),
+Modules, one concept each: :mod:`.assembly` and :mod:`.placements` (how each placement kind's buffer is assembled
+from its ranks: per-parameter gathers, reorders, streaming windows), :mod:`.strategy` (all_gather, all_to_all, send_recv or all_reduce, calibration on gloo),
 :mod:`.buffers` (the allocator with its observers, recycling, the kept workspace), :mod:`.results` (the result dict
 and the pending handle), :mod:`.bulk` (``full_tensors``: validation and the call), :mod:`.transfers` (what a call
 moves and the buffers it lands in), :mod:`.gathers` (each strategy's transfer issued), :mod:`.emit` (the result
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..state import GradsLike, state_of
+from ..core.state import GradsLike, state_of
 from . import buffers, bulk, results, stream, strategy
 from .buffers import BUFFERS, AllocationRecorder, BufferPool, release_workspace
 from .results import FullGrads, FullTensorsHandle, GatheredGrads, PendingFullTensors

@@ -9,7 +9,7 @@ structure once nothing but the pool refers to its memory any more (every tensor 
 every storage object of it the caller took, ``t.untyped_storage()``, is gone), the most recently handed out first;
 up to two are kept per structure (:attr:`BufferPool.slots`), so a loop that keeps the previous step's result until
 the next call allocates only twice; a live result is never overwritten. A recycled buffer keeps the
-per-parameter views cut from it (:class:`~zero_dtensor.views.ViewCache`), so a later result hands out the same
+per-parameter views cut from it (:class:`~zero_dtensor.layout.views.ViewCache`), so a later result hands out the same
 view objects (made once, not every call): the buffer counts as free only when no result, no view of it and none
 of those view objects is referred to from outside the pool. ``BUFFERS.recycle = False``
 turns this off; :func:`release_workspace` frees what is kept. ``set_full_`` stages small values in one kept
@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..views import ViewCache
+from ..layout.views import ViewCache
 
 __all__ = ["AllocationObserver", "AllocationRecorder", "BUFFERS", "BufferPool", "release_workspace"]
 

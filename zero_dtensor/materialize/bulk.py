@@ -3,13 +3,13 @@
 A *transfer* is the set of sharded flat groups that share a process group, dtype and device: they travel in one
 (coalesced) collective, or, gathered by ``all_to_all`` (no coalesced form), in one per flat group. Per group, the
 assembled buffer is brought into parameter order (already so for ZeRO-1/2 and for the zero-padded all_reduce; one
-row copy, :mod:`zero_dtensor.rows`, for a ZeRO-3 all_gather; one per side for a ZeRO-3 all_to_all), converted once
+row copy, :mod:`zero_dtensor.layout.rows`, for a ZeRO-3 all_gather; one per side for a ZeRO-3 all_to_all), converted once
 if the output dtype or loss scale asks for it, and cut into parameters with one ``split_with_sizes``: a fixed
 number of tensor operations whatever the number of parameters. See ``ShardedGrads.full_tensors`` for the contract.
 
 A large ZeRO-3 all_gather is *pipelined* (:func:`~zero_dtensor.materialize.strategy.pipelines`): two coalesced
 all_gathers issued at once, of each group's columns up to and from its cut
-(:attr:`~zero_dtensor.plan.GroupPlan.column_pieces`), each into its part of the group's region; once the first has
+(:attr:`~zero_dtensor.layout.plan.GroupPlan.column_pieces`), each into its part of the group's region; once the first has
 arrived its part is reordered, while the second travels where the group runs collectives in issue order (NCCL; gloo
 runs the two at once, see :mod:`~zero_dtensor.materialize.strategy`). The steps (collectives, then what follows
 each) run in order at the end of a synchronous call or in ``PendingFullTensors.wait()``.
@@ -22,10 +22,11 @@ from typing import Any
 
 import torch
 
-from ..collectives import all_gather_into, all_reduce_sum_work, comm_device, gather_to, reduce_sum_to
-from ..layout import ParamLayout
-from ..process_groups import global_rank, global_world_size, group_rank_of
-from ..state import FlatState
+from ..comm.collectives import all_gather_into, all_reduce_sum_work, comm_device, gather_to, reduce_sum_to
+from ..layout.flat import ParamLayout
+from .placements import assembly_of
+from ..comm.process_groups import global_rank, global_world_size, group_rank_of
+from ..core.state import FlatState
 from .emit import emit, request_names, target_dtype
 from .gathers import WindowedGather, copy_whole, fill_for_reduce, gather_by_peers, pipelined_gather, send_only, windowed_gather
 from .results import GatheredGrads, PendingFullTensors, run_steps
@@ -140,7 +141,7 @@ def full_tensors(
         # smaller ZeRO-3 gathered results are reordered into a second area of the same buffer (at most
         # WINDOW_BYTES), so that a kept result pins (and a recycled one frees) all of the call's memory at once
         gathered = t.strategy in GATHERS  # rank after rank: ZeRO-3 reorders
-        areas = {g: state.group(g).placement.reorder_area(state.group(g)) if gathered else 0 for g in t.groups}
+        areas = {g: assembly_of(state.group(g)).reorder_area(state.group(g)) if gathered else 0 for g in t.groups}
         buf = buffers.get(t.key(), t.numel + sum(areas.values()), t.dtype, t.device)
         narrow = narrower(buf, view_cache(result, buf))
         at = t.numel

@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 
-from ..layout import ParamLayout
-from ..plan import GroupPlan
-from ..state import FlatState
+from ..layout.flat import ParamLayout
+from .placements import assembly_of
+from ..layout.plan import GroupPlan
+from ..core.state import FlatState
 from .results import GatheredGrads
 from .transfers import Buffers, view_cache
 
@@ -88,7 +89,7 @@ def emit(state: FlatState, params: list[ParamLayout], regions: dict[int, tuple[t
         want = target_dtype(state, members[0], dtype)
         if group.placement.is_sharded:
             region, area = regions[g]
-            order = region if area is None else group.placement.to_param_order(
+            order = region if area is None else assembly_of(group).to_param_order(
                 region, group, plan, area, view_cache(result, area))
             live = False
         else:

@@ -11,18 +11,14 @@ from typing import Any
 
 import torch
 
-from ..collectives import (
-    all_gather_by_all_to_all,
-    all_gather_into,
-    all_gather_single,
-    gather_to,
-    peer_partitions_by_all_to_all,
-)
-from ..plan import ColumnPiece
-from ..point_to_point import Exchange, all_gather_by_send_recv, gather_exchanges, send_recv
-from ..process_groups import group_rank_of, rank_in, world_size_of
-from ..state import FlatState
-from ..views import ViewCache
+from ..comm.collectives import (all_gather_by_all_to_all, all_gather_into, all_gather_single, gather_to,
+                                peer_partitions_by_all_to_all)
+from .placements import assembly_of
+from ..layout.plan import ColumnPiece
+from ..comm.point_to_point import Exchange, all_gather_by_send_recv, gather_exchanges, send_recv
+from ..comm.process_groups import group_rank_of, rank_in, world_size_of
+from ..core.state import FlatState
+from ..layout.views import ViewCache
 from .buffers import BUFFERS
 from . import strategy as _strategy
 from .transfers import Transfer, pipeline_pieces, view_cache, window_pieces
@@ -39,16 +35,16 @@ def fill_for_reduce(state: FlatState, t: Transfer, buf: torch.Tensor) -> None:
         group, plan = state.group(g), state.plan.groups[g]
         pieces = state.pieces[g] if part is state.storage.partitions[g] else None  # moved: cut on use
         region = buf.narrow(0, t.offsets[g], group.flat_numel)
-        group.placement.fill_for_reduce(region, group, plan, part, pieces, BUFFERS.view_cache(region))
+        assembly_of(group).fill_for_reduce(region, group, plan, part, pieces, BUFFERS.view_cache(region))
 
 
 def copy_whole(state: FlatState, g: int, part: torch.Tensor, region: torch.Tensor, cache: ViewCache | None) -> None:
     """Group ``g`` of a process group of one rank: its partition is the whole group, copied into ``region`` in
-    parameter order by one copy (:meth:`~zero_dtensor.group_placement.GroupPlacement.to_param_order` where the
+    parameter order by one copy (:meth:`~zero_dtensor.materialize.assembly.GroupAssembly.to_param_order` where the
     placement reorders, ZeRO-3; else ``copy_``). No communication, no staging: ``S`` read, ``S`` written."""
     group = state.group(g)
-    if group.placement.reorder_area(group):
-        group.placement.to_param_order(part, group, state.plan.groups[g], region, cache)
+    if assembly_of(group).reorder_area(group):
+        assembly_of(group).to_param_order(part, group, state.plan.groups[g], region, cache)
     else:
         region.copy_(part)
 
@@ -133,7 +129,7 @@ class WindowedGather:
         g, _, piece = self.windows[k]
         group, area = self.state.group(g), self.regions[g][0]
         target = area.narrow(0, group.world_size * piece.lo, group.world_size * piece.width)
-        group.placement.to_param_order(rows, group, self.state.plan.groups[g], target,
+        assembly_of(group).to_param_order(rows, group, self.state.plan.groups[g], target,
                                        view_cache(self.result, area), piece)
         if self.issued < len(self.windows):
             self._issue()
@@ -155,7 +151,7 @@ def gather_by_peers(state: FlatState, t: Transfer, regions: Regions, result: Mut
     """Every group of the transfer gathered from its peers, and the steps that follow: by point-to-point ops
     (``by_send_recv``: :func:`_gather_by_send_recv`), or by one ``all_to_all_single`` per flat group (it has no
     coalesced form). Where the placement reorders through rows
-    (:meth:`~zero_dtensor.group_placement.GroupPlacement.peer_rows`: ZeRO-3), the all_to_all receives the other ranks'
+    (:meth:`~zero_dtensor.materialize.assembly.GroupAssembly.peer_rows`: ZeRO-3), the all_to_all receives the other ranks'
     partitions back to back into the group's region (issued asynchronously even for a synchronous call: the step
     awaits them) while this rank's partition is copied into its rows of parameter order, and copies them into
     theirs once they have arrived: ``S`` copied in all, not ``S/N`` into the gathered rows and then ``S``.
@@ -169,7 +165,7 @@ def gather_by_peers(state: FlatState, t: Transfer, regions: Regions, result: Mut
     for g, part in zip(t.groups, t.partitions):
         group = state.group(g)
         region, area = regions[g]
-        rows = group.placement.peer_rows(state.plan.groups[g], part.element_size()) if area is not None else None
+        rows = assembly_of(group).peer_rows(state.plan.groups[g], part.element_size()) if area is not None else None
         if rows is None or area is None:
             works += all_gather_by_all_to_all(region, part, t.pg, async_op=async_op)
             continue
@@ -193,7 +189,7 @@ def gather_by_peers(state: FlatState, t: Transfer, regions: Regions, result: Mut
 
 def _gather_by_send_recv(state: FlatState, t: Transfer, regions: Regions,
                          result: MutableMapping[str, torch.Tensor]) -> list[Step]:
-    """The whole transfer by **one** batch of point-to-point ops (:func:`~zero_dtensor.point_to_point.send_recv`:
+    """The whole transfer by **one** batch of point-to-point ops (:func:`~zero_dtensor.comm.point_to_point.send_recv`:
     ``2(N-1)`` per flat group): each partition sent as it is, every peer's received straight into its row of the
     group's region, no copy of ``S``, no scratch; issued asynchronously even for a synchronous call (the steps
     await them). Where no reorder is needed (ZeRO-1/2), this rank's row is copied locally while the peers' travel.
@@ -216,7 +212,7 @@ def _gather_by_send_recv(state: FlatState, t: Transfer, regions: Regions,
         cache = view_cache(result, area)
         group, plan = state.group(g), state.plan.groups[g]
         local.append(lambda part=part, group=group, plan=plan, area=area, cache=cache:
-                     group.placement.rank_to_param_order(part, me, group, plan, area, cache))
+                     assembly_of(group).rank_to_param_order(part, me, group, plan, area, cache))
         placing.append((g, region, area, cache))
         regions[g] = (area, None)
     works = send_recv(sends, recvs, t.pg, async_op=True)
@@ -228,7 +224,7 @@ def _gather_by_send_recv(state: FlatState, t: Transfer, regions: Regions,
         for g, rows, area, cache in placing:
             group = state.group(g)
             n = group.partition_numel
-            group.placement.rank_to_param_order(rows.narrow(0, peer * n, n), peer, group, state.plan.groups[g],
+            assembly_of(group).rank_to_param_order(rows.narrow(0, peer * n, n), peer, group, state.plan.groups[g],
                                                 area, cache)
 
     if not placing:
@@ -256,7 +252,7 @@ def reorder_step(state: FlatState, members: list[tuple[int, torch.Tensor, torch.
         for g, rows, _, piece in members:
             group, area = state.group(g), regions[g][0]
             target = area.narrow(0, group.world_size * piece.lo, group.world_size * piece.width)
-            group.placement.to_param_order(rows, group, state.plan.groups[g], target, view_cache(result, area),
+            assembly_of(group).to_param_order(rows, group, state.plan.groups[g], target, view_cache(result, area),
                                            piece)
     return reorder
 

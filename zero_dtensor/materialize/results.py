@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..views import ViewCache
+from ..layout.views import ViewCache
 
 __all__ = ["FullGrads", "FullTensorsHandle", "GatheredGrads", "PendingFullTensors", "run_steps"]
 

@@ -7,10 +7,10 @@ point-to-point ops (``send_recv``), or a zero-padded ``all_reduce``.
 ``"all_to_all"``
     the partitions by one ``all_to_all_single`` per flat group (it has no coalesced form), the same ``(N-1)/N·S``
     bytes per rank: ZeRO-1/2 rank after rank, as an all_gather leaves them
-    (:func:`~zero_dtensor.collectives.all_gather_by_all_to_all`); ZeRO-3 the other ranks' partitions received back
-    to back (:func:`~zero_dtensor.collectives.peer_partitions_by_all_to_all`) while this rank's is copied into its
+    (:func:`~zero_dtensor.comm.collectives.all_gather_by_all_to_all`); ZeRO-3 the other ranks' partitions received back
+    to back (:func:`~zero_dtensor.comm.collectives.peer_partitions_by_all_to_all`) while this rank's is copied into its
     rows of parameter order, then theirs into the rest (one row copy each,
-    :meth:`~zero_dtensor.group_placement.GroupPlacement.peer_rows`; where rows do not pay, gathered as ZeRO-1/2 and
+    :meth:`~zero_dtensor.materialize.assembly.GroupAssembly.peer_rows`; where rows do not pay, gathered as ZeRO-1/2 and
     reordered). Gloo's all_gather lands in a staging buffer of ``S`` it allocates per call and copies out of (the
     rank's own input too); its all_to_all receives in place and sends nothing to the rank itself. With more than 2
     ranks the input is the partition repeated (a local copy of up to ``S``). Measured on 2 gloo ranks sharing 2
@@ -18,12 +18,12 @@ point-to-point ops (``send_recv``), or a zero-padded ``all_reduce``.
 ``"send_recv"``
     the same gather by **one** batch of point-to-point ops per (process group, dtype, device) (``isend`` of each
     partition to every peer, ``irecv`` of every peer's, ``2(N-1)`` per flat group,
-    :func:`~zero_dtensor.point_to_point.send_recv`; coalesced on NCCL, posted one by one on gloo), the same
+    :func:`~zero_dtensor.comm.point_to_point.send_recv`; coalesced on NCCL, posted one by one on gloo), the same
     ``(N-1)/N·S`` bytes per rank: every partition sent as it is (no copy of ``S``, unlike ``all_to_all`` with more
     than 2 ranks), every peer's received straight into its place (ZeRO-1/2: its rows of the output, this rank's
     own copied locally meanwhile; ZeRO-3: back to back, then reordered as ``all_to_all`` does). Measured on gloo
     (torchrun, 2/3/4 ranks sharing 2 cores, 80 MB): 0.32/0.38/0.41 of a bare ``all_gather_into_tensor``'s time.
-    ``CommDebugMode`` does not see point-to-point ops: :func:`~zero_dtensor.point_to_point.counting_p2p` counts them.
+    ``CommDebugMode`` does not see point-to-point ops: :func:`~zero_dtensor.comm.point_to_point.counting_p2p` counts them.
 ``"all_reduce"``
     each rank writes its partition into a zeroed full-size buffer, then one sum ``all_reduce`` of that buffer:
     ``2(N-1)/N·S`` bytes per rank, plus a memset of ``S``. Exact (every element has exactly one non-zero
@@ -39,7 +39,7 @@ point-to-point ops (``send_recv``), or a zero-padded ``all_reduce``.
 
 A ZeRO-3 ``all_gather`` of ``PIPELINE_MIN_BYTES`` (16 MiB) or more is *pipelined* (:func:`pipelines`): it travels as
 two all_gathers issued at once, of the columns up to a parameter boundary near 3/4 of every partition and of the
-rest (:attr:`~zero_dtensor.plan.GroupPlan.column_pieces`), and each part is reordered into parameter order once it
+rest (:attr:`~zero_dtensor.layout.plan.GroupPlan.column_pieces`), and each part is reordered into parameter order once it
 has arrived, in issue order. One collective more. Where the group runs collectives in issue order (NCCL: one
 communication stream) the second part travels while the first is reordered. Gloo runs the two at once on its worker
 threads: the smaller second part has then usually arrived before the first (25-27 of 30 calls, 2 ranks, 21 MiB) and
@@ -58,16 +58,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..collectives import (
-    all_gather_by_all_to_all,
-    all_gather_single,
-    all_reduce_op,
-    max_across,
-    peer_partitions_by_all_to_all,
-)
-from ..plan import PIPELINE_FIRST_SHARE
-from ..point_to_point import all_gather_by_send_recv, peer_partitions_by_send_recv
-from ..process_groups import backend_of, comm_support_of, global_rank, group_rank_of, world_size_of
+from ..comm.collectives import (all_gather_by_all_to_all, all_gather_single, all_reduce_op, max_across,
+                                peer_partitions_by_all_to_all)
+from ..layout.plan import PIPELINE_FIRST_SHARE
+from ..comm.point_to_point import all_gather_by_send_recv, peer_partitions_by_send_recv
+from ..comm.process_groups import backend_of, comm_support_of, global_rank, group_rank_of, world_size_of
 from ..settings import ENV_STRATEGY, STRATEGIES, check_strategy, gather_strategy, pinned, set_gather_strategy
 
 __all__ = [
@@ -108,7 +103,7 @@ CALIBRATION_COLLECTIVES = 9
 CALIBRATION_PIPELINED_COLLECTIVES = 13
 #: Added to either where the all_to_all is a candidate too (a transfer of one flat group): its 4 rounds.
 CALIBRATION_ALL_TO_ALL_COLLECTIVES = 4
-#: Point-to-point batches (:func:`~zero_dtensor.point_to_point.send_recv`) added to either on gloo, where send_recv is
+#: Point-to-point batches (:func:`~zero_dtensor.comm.point_to_point.send_recv`) added to either on gloo, where send_recv is
 #: a candidate: its 4 rounds.
 CALIBRATION_SEND_RECV_BATCHES = 4
 #: ZeRO-3 all_gathers of at least this many bytes (a power of two: a size class of calibration) are pipelined.
@@ -190,11 +185,11 @@ def calibrate(group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype
     a reordering copy into parameter order), one local copy of the gathered buffer right after it (where the gather
     has left the caches) — with ``pipelined``, two all_gathers issued at once (3/4 and 1/4 of the partition), each
     part copied once it has arrived, in issue order, as :mod:`~zero_dtensor.materialize.bulk` does; all_to_all is
-    :func:`~zero_dtensor.collectives.all_gather_by_all_to_all`, or, with ``unpack``, as bulk does it: the other
-    ranks' partitions received (:func:`~zero_dtensor.collectives.peer_partitions_by_all_to_all`) while this rank's
+    :func:`~zero_dtensor.comm.collectives.all_gather_by_all_to_all`, or, with ``unpack``, as bulk does it: the other
+    ranks' partitions received (:func:`~zero_dtensor.comm.collectives.peer_partitions_by_all_to_all`) while this rank's
     is copied, then the received ones copied; send_recv the same by
-    :func:`~zero_dtensor.point_to_point.all_gather_by_send_recv` /
-    :func:`~zero_dtensor.point_to_point.peer_partitions_by_send_recv`; all_reduce is
+    :func:`~zero_dtensor.comm.point_to_point.all_gather_by_send_recv` /
+    :func:`~zero_dtensor.comm.point_to_point.peer_partitions_by_send_recv`; all_reduce is
     the zero fill of the full buffer, the copy of the rank's own part into it, then the collective. The per-rank
     minimum of each is then maximized over the group in one ``all_reduce(MAX)``, so every rank takes the same
     decision. Scratch memory: about ``2·nbytes`` (``3·nbytes`` with ``unpack``; capped), freed on return. Ties go
@@ -280,7 +275,7 @@ def explicit(strategy: str) -> str:
 
 def check_possible(chosen: str, group: dist.ProcessGroup, device: torch.device) -> None:
     """Refuse ``send_recv`` (asked for, or pinned) where ``group``'s backend has no point-to-point ops for tensors
-    on ``device`` (:func:`~zero_dtensor.process_groups.comm_support`: gloo over CUDA tensors), before anything
+    on ``device`` (:func:`~zero_dtensor.comm.process_groups.comm_support`: gloo over CUDA tensors), before anything
     moves: ``ValueError``. No communication."""
     if chosen == "send_recv" and not comm_support_of(group, device).point_to_point:
         raise ValueError(f"strategy='send_recv' cannot run on {backend_of(group)} with {device.type} tensors (its "

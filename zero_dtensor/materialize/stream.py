@@ -5,7 +5,7 @@ buffer cut into parameters with one ``split_with_sizes``, converted once when a 
 it), whatever the number of parameters in it. See ``ShardedGrads.iter_full`` for the contract.
 
 What a window costs and how it is assembled depend on how its group is stored: this module asks the group's
-placement (:mod:`zero_dtensor.placement`: ``window_strategy``, ``window_elements``, ``assemble_window``,
+placement (:mod:`zero_dtensor.materialize.placements`: ``window_strategy``, ``window_elements``, ``assemble_window``,
 ``window_order_tiling``, ``window_collectives``) and hands it ``BUFFERS.alloc`` (:mod:`.buffers`) for every
 buffer, so that the tests and the benchmark see each allocation. It never branches on the kind of a group.
 """
@@ -18,11 +18,12 @@ from typing import Any
 
 import torch
 
-from ..layout import GroupLayout, ParamLayout
-from ..tiling import Tiling
-from ..state import FlatState
+from ..layout.flat import GroupLayout, ParamLayout
+from .placements import assembly_of
+from ..layout.tiling import Tiling
+from ..core.state import FlatState
 from .buffers import BUFFERS
-from ..collectives import comm_device
+from ..comm.collectives import comm_device
 from .strategy import check_possible, check_strategy, explicit, stream_strategy
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "check_request", "iter_full", "plan_windows"]
@@ -53,11 +54,11 @@ class _Window:
     @property
     def elements(self) -> int:
         """Elements this module allocates to materialize the window."""
-        return self.group.placement.window_elements(self.group, self.strategy, self.start, self.stop)
+        return assembly_of(self.group).window_elements(self.group, self.strategy, self.start, self.stop)
 
     def order_tiling(self) -> Tiling:
-        """The window's parameter-order buffer (the layout :meth:`GroupPlacement.assemble_window` returns)."""
-        return self.group.placement.window_order_tiling(self.group, self.params, self.start, self.width)
+        """The window's parameter-order buffer (the layout :meth:`~zero_dtensor.materialize.assembly.GroupAssembly.assemble_window` returns)."""
+        return assembly_of(self.group).window_order_tiling(self.group, self.params, self.start, self.width)
 
 
 def _window_cost(group: GroupLayout, strategy: str, params: list[ParamLayout]) -> int:
@@ -75,7 +76,7 @@ def _windows(state: FlatState, params: list[ParamLayout], bucket_bytes: int, str
         group = plan.group
         pg = state.storage.process_groups[group.index]
         device = _comm_device(state, group.index)
-        how = group.placement.window_strategy(lambda in_order: stream_strategy(strategy, pg, in_order, device))
+        how = assembly_of(group).window_strategy(lambda in_order: stream_strategy(strategy, pg, in_order, device))
         limit = max(1, bucket_bytes // state.storage.partitions[group.index].element_size())
         current: list[ParamLayout] = []
         for p in ordered:
@@ -93,7 +94,7 @@ def _assemble(state: FlatState, w: _Window) -> torch.Tensor:
     copy), buffers from :data:`BUFFERS`."""
     g = w.group.index
     storage = state.storage
-    return w.group.placement.assemble_window(w.group, state.plan.groups[g], storage.partitions[g],
+    return assembly_of(w.group).assemble_window(w.group, state.plan.groups[g], storage.partitions[g],
                                              storage.process_groups[g], storage.device, w.params, w.start, w.stop,
                                              w.strategy, BUFFERS.alloc)
 
@@ -153,5 +154,5 @@ def plan_windows(state: FlatState, params: list[ParamLayout], *, bucket_bytes: i
     out = []
     for w in _windows(state, params, bucket_bytes, strategy):
         out.append({"group": w.group.index, "strategy": w.strategy, "names": [p.name for p in w.params],
-                    "elements": w.elements, "collectives": w.group.placement.window_collectives})
+                    "elements": w.elements, "collectives": assembly_of(w.group).window_collectives})
     return out

@@ -13,11 +13,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..layout import ParamLayout
-from ..plan import ColumnPiece
-from ..process_groups import world_size_of
-from ..state import FlatState
-from ..views import ViewCache
+from ..layout.flat import ParamLayout
+from .placements import assembly_of
+from ..layout.plan import ColumnPiece
+from ..comm.process_groups import world_size_of
+from ..core.state import FlatState
+from ..layout.views import ViewCache
 from .buffers import BUFFERS
 from .results import GatheredGrads
 from .strategy import explicit, pipelines, planned, windowed
@@ -64,7 +65,7 @@ def plan_transfers(state: FlatState, params: list[ParamLayout], dst: int | None,
             chosen = explicit(strategy)
             t.strategy = "all_reduce" if chosen == "all_reduce" else "all_gather"  # all_to_all: a gather too
             continue
-        t.reorder = any(state.group(g).placement.reorder_area(state.group(g)) for g in t.groups)
+        t.reorder = any(assembly_of(state.group(g)).reorder_area(state.group(g)) for g in t.groups)
         # the pieces (and their row copies) are planned only for transfers large enough to pipeline
         t.windowed = windowed(t.nbytes, t.reorder)
         t.pipelinable = (not t.windowed and pipelines(t.nbytes, t.reorder)
@@ -91,16 +92,16 @@ def _transfers(state: FlatState, group_indices: Sequence[int]) -> list[Transfer]
 
 def window_pieces(state: FlatState, g: int, window_bytes: int) -> tuple[ColumnPiece, ...]:
     """Group ``g``'s column windows whose gathered ``(N, width)`` rows hold at most ``window_bytes`` (one wider
-    parameter alone): :meth:`~zero_dtensor.group_placement.GroupPlacement.window_pieces`."""
+    parameter alone): :meth:`~zero_dtensor.materialize.assembly.GroupAssembly.window_pieces`."""
     group = state.group(g)
     element_size = state.storage.partitions[g].element_size()
     max_width = window_bytes // (element_size * group.world_size)
-    return group.placement.window_pieces(state.plan.groups[g], element_size, max_width)
+    return assembly_of(group).window_pieces(state.plan.groups[g], element_size, max_width)
 
 
 def pipeline_pieces(state: FlatState, g: int) -> tuple[ColumnPiece, ...]:
     element_size = state.storage.partitions[g].element_size()
-    return state.group(g).placement.pipeline_pieces(state.plan.groups[g], element_size)
+    return assembly_of(state.group(g)).pipeline_pieces(state.plan.groups[g], element_size)
 
 
 # --- buffers -----------------------------------------------------------------------------------------------------

@@ -38,7 +38,10 @@ raises on every rank (one ``all_reduce`` of ``N`` int64 error codes per process 
 its own error, the others the same exception class (``ValueError``, ``TypeError``, ``KeyError``; a failure of a
 user function: :class:`~zero_dtensor.errors.RankFailedError`) naming the failing ranks.
 
-Nothing here prints; every collective goes through :mod:`zero_dtensor.collectives`.
+Nothing here prints; every collective goes through :mod:`zero_dtensor.comm.collectives`.
+
+Modules: :mod:`.calls` (the calls), :mod:`.checks` (entry validation), :mod:`.assignment` (owners), :mod:`.plan`
+(the exchange plan), :mod:`.exchange` (a plan executed), :mod:`.tools` (traffic figures, Newton–Schulz).
 """
 
 from __future__ import annotations

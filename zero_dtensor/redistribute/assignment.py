@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from ..layout import FlatLayout, ParamLayout
-from ..storage import FlatStorage
+from ..layout.flat import FlatLayout, ParamLayout
+from ..core.storage import FlatStorage
 from .plan import PLAN_CACHE_SIZE, group_ranks_of, process_group_keys
 
 

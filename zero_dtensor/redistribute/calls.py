@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .. import collectives, process_groups
-from ..agreement import Refusal, agree_on, error_code, local_only, raise_outcome
-from ..layout import ParamLayout
-from ..storage import FlatStorage
+from ..comm import collectives, process_groups
+from ..comm.agreement import Refusal, agree_on, error_code, local_only, raise_outcome
+from ..layout.flat import ParamLayout
+from ..core.storage import FlatStorage
 from .checks import check_dtensor, check_full, build_dtensor, agreement_groups, mapping_names
 from .exchange import my_rank, read_targets, write_targets
 from .assignment import check_owner_entry

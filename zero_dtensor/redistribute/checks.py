@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .. import collectives, process_groups
-from ..dtensor_new import new_dtensor
-from ..layout import ParamLayout
-from ..storage import FlatStorage
+from ..comm import collectives, process_groups
+from ..comm.dtensor_new import new_dtensor
+from ..layout.flat import ParamLayout
+from ..core.storage import FlatStorage
 from .plan import TargetSlot
 
 
@@ -96,6 +96,6 @@ def check_full(storage: FlatStorage, what: str, param: ParamLayout, value: Any) 
 
 
 def build_dtensor(local: torch.Tensor, mesh: Any, placement: Any, slot: TargetSlot) -> DTensor:
-    """``local`` as the DTensor of ``slot``'s global shape and stride (:func:`~zero_dtensor.dtensor_new.new_dtensor`:
+    """``local`` as the DTensor of ``slot``'s global shape and stride (:func:`~zero_dtensor.comm.dtensor_new.new_dtensor`:
     a cached spec, no autograd node)."""
     return new_dtensor(local, mesh, placement, slot.global_shape, slot.global_stride)

@@ -24,10 +24,10 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .. import collectives, process_groups
-from ..devices import to_device
+from ..comm import collectives, process_groups
+from ..layout.devices import to_device
 from ..materialize.buffers import BUFFERS
-from ..storage import FlatStorage
+from ..core.storage import FlatStorage
 from .plan import BucketPlan, Piece, Plan, Transfer
 
 
@@ -200,7 +200,7 @@ def write_targets(storage: FlatStorage, plan: Plan, values: Mapping[str, torch.T
     another dtype than the stored one or values sharing memory with a partition: packed (scaled, converted) first,
     one more copy of this rank's values.
 
-    ``code`` (a user function ran before this write; :func:`~zero_dtensor.agreement.error_code` of its failure on
+    ``code`` (a user function ran before this write; :func:`~zero_dtensor.comm.agreement.error_code` of its failure on
     this rank): every multi-rank bucket's exchange then carries one error code per peer after its data, every
     exchange completes before anything is written, and where any rank failed nothing is written: returns
     ``(global rank, code)`` of the failed ranks (this one included), in rank order. A failed rank sends its code

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import process_groups
-from ..layout import FlatLayout, ParamLayout, contiguous_stride
-from ..storage import FlatStorage
+from ..comm import process_groups
+from ..layout.flat import FlatLayout, ParamLayout, contiguous_stride
+from ..core.storage import FlatStorage
 
 
 ROWS = "rows"

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from ..state import state_of
-from ..storage import FlatStorage
+from ..core.state import state_of
+from ..core.storage import FlatStorage
 from .assignment import owners
 from .plan import OWNERS, ROWS, plan_for
 

@@ -16,7 +16,7 @@ this rank holds part of are staged in one buffer with one ``cat`` per trailing s
 concatenated along dimension 0; 0-d values stacked), so reading 10,000 separate tensors costs a C++ loop of memcpys,
 not 10,000 dispatches; the values of parameters it holds nothing of (ZeRO-1/2: most of the other ranks') are not
 read. Then every fragment this rank holds moves from the staging buffer into the partition with one row copy
-(:mod:`zero_dtensor.rows`: one ``index_select``, plus an ``index_copy_`` for a subset, or one strided copy per run
+(:mod:`zero_dtensor.layout.rows`: one ``index_select``, plus an ``index_copy_`` for a subset, or one strided copy per run
 family where the parameters repeat), casting to the stored dtype.
 Under fp16 loss scaling the staged values are scaled in float32 first (one multiply: bit-identical to scaling each
 value alone). The staging buffers (one per flat group) are kept between calls
@@ -42,11 +42,11 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .layout import ParamLayout
-from .materialize.buffers import BUFFERS
-from .plan import FlatPlan, GroupPlan
-from .rows import RowMap, row_map
-from .state import FlatState, short_names
+from ..layout.flat import ParamLayout
+from ..materialize.buffers import BUFFERS
+from ..layout.plan import FlatPlan, GroupPlan
+from ..layout.rows import RowMap, row_map
+from ..core.state import FlatState, short_names
 
 __all__ = ["CheckedValues", "check_shapes", "set_full_", "validate_full"]
 

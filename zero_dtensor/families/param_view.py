@@ -1,21 +1,28 @@
 """``ParamView``: one parameter of a family (gradient, fp32 master or optimizer-state key): its live local fragment
-and, on request, its full tensor or an exact DTensor (re-exported by :mod:`zero_dtensor.tensors`)."""
+and, on request, its full tensor or an exact DTensor (re-exported by :mod:`zero_dtensor.families.tensors`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from .agreement import Refusal, agree_on
-from .layout import ParamLayout
-from .state import check_dtype
+from ..comm.agreement import Refusal, agree_on
+from ..layout.flat import ParamLayout
+from ..materialize.placements import assembly_of
+from ..core.state import FlatState, check_dtype
 
-if TYPE_CHECKING:
-    from .tensors import ShardedTensors
+__all__ = ["ParamView", "ViewOwner"]
 
-__all__ = ["ParamView"]
+
+class ViewOwner(Protocol):
+    """What a :class:`ParamView` reads from the family that made it (a
+    :class:`~zero_dtensor.families.tensors.ShardedTensors`): the family's state and how it builds one DTensor of it."""
+
+    _state: FlatState
+
+    def _dtensor(self, local: torch.Tensor, group: int, shape: tuple[int, ...]) -> DTensor: ...
 
 
 class ParamView:
@@ -27,7 +34,7 @@ class ParamView:
 
     __slots__ = ("_owner", "_param")
 
-    def __init__(self, owner: ShardedTensors, param: ParamLayout) -> None:
+    def __init__(self, owner: ViewOwner, param: ParamLayout) -> None:
         self._owner = owner
         self._param = param
 
@@ -82,7 +89,7 @@ class ParamView:
         """The full (true, unscaled) tensor, shape ``self.shape``: a snapshot in memory the caller owns.
         **Collective**: call on every rank of the group.
 
-        Communication (the placement's, :mod:`zero_dtensor.placement`): none for a replicated group; ZeRO-3: one
+        Communication (the placement's, :mod:`zero_dtensor.materialize.placements`): none for a replicated group; ZeRO-3: one
         ``all_gather`` of the ``ceil(numel/N)`` chunks (``(N-1)/N·numel`` elements received per rank); ZeRO-1/2: one
         sum ``all_reduce`` of a zero-padded ``numel``-element buffer in the stored dtype (exact: every element has
         one non-zero contributor). To gather many parameters use :meth:`ShardedTensors.full_tensors` (one collective
@@ -99,7 +106,7 @@ class ParamView:
         communicates = state.group(param.group).placement.is_sharded
         agree_on(storage, what, (self.name, str(dtype)), [pg] if communicates else [], refused=refusal.error)
         group = state.group(param.group)
-        full = group.placement.gather_param(group, param, storage.partitions[param.group], pg, storage.device)
+        full = assembly_of(group).gather_param(group, param, storage.partitions[param.group], pg, storage.device)
         return state.finish(full.view(param.shape), dtype)
 
     def as_dtensor(self) -> DTensor:

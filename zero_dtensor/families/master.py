@@ -1,9 +1,9 @@
 """The fp32 master weights and the optimizer state as sharded fronts: ``ShardedMasterParams``,
 ``ShardedOptimizerState``, and the guard that keeps the model's working weights in step with written masters.
 
-Both are :class:`~zero_dtensor.tensors.ShardedTensors` over the families of
+Both are :class:`~zero_dtensor.families.tensors.ShardedTensors` over the families of
 :mod:`zero_dtensor._deepspeed.families`: the same views, gathers, writes, transforms, reductions and redistribution
-as :class:`~zero_dtensor.sharded.ShardedGrads`, with the same communication and rank agreement, on the masters'
+as :class:`~zero_dtensor.families.sharded.ShardedGrads`, with the same communication and rank agreement, on the masters'
 geometry (the gradient's; ``BF16_Optimizer``: sharded where its gradient is replicated). Unlike gradients they are
 valid between optimizer steps too (DeepSpeed updates them in place); they go stale only when DeepSpeed replaces
 the tensors (``engine.load_checkpoint`` replaces the optimizer state).
@@ -18,7 +18,7 @@ master itself); one skipped for fp16 overflow does not. Writes straight into liv
 ``local_partitions``, ``groups``) are not seen: call :meth:`ShardedMasterParams.mark_written` or
 :func:`sync_model_params` after them. Optimizer-state writes need no sync.
 
-:func:`sync_model_params` communicates: the rank agreement (one small collective, :mod:`zero_dtensor.agreement`), then
+:func:`sync_model_params` communicates: the rank agreement (one small collective, :mod:`zero_dtensor.comm.agreement`), then
 ZeRO-1/2 and ``BF16_Optimizer``: one ``all_gather_into_tensor`` per param group of the working dtype
 (``(N-1)/N·S`` bytes received per rank, ``S`` the group's flat working buffer), in place (ZeRO-1/2 on gloo: one
 batch of ``isend``/``irecv`` per param group, the same bytes); ZeRO-3: a local cast copy
@@ -49,12 +49,12 @@ from typing import Any
 
 import torch
 
-from ._deepspeed import families
-from ._deepspeed import sync as _sync
-from . import writes
-from .agreement import Refusal, agree, agree_on
-from .errors import ModelParamsNotSyncedError, StaleTensorsError
-from .storage import FlatStorage
+from .._deepspeed import families
+from .._deepspeed import sync as _sync
+from ..ops import writes
+from ..comm.agreement import Refusal, agree, agree_on
+from ..errors import ModelParamsNotSyncedError, StaleTensorsError
+from ..core.storage import FlatStorage
 from .tensors import ShardedTensors
 
 __all__ = [
@@ -71,11 +71,11 @@ __all__ = [
 
 class ShardedMasterParams(ShardedTensors):
     """Every trainable parameter's fp32 master weight, sharded as DeepSpeed's optimizer stores it: a mapping
-    ``name -> ParamView`` with everything :class:`~zero_dtensor.tensors.ShardedTensors` offers.
+    ``name -> ParamView`` with everything :class:`~zero_dtensor.families.tensors.ShardedTensors` offers.
 
     Valid from ``deepspeed.initialize`` on, between steps and inside the ``backward()`` → ``step()`` window alike;
     in-place changes are what the next ``engine.step()`` starts from. After a write, call
-    :func:`zero_dtensor.sync_model_params` on every rank before the next forward (see :mod:`zero_dtensor.master`);
+    :func:`zero_dtensor.sync_model_params` on every rank before the next forward (see :mod:`zero_dtensor.families.master`);
     a clone (``clone()``, e.g. an EMA) is not the masters: writing it needs no sync. Values are true fp32 values (no
     loss scaling). Memory: none beyond the views.
     """
@@ -95,7 +95,7 @@ class ShardedMasterParams(ShardedTensors):
 
 class ShardedOptimizerState(ShardedTensors):
     """One optimizer-state key (Adam's ``exp_avg`` …) of every trainable parameter, sharded as the masters: a
-    mapping ``name -> ParamView`` with everything :class:`~zero_dtensor.tensors.ShardedTensors` offers.
+    mapping ``name -> ParamView`` with everything :class:`~zero_dtensor.families.tensors.ShardedTensors` offers.
 
     Exists from the first applied optimizer step on (before it :func:`zero_dtensor.sharded_optimizer_state` raises
     :class:`~zero_dtensor.errors.OptimizerStateNotReadyError`); valid between steps until DeepSpeed replaces the
@@ -223,7 +223,7 @@ def _install_guard(engine: Any) -> None:
 def sync_model_params(engine: Any) -> None:
     """Copy ``engine``'s fp32 master weights into the model's working weights (cast to their dtype) and clear the
     write mark. **Collective**: call on every rank of the data-parallel group, between steps, outside forward and
-    backward. Communication (see :mod:`zero_dtensor.master`): the rank agreement, then ZeRO-1/2 and
+    backward. Communication (see :mod:`zero_dtensor.families.master`): the rank agreement, then ZeRO-1/2 and
     ``BF16_Optimizer`` one all_gather per param group (ZeRO-1/2 on gloo: one point-to-point batch), ZeRO-3 one
     all_gather of the persistent parameters together after a local copy. Memory: none beyond DeepSpeed's own."""
     storage = master_front(engine).__zero_dtensor_state__().storage
@@ -238,7 +238,7 @@ def _sync_agreed(engine: Any) -> None:
 
 
 def set_full_and_sync(engine: Any, mapping: Any) -> None:
-    """Write full fp32 masters (:meth:`~zero_dtensor.tensors.ShardedTensors.set_full_`) and refresh the working
+    """Write full fp32 masters (:meth:`~zero_dtensor.families.tensors.ShardedTensors.set_full_`) and refresh the working
     weights, agreeing first on the names written: the sync's own agreement, moved before the write and hashing the
     written names (sorted; every trainable parameter: one marker), the masters' family and any rank's
     refusal of the mapping (every entry's name, type, shape, dtype and device checked first). A mapping that

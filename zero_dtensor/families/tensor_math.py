@@ -1,9 +1,9 @@
-"""The transforms (no communication) and reductions (one collective) of every :class:`~zero_dtensor.tensors.
+"""The transforms (no communication) and reductions (one collective) of every :class:`~zero_dtensor.families.tensors.
 ShardedTensors` family, as a mixin: elementwise ``mul_`` … ``add_noise_``, ``clone``, ``norms``, ``global_norm``,
 ``dots``, ``stats``, ``clip_*``.
 
-The mixin uses the host's ``_state`` (:class:`~zero_dtensor.state.FlatState`), ``_agreed_selection`` and
-``_check_same_layout``; the work is done by :mod:`zero_dtensor.transforms` and :mod:`zero_dtensor.reductions`. A
+The mixin uses the host's ``_state`` (:class:`~zero_dtensor.core.state.FlatState`), ``_agreed_selection`` and
+``_check_same_layout``; the work is done by :mod:`zero_dtensor.ops.transforms` and :mod:`zero_dtensor.ops.reductions`. A
 write (every in-place method here) ends with the storage's ``after_write`` (for fp32 masters: the model's working
 weights need :func:`zero_dtensor.sync_model_params` before the next forward).
 """
@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import reductions, transforms
-from .param_values import ParamValues
-from .reductions import GradStats
-from .state import FlatState, ParamSelection, Selection
-from .transforms import Scalar
+from ..ops import reductions, transforms
+from ..core.param_values import ParamValues
+from ..ops.reductions import GradStats
+from ..core.state import FlatState, ParamSelection, Selection
+from ..ops.transforms import Scalar
 
 __all__ = ["TensorMath"]
 
@@ -150,7 +150,7 @@ class TensorMath:
         """Add Gaussian noise ``std · N(0, 1)`` (true units) that does not depend on how the tensor is sharded.
 
         Element ``j`` of the flattened parameter ``name`` receives ``std · counter_normal(seed, name, numel)[j]``
-        (see :func:`~zero_dtensor.noise.counter_normal`): the noise depends only on ``(seed, parameter name, element
+        (see :func:`~zero_dtensor.ops.noise.counter_normal`): the noise depends only on ``(seed, parameter name, element
         position)``, so results are identical at every world size and ZeRO stage, and equal a single-process
         reference built with ``counter_normal`` on the full parameter. Each rank computes only its own elements,
         for all selected parameters at once. Under fp16 the noise is multiplied by ``loss_scale``. Use a new

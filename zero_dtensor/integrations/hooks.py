@@ -1,7 +1,7 @@
 """Run gradient code at the one meaningful moment: after reduction at an accumulation boundary, before the optimizer.
 
 :func:`on_grads` registers ``fn(grads)`` on a DeepSpeed engine; ``grads`` is the step's
-:class:`~zero_dtensor.sharded.ShardedGrads`, whose in-place changes are what the optimizer step then uses. It fires
+:class:`~zero_dtensor.families.sharded.ShardedGrads`, whose in-place changes are what the optimizer step then uses. It fires
 whoever calls ``engine.step()``: a plain DeepSpeed loop, or Hugging Face Accelerate, whose
 ``DeepSpeedEngineWrapper.backward`` calls ``engine.step()`` itself right after ``engine.backward()`` (so the HF
 Trainer's ``on_pre_optimizer_step`` callback comes too late; this hook does not).
@@ -22,7 +22,7 @@ Where it hooks (DeepSpeed 0.18.9 / 0.19.x, ``deepspeed/runtime/engine.py``):
   the finalized gradients are discarded (``engine.optimizer.zero_grad()``), as in the managed case.
 
 Errors: hooks run in registration order. After each hook, every rank takes part in one tiny agreement
-(:func:`zero_dtensor.agreement.agree_outcome`: one ``all_gather`` of 2 int64 per rank on the engine's device;
+(:func:`zero_dtensor.comm.agreement.agree_outcome`: one ``all_gather`` of 2 int64 per rank on the engine's device;
 latency-bound, a few microseconds on NCCL, tens on gloo), so that an exception on some ranks makes **every** rank
 raise, before any rank enters the optimizer step's collectives: the failing rank(s) re-raise their own exception, the others raise
 :class:`~zero_dtensor.errors.GradHookError` (a :class:`~zero_dtensor.errors.RankFailedError`) naming the failing
@@ -42,13 +42,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._deepspeed import check_engine
-from ._deepspeed.engine_step import MODEL_STEP, abandon_step, is_pipeline_engine
-from .api import sharded_grads
-from .agreement import agree_outcome
-from .errors import GradHookError
-from .process_groups import default_backend, is_distributed
-from .sharded import ShardedGrads
+from .._deepspeed import check_engine
+from .._deepspeed.engine_step import MODEL_STEP, abandon_step, is_pipeline_engine
+from ..api import sharded_grads
+from ..comm.agreement import agree_outcome
+from ..errors import GradHookError
+from ..comm.process_groups import default_backend, is_distributed
+from ..families.sharded import ShardedGrads
 
 __all__ = ["GradHookError", "GradHookHandle", "attach_to_trainer", "on_grads", "on_grads_in_trainer"]
 

@@ -15,8 +15,8 @@ from typing import Any
 
 
 from .hooks import GradHookHandle, on_grads
-from .process_groups import global_rank, is_distributed
-from .sharded import ShardedGrads
+from ..comm.process_groups import global_rank, is_distributed
+from ..families.sharded import ShardedGrads
 
 __all__ = ["GradStatsLogger"]
 

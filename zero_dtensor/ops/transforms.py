@@ -7,8 +7,8 @@ one ``_foreach_zero_``) or one ``torch._foreach_*`` call over the selected fragm
 number of parameters. Values are in true (unscaled) units; under fp16 loss scaling operands are scaled to the
 stored units (``x · loss_scale``) first. Writes never record autograd history.
 
-Devices (:mod:`zero_dtensor.devices`): every operand (0-d tensors, per-parameter factors, masks, counters) is moved
-to the **storage device** (where the partitions live: the CPU under ``offload_optimizer: cpu``) before it meets the
+Devices (:mod:`zero_dtensor.layout.devices`): every operand (0-d tensors, per-parameter factors, masks, counters; checked
+by :mod:`zero_dtensor.ops.operands`) is moved to the **storage device** (where the partitions live: the CPU under ``offload_optimizer: cpu``) before it meets the
 data, once per call (a per-parameter mapping as one stacked vector). On a CUDA device a uniform 0-d factor of
 ``mul_`` / ``div_`` is cast to the data's dtype and applied with one ``_foreach_mul_`` / ``_foreach_div_`` over the
 selected groups' partitions (CUDA casts a 0-d CUDA operand to the data's dtype anyway: bitwise equal, and the
@@ -20,16 +20,17 @@ The public entry points are the ``ShardedGrads`` methods (``mul_``, ``div_``, ``
 
 from __future__ import annotations
 
-import numbers
-from collections.abc import Callable, Mapping
-from typing import Any, Union
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from .devices import Devices, to_device, to_storage
+from ..layout.devices import to_device, to_storage
 from .noise import normal_from_counters, stream_key
-from .state import FlatState, Selection
-from .storage import FlatStorage
+from .operands import (PerParam, Scalar, foreach_operands, group_operands, per_param, scalar,  # noqa: F401
+                       to_storage_operand)
+from ..core.state import FlatState, Selection
+from ..core.storage import FlatStorage
 
 __all__ = [
     "PerParam",
@@ -51,104 +52,6 @@ __all__ = [
     "zero_",
 ]
 
-Scalar = Union[numbers.Real, torch.Tensor]
-
-
-class PerParam:
-    """Operands for the selected parameters, one per parameter (``values[i]`` for ``Selection.params[i]``)."""
-
-    __slots__ = ("values",)
-
-    def __init__(self, values: list[Any]) -> None:
-        self.values = values
-
-
-# --- operand validation ----------------------------------------------------------------------------------------------
-def scalar(value: Any, what: str) -> float | torch.Tensor:
-    """A real number (as float) or a 0-d real tensor (detached); anything else raises naming ``what``."""
-    if isinstance(value, bool):
-        raise TypeError(f"{what} must be a real number or a 0-d tensor, got bool")
-    if isinstance(value, numbers.Real):
-        return float(value)
-    if isinstance(value, torch.Tensor):
-        if value.dim() != 0:
-            raise ValueError(
-                f"{what} must be a number or a 0-d tensor, got a tensor of shape {tuple(value.shape)} "
-                "(for per-element operands pass another ShardedGrads or a clone)"
-            )
-        if value.is_complex():
-            raise TypeError(f"{what} must be real, got {value.dtype}")
-        from torch.distributed.tensor import DTensor
-
-        return (value.full_tensor() if isinstance(value, DTensor) else value).detach()
-    raise TypeError(f"{what} must be a real number or a 0-d tensor, got {type(value).__name__}")
-
-
-def per_param(state: FlatState, value: Any, sel: Selection, what: str) -> float | torch.Tensor | PerParam:
-    """A uniform operand, or a mapping ``name -> operand`` covering every selected parameter as :class:`PerParam`."""
-    if not isinstance(value, Mapping):
-        return scalar(value, what)
-    unknown = sorted(str(n) for n in value if n not in state.layout.by_name)
-    if unknown:
-        raise KeyError(f"{what}: not trainable parameters of this engine: {unknown}")
-    missing = [p.name for p in sel.params if p.name not in value]
-    if missing:
-        raise KeyError(f"{what}: no value for selected parameters {missing}")
-    return PerParam([scalar(value[p.name], f"{what}[{p.name!r}]") for p in sel.params])
-
-
-def _to_storage(state: FlatState, value: Any) -> Any:
-    """``value`` where the data is: a tensor (or a :class:`PerParam`'s tensors, stacked and moved once) on the
-    storage device; numbers and ``None`` unchanged."""
-    devices = state.storage.devices
-    if isinstance(value, torch.Tensor):
-        return to_storage(value, devices)
-    if isinstance(value, PerParam):
-        return PerParam(_values_to(value.values, devices))
-    return value
-
-
-def _values_to(values: list[Any], devices: Devices) -> list[Any]:
-    """Per-parameter operands with their tensors on the storage device: one ``stack`` (per dtype) and one move,
-    not a move per parameter (tensors already there stay as they are)."""
-    at = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.device != devices.storage]
-    if not at:
-        return values
-    out = list(values)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i in at:
-        by_dtype.setdefault(values[i].dtype, []).append(i)
-    for indices in by_dtype.values():
-        moved = to_storage(torch.stack([values[i] for i in indices]), devices).unbind(0)
-        for i, t in zip(indices, moved):
-            out[i] = t
-    return out
-
-
-# --- batched execution ---------------------------------------------------------------------------------------------
-def _group_operands(sel: Selection, per: PerParam, state: FlatState) -> dict[int, list[Any]]:
-    """Per group, the per-parameter operands in the group's buffer order (as :meth:`Selection.by_group` lists)."""
-    order = {p.name: i for i, p in enumerate(sel.params)}
-    out: dict[int, list[Any]] = {}
-    for g, indices in sel.by_group.items():
-        params = state.plan.groups[g].params
-        out[g] = [per.values[order[params[k].name]] for k in indices]
-    return out
-
-
-def _as_list(values: list[Any], device: torch.device) -> list[float] | list[torch.Tensor]:
-    """Operands for one ``_foreach_*`` call: all numbers (a ScalarList) or all 0-d tensors on ``device`` (one
-    conversion for the numbers; tensors are on ``device`` already after :func:`_to_storage`, else moved)."""
-    if all(not isinstance(v, torch.Tensor) for v in values):
-        return values
-    numbers_at = [i for i, v in enumerate(values) if not isinstance(v, torch.Tensor)]
-    out = [to_device(v, device) if isinstance(v, torch.Tensor) else None for v in values]
-    if numbers_at:
-        converted = torch.tensor([values[i] for i in numbers_at], dtype=torch.float32, device=device).unbind(0)
-        for i, t in zip(numbers_at, converted):
-            out[i] = t
-    return out  # type: ignore[return-value]
-
 
 @torch.no_grad()
 def run(state: FlatState, sel: Selection, whole_op: Callable[[torch.Tensor, Any], Any],
@@ -159,8 +62,8 @@ def run(state: FlatState, sel: Selection, whole_op: Callable[[torch.Tensor, Any]
     (the padding is zeroed again afterwards); elsewhere ``foreach_op(fragments, operand)`` runs once per group,
     with ``operand`` a list in fragment order when it is a :class:`PerParam`.
     """
-    operand = _to_storage(state, operand)
-    per = _group_operands(sel, operand, state) if isinstance(operand, PerParam) else None
+    operand = to_storage_operand(state, operand)
+    per = group_operands(sel, operand, state) if isinstance(operand, PerParam) else None
     for g, indices in sel.by_group.items():
         plan = state.plan.groups[g]
         if per is None and sel.whole(plan):
@@ -175,7 +78,7 @@ def run(state: FlatState, sel: Selection, whole_op: Callable[[torch.Tensor, Any]
         frags = state.fragments_of(g, [indices[i] for i in keep])
         if per is not None:
             values = [per[g][i] for i in keep]
-            foreach_op(frags, _as_list(values, state.storage.devices.storage))
+            foreach_op(frags, foreach_operands(values, state.storage.devices.storage))
         else:
             foreach_op(frags, operand)
     state.storage.after_write(sel.names)
@@ -200,8 +103,8 @@ def _with_other(state: FlatState, other: FlatState, sel: Selection,
     ``per_op(fragments, other_concatenated, lengths, values)`` instead (``values`` numbers or 0-d tensors on the
     storage device, one per fragment): ``_foreach_*`` calls with per-fragment operands, no per-element expansion.
     """
-    operand = _to_storage(state, operand)
-    per = _group_operands(sel, operand, state) if isinstance(operand, PerParam) else None
+    operand = to_storage_operand(state, operand)
+    per = group_operands(sel, operand, state) if isinstance(operand, PerParam) else None
     devices = state.storage.devices
     with torch.no_grad():
         for g, indices in sel.by_group.items():
@@ -222,7 +125,7 @@ def _with_other(state: FlatState, other: FlatState, sel: Selection,
                 if per_op is None:
                     raise TypeError("per-parameter operands are not supported here")
                 pos = {k: i for i, k in enumerate(indices)}
-                values = _as_list([per[g][pos[k]] for k in keep], devices.storage)
+                values = foreach_operands([per[g][pos[k]] for k in keep], devices.storage)
                 per_op(frags, _other_fragments(state, other, g, keep), lengths, values)
                 continue
             flat, flat_other = torch.cat(frags), _other_fragments(state, other, g, keep)
@@ -280,7 +183,7 @@ def add_scalar_(state: FlatState, sel: Selection, value: float | torch.Tensor,
                 alpha: float | torch.Tensor | PerParam) -> None:
     """``g += value · alpha`` (true units): the stored addend is ``value · alpha · loss_scale``."""
     scale = state.loss_scale
-    value, alpha = _to_storage(state, value), _to_storage(state, alpha)
+    value, alpha = to_storage_operand(state, value), to_storage_operand(state, alpha)
     if isinstance(alpha, PerParam):
         if any(isinstance(a, torch.Tensor) for a in alpha.values) or isinstance(value, torch.Tensor):
             device = state.storage.devices.storage
@@ -329,7 +232,7 @@ def add_other_(state: FlatState, other: FlatState, sel: Selection, alpha: float 
 
 def clamp_(state: FlatState, sel: Selection, lo: float | torch.Tensor | None, hi: float | torch.Tensor | None) -> None:
     scale = state.loss_scale
-    lo, hi = _to_storage(state, lo), _to_storage(state, hi)
+    lo, hi = to_storage_operand(state, lo), to_storage_operand(state, hi)
     lo = None if lo is None else lo * scale
     hi = None if hi is None else hi * scale
 
@@ -344,7 +247,7 @@ def clamp_(state: FlatState, sel: Selection, lo: float | torch.Tensor | None, hi
 
 def lerp_scalar_(state: FlatState, sel: Selection, end: float | torch.Tensor, weight: float | torch.Tensor) -> None:
     scale = state.loss_scale
-    end, weight = _to_storage(state, end), _to_storage(state, weight)
+    end, weight = to_storage_operand(state, end), to_storage_operand(state, weight)
 
     def target(x: torch.Tensor) -> torch.Tensor:
         return torch.as_tensor(end * scale, dtype=x.dtype, device=x.device)
@@ -362,7 +265,7 @@ def lerp_scalar_(state: FlatState, sel: Selection, end: float | torch.Tensor, we
 
 def lerp_other_(state: FlatState, other: FlatState, sel: Selection, weight: float | torch.Tensor) -> None:
     ratio = state.loss_scale / other.loss_scale
-    weight = _to_storage(state, weight)
+    weight = to_storage_operand(state, weight)
 
     def op(x: torch.Tensor, o: torch.Tensor, _: Any) -> Any:
         o = o if ratio == 1.0 and o.dtype == x.dtype else (o.to(torch.float32) * ratio).to(x.dtype)
@@ -421,7 +324,7 @@ def add_noise_(state: FlatState, sel: Selection, std: float | torch.Tensor, seed
     """``g += std · counter_normal(seed, name, numel)[j]`` for every local element ``j`` (true units): per group one
     counter tensor for all selected fragments, one noise draw, one ``_foreach_add_``."""
     scale = state.loss_scale
-    std = _to_storage(state, std)
+    std = to_storage_operand(state, std)
     device = state.storage.devices.storage
     with torch.no_grad():
         for g, indices in sel.by_group.items():

@@ -65,7 +65,7 @@ def keep_full_grads(engine: Any) -> KeepFullGradsHandle:
 
     Idempotent per engine (a second call returns a handle on the same capture). See the module docstring.
     """
-    from ._deepspeed.capture import install
+    from .._deepspeed.capture import install
 
     return KeepFullGradsHandle(engine, install(engine))
 

@@ -63,11 +63,11 @@ def send_recv(sends: Sequence[Exchange], recvs: Sequence[Exchange], group: dist.
     of the group must post the matching batch (the same order of ops per pair of ranks). Bytes: what is listed.
     Returns the pending works when async (one per op where the backend gives one, gloo: the receives first, in
     the order listed; else fewer); else waits for them. Raises ``RuntimeError`` before posting anything where the
-    backend has no point-to-point ops for a tensor's device (:func:`~zero_dtensor.process_groups.comm_support`)."""
+    backend has no point-to-point ops for a tensor's device (:func:`~zero_dtensor.comm.process_groups.comm_support`)."""
     for device in {t.device for t, _ in (*sends, *recvs)}:
         if not comm_support_of(group, device).point_to_point:
             raise RuntimeError(f"point-to-point ops on {backend_of(group)} cannot move {device.type} tensors "
-                               f"(zero_dtensor.process_groups.comm_support); this is a zero_dtensor bug: the caller "
+                               f"(zero_dtensor.comm.process_groups.comm_support); this is a zero_dtensor bug: the caller "
                                f"should have used a collective")
     ops = [dist.P2POp(dist.irecv, t, group=group, group_peer=peer) for t, peer in recvs]
     ops += [dist.P2POp(dist.isend, t, group=group, group_peer=peer) for t, peer in sends]

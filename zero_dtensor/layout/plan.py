@@ -1,6 +1,6 @@
 """Per-layout plans: everything a bulk call needs to run with a fixed number of tensor operations.
 
-A :class:`FlatPlan` is built once per :class:`~zero_dtensor.layout.FlatLayout` (and cached with it; adapters reuse
+A :class:`FlatPlan` is built once per :class:`~zero_dtensor.layout.flat.FlatLayout` (and cached with it; adapters reuse
 a layout across steps) from the placements' geometry. It holds only Python tuples — split sizes, offsets, which
 piece is which parameter — so that executing a call is a handful of C++ calls whatever the number of parameters:
 one ``split_with_sizes`` turns a partition (or an assembled flat buffer) into every parameter's view, one
@@ -21,7 +21,7 @@ from functools import cached_property
 from typing import Any, TypeVar
 
 
-from .layout import FlatLayout, GroupLayout, ParamLayout
+from .flat import FlatLayout, GroupLayout, ParamLayout
 from .rows import RowMap, row_map
 from .segments import SegmentPlan, segment_plan
 from .tiling import Tiling, tiling
@@ -118,9 +118,9 @@ class GroupPlan:
     # --- chunked groups' row copies: geometry, judged for elements of one size (the family's dtype) ---------------
     def column_rows(self, element_size: int) -> RowMap | None:
         """Chunked groups: the ``(N, P)`` rows of an all_gather (flattened) to parameter order, every piece of
-        :attr:`gathered` (gaps too) as its ``(N, width)`` block, as one row copy (:mod:`zero_dtensor.rows`);
+        :attr:`gathered` (gaps too) as its ``(N, width)`` block, as one row copy (:mod:`zero_dtensor.layout.rows`);
         ``None`` for other groups or where rows do not pay for ``element_size``-byte elements
-        (:func:`~zero_dtensor.rows.row_map`). Cached per element size: families of any dtype share the plan."""
+        (:func:`~zero_dtensor.layout.rows.row_map`). Cached per element size: families of any dtype share the plan."""
         return self._memo(("all", element_size), lambda: self._columns(range(self.group.world_size), element_size))
 
     def whole_columns(self, element_size: int) -> ColumnPiece:
@@ -174,7 +174,7 @@ class GroupPlan:
 
     def peer_column_rows(self, element_size: int) -> RowMap | None:
         """Chunked groups: the other ranks' partitions, back to back in rank order (``(N-1)·P`` elements, what
-        :func:`~zero_dtensor.collectives.peer_partitions_by_all_to_all` receives), to their rows of the
+        :func:`~zero_dtensor.comm.collectives.peer_partitions_by_all_to_all` receives), to their rows of the
         parameter-order blocks (this rank's rows untouched), as one row copy; ``None`` as for :meth:`column_rows`."""
         peers = tuple(r for r in range(self.group.world_size) if r != self.group.rank)
         return self._memo(("peers", element_size), lambda: self._columns(peers, element_size))
@@ -231,7 +231,7 @@ class GroupPlan:
 
     @cached_property
     def local_segments(self) -> SegmentPlan:
-        """Per-piece reductions of this rank's partition (:mod:`zero_dtensor.segments`), built on first use."""
+        """Per-piece reductions of this rank's partition (:mod:`zero_dtensor.layout.segments`), built on first use."""
         return segment_plan(self.local)
 
 

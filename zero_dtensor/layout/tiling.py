@@ -1,7 +1,7 @@
 """How a 1-D buffer is cut into pieces: the parameters' pieces and the padding between them.
 
-A :class:`Tiling` is the bottom of the per-layout tables: :mod:`zero_dtensor.plan` holds one per buffer kind of a
-group, :mod:`zero_dtensor.segments` reduces over its pieces, and the placements (:mod:`zero_dtensor.placement`)
+A :class:`Tiling` is the bottom of the per-layout tables: :mod:`zero_dtensor.layout.plan` holds one per buffer kind of a
+group, :mod:`zero_dtensor.layout.segments` reduces over its pieces, and the placements (:mod:`zero_dtensor.materialize.placements`)
 describe streaming windows with one. Nothing here knows a layout, a placement or a process group.
 """
 

@@ -1,4 +1,4 @@
-"""Redistribution of every :class:`~zero_dtensor.tensors.ShardedTensors` family, as a mixin: per-parameter
+"""Redistribution of every :class:`~zero_dtensor.families.tensors.ShardedTensors` family, as a mixin: per-parameter
 ``Shard(0)`` DTensors (``to_dtensors``/``set_dtensors_``) and whole tensors on owner ranks (``owners``, ``owned``,
 ``set_owned_``, ``map_full_``). The work is done by :mod:`zero_dtensor.redistribute`; costs are in each docstring
 (about ``S/N`` bytes per rank instead of ``full_tensors``' ``(N-1)/N·S``).
@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import redistribute as _redistribute
-from .agreement import Refusal, agree_on
-from .layout import ParamLayout
-from .state import check_dtype
-from .storage import FlatStorage
+from .. import redistribute as _redistribute
+from ..comm.agreement import Refusal, agree_on
+from ..layout.flat import ParamLayout
+from ..core.state import check_dtype
+from ..core.storage import FlatStorage
 
 __all__ = ["TensorOwners"]
 

@@ -1,6 +1,6 @@
 """Per-piece reductions of a 1-D buffer cut by a tiling, with a fixed number of tensor operations.
 
-A rank's partition (or any 1-D buffer) is cut by a :class:`~zero_dtensor.tiling.Tiling` into pieces: parameters'
+A rank's partition (or any 1-D buffer) is cut by a :class:`~zero_dtensor.layout.tiling.Tiling` into pieces: parameters'
 fragments and padding gaps, thousands of them, most small. Reducing each piece on its own (``_foreach_norm`` over
 per-piece views) costs about a microsecond per piece in dispatch alone, and long float32 reductions lose precision.
 A :class:`SegmentPlan` instead splits the work in two, whatever the number of pieces:
@@ -140,7 +140,7 @@ def _build(sizes: Sequence[int], param_piece: tuple[int, ...], block: int) -> Se
 
 @lru_cache(maxsize=64)
 def segment_plan(tiling: Tiling, block: int = BLOCK) -> SegmentPlan:
-    """The plan of a :class:`~zero_dtensor.tiling.Tiling` (cached per tiling value: one Python pass on first use).
+    """The plan of a :class:`~zero_dtensor.layout.tiling.Tiling` (cached per tiling value: one Python pass on first use).
     Its :func:`param_index` maps the tiling's parameters to their pieces."""
     return _build(tiling.sizes, tiling.piece, block)
 

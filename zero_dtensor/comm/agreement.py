@@ -10,7 +10,7 @@ zero_dtensor therefore runs in three steps:
 2. **agree** (:func:`agree`): one small collective per distinct multi-rank process group the call communicates on
    (DeepSpeed models have one process group, so one in all): an ``all_gather`` of ``[hash, error code]`` int64
    (``N·16`` bytes received per rank), or, where that is cheaper
-   (:func:`~zero_dtensor.collectives.prefers_all_reduce`: NCCL, gloo from 4 ranks on), an ``all_reduce`` (MAX) of
+   (:func:`~zero_dtensor.comm.collectives.prefers_all_reduce`: NCCL, gloo from 4 ranks on), an ``all_reduce`` (MAX) of
    ``[hash, -hash, error code, -error code]`` (every hash is equal where the largest hash is minus the largest
    negation; some rank refused where the largest code is not 0, every rank where the smallest is not). A call that
    needs every rank's values (``set_owned_``'s ``payload``) always gathers ``[hash, error code, payload…]``
@@ -57,9 +57,9 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from . import settings
+from .. import settings
 from .collectives import all_gather_objects, gather_int_rows_within, max_int_values_within, prefers_all_reduce
-from .errors import RankDisagreementError, RankFailedError
+from ..errors import RankDisagreementError, RankFailedError
 from .process_groups import group_ranks, world_size_of, world_timeout
 
 __all__ = [
@@ -164,14 +164,14 @@ def agree(what: str, signature: Any, groups: Iterable[dist.ProcessGroup], device
 
     ``signature``: plain values (names, dtypes, ints, strategies) whose ``repr`` is identical across ranks; ignored
     where ``refused`` (this rank's :class:`Refusal` error). ``family``: the fingerprint of the tensors the call
-    reads or writes (:attr:`~zero_dtensor.storage.FlatStorage.family`; :func:`agree_on` passes it), hashed with the
+    reads or writes (:attr:`~zero_dtensor.core.storage.FlatStorage.family`; :func:`agree_on` passes it), hashed with the
     signature. ``groups``: the process groups the call communicates
     on (single-rank ones and repeats are skipped; a refusing rank that cannot tell which groups the call uses
     passes all of them: their first must be the others' first). ``payload(group)``: extra int64 values to gather
     with the agreement (the same length on every rank), returned as ``{id(group): one row per group rank}``.
 
     **Collective**: per distinct multi-rank group one ``all_gather`` of ``2 + len(payload)`` int64 per rank, or,
-    without ``payload`` where :func:`~zero_dtensor.collectives.prefers_all_reduce`, one ``all_reduce`` (MAX) of
+    without ``payload`` where :func:`~zero_dtensor.comm.collectives.prefers_all_reduce`, one ``all_reduce`` (MAX) of
     4 int64 (its returned rows are then empty lists); waited on for at most :func:`wait_timeout`; where a rank
     differs or refused, one ``all_gather_object`` more, then every rank raises (where every rank refused, each
     raises its own error without it). No group: no communication (``refused`` raises on this rank).
@@ -215,11 +215,11 @@ def agree_on(storage: Any, what: str, signature: Any, groups: Iterable[dist.Proc
              refused: Exception | None = None,
              payload: Callable[[dist.ProcessGroup], Sequence[int]] | None = None) -> dict[int, list[list[int]]]:
     """:func:`agree` for a call on one family's tensors (``storage``: its
-    :class:`~zero_dtensor.storage.FlatStorage`): the family's fingerprint (``storage.family``: the gradients, the
+    :class:`~zero_dtensor.core.storage.FlatStorage`): the family's fingerprint (``storage.family``: the gradients, the
     masters, one optimizer-state key, a numbered clone) is hashed with the signature, so that ranks naming the same
     parameters of *different* tensors (``exp_avg`` on one rank, ``exp_avg_sq`` on another) raise on every rank
     instead of exchanging pieces of different tensors. Every communicating call of
-    :class:`~zero_dtensor.tensors.ShardedTensors` agrees through here. The same collective as :func:`agree`."""
+    :class:`~zero_dtensor.families.tensors.ShardedTensors` agrees through here. The same collective as :func:`agree`."""
     return agree(what, signature, groups, storage.device, refused=refused, payload=payload, family=storage.family)
 
 
@@ -309,7 +309,7 @@ def agree_outcome(what: str, error: BaseException | None, groups: Iterable[dist.
     rank raises :class:`~zero_dtensor.errors.RankDisagreementError` listing every rank's (one
     ``all_gather_object`` more, on that path only). A failure takes precedence: a failing rank may not know the
     signature. **Collective**: per distinct multi-rank group one ``all_gather`` of 2 int64 per rank, or
-    where :func:`~zero_dtensor.collectives.prefers_all_reduce` one ``all_reduce`` (MAX) of 4 int64 and, only
+    where :func:`~zero_dtensor.comm.collectives.prefers_all_reduce` one ``all_reduce`` (MAX) of 4 int64 and, only
     where some rank failed, one ``all_gather`` of 2 int64 per rank more (which ranks)."""
     code = error_code(error)
     failed: dict[int, int] = {}

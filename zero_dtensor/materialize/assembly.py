@@ -1,6 +1,6 @@
-"""What every placement kind of a flat group implements (:class:`GroupPlacement`, the kinds are in
-:mod:`zero_dtensor.placement`, with tables of what each moves), its defaults, and the :class:`Allocator` that
-:meth:`GroupPlacement.assemble_window` takes its buffers from.
+"""What assembling a flat group's buffer from its ranks means for every placement kind (:class:`GroupAssembly`, the
+kinds are in :mod:`zero_dtensor.materialize.placements`, with tables of what each moves), its defaults, and the
+:class:`Allocator` that :meth:`GroupAssembly.assemble_window` takes its buffers from.
 
 Nothing here communicates; a kind's methods marked **Collective** must be called on every rank of the group, in the
 same order.
@@ -15,20 +15,20 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.distributed as dist
 
-from .geometry import GroupGeometry
-from .tiling import Tiling, tiling
+from ..layout.flat import GroupPlacement
+from ..layout.tiling import Tiling, tiling
 
 if TYPE_CHECKING:
-    from .layout import GroupLayout, ParamLayout
-    from .plan import ColumnPiece, GroupPlan
-    from .rows import RowMap
-    from .views import ViewCache
+    from ..layout.flat import GroupLayout, ParamLayout
+    from ..layout.plan import ColumnPiece, GroupPlan
+    from ..layout.rows import RowMap
+    from ..layout.views import ViewCache
 
-__all__ = ["Allocator", "GroupPlacement"]
+__all__ = ["Allocator", "GroupAssembly"]
 
 
 class Allocator(Protocol):
-    """Where :meth:`GroupPlacement.assemble_window` takes its buffers from (``BUFFERS.alloc`` of
+    """Where :meth:`GroupAssembly.assemble_window` takes its buffers from (``BUFFERS.alloc`` of
     :mod:`zero_dtensor.materialize.buffers`, which the tests observe)."""
 
     def __call__(self, numel: int, dtype: torch.dtype, device: torch.device, *,
@@ -36,9 +36,9 @@ class Allocator(Protocol):
 
 
 @dataclass(frozen=True)
-class GroupPlacement(GroupGeometry):
-    """One kind of flat group: its geometry (:mod:`zero_dtensor.geometry`) and how its buffer is assembled (see
-    :mod:`zero_dtensor.placement`)."""
+class GroupAssembly(GroupPlacement):
+    """One kind of flat group: its placement (:class:`~zero_dtensor.layout.flat.GroupPlacement`: which rank holds what)
+    and how its buffer is assembled (see :mod:`zero_dtensor.materialize.placements`)."""
 
     def gather_param(self, group: GroupLayout, param: ParamLayout, partition: torch.Tensor,
                      pg: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
@@ -76,7 +76,7 @@ class GroupPlacement(GroupGeometry):
     def peer_rows(self, plan: GroupPlan, element_size: int) -> tuple[RowMap, RowMap] | None:
         """Where an all_gather of ``element_size``-byte elements needs a reorder: the row copies that put this
         rank's partition, and the other ranks' received back to back
-        (:func:`~zero_dtensor.collectives.peer_partitions_by_all_to_all`), each straight into its rows of parameter
+        (:func:`~zero_dtensor.comm.collectives.peer_partitions_by_all_to_all`), each straight into its rows of parameter
         order (``area`` of :meth:`to_param_order`), so that this rank's own partition is never copied into the
         gathered rows first; ``None`` where no reorder is needed or rows do not pay."""
         return None

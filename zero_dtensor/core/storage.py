@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .devices import Devices
-from .layout import FlatLayout
-from .views import ViewCache
+from ..layout.devices import Devices
+from ..layout.flat import FlatLayout
+from ..layout.views import ViewCache
 
 __all__ = ["FlatStorage"]
 
@@ -36,13 +36,13 @@ class FlatStorage:
         is_current: answers whether the memory still holds this step's gradient (False after ``engine.step()``).
         after_write: refreshes the optimizer's own bookkeeping (e.g. precomputed offload norms) for written params.
         describe: a short name of the optimizer kind, for messages.
-        view_caches: per group, a :class:`~zero_dtensor.views.ViewCache` of its partition when the adapter keeps
+        view_caches: per group, a :class:`~zero_dtensor.layout.views.ViewCache` of its partition when the adapter keeps
             the partition tensor across steps (its per-parameter views are then made once, not every step); empty
             when every step's partition is new.
         family: which tensors of the engine these are, the same on every rank and never shared by two different
             ones: ``"gradients"``, ``"master weights"``, ``"optimizer state 'exp_avg'"`` …, ``"clone #3 of
             master weights"`` (clones are numbered in the order this process made them from that family). Every
-            rank agreement of a call on the family hashes it (:func:`zero_dtensor.agreement.agree_on`): the
+            rank agreement of a call on the family hashes it (:func:`zero_dtensor.comm.agreement.agree_on`): the
             families share one layout and plan, so names alone cannot tell them apart.
     """
 
@@ -61,7 +61,7 @@ class FlatStorage:
     def devices(self) -> Devices:
         """The storage device (where :attr:`partitions` live: the CPU under offload) and the communication device
         (:attr:`device`: where collectives run and reductions return their results). See
-        :mod:`zero_dtensor.devices`."""
+        :mod:`zero_dtensor.layout.devices`."""
         storage = self.partitions[0].device if self.partitions else self.device
         return Devices(storage=storage, comm=self.device)
 

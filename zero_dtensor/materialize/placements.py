@@ -1,10 +1,12 @@
 """How a flat group's buffer (of any family) is assembled from the ranks of its process group, and what that costs.
 
 One placement kind per way DeepSpeed stores a group: its geometry (which elements each rank holds) is
-:mod:`zero_dtensor.geometry`'s; each kind here adds, for a whole group at once, how the group's full buffer is
-assembled (which collective, how many bytes) and how an assembled buffer is cut into parameters, implementing
-:class:`~zero_dtensor.group_placement.GroupPlacement` (the methods every kind has, their defaults). Nothing outside
-this module and :mod:`zero_dtensor.geometry` branches on the kind of a group.
+:mod:`zero_dtensor.layout`'s (:class:`~zero_dtensor.layout.flat.RaggedShard`, :class:`~zero_dtensor.layout.flat.ChunkShard`,
+:class:`~zero_dtensor.layout.flat.Replicated`); each kind's assembly here (:func:`assembly_of` picks it) adds, for a
+whole group at once, how the group's full buffer is assembled (which collective, how many bytes) and how an
+assembled buffer is cut into parameters, implementing :class:`~zero_dtensor.materialize.assembly.GroupAssembly` (the
+methods every kind has, their defaults). Nothing outside this module and :mod:`zero_dtensor.layout` branches on the
+kind of a group.
 
 ``N`` ranks, ``P`` elements per rank's partition, ``S`` the bytes of the group's padded flat buffer (``N·P``
 elements, stored dtype; ``P`` elements for a replicated group):
@@ -27,18 +29,18 @@ placement        DeepSpeed                    rank ``r`` holds                  
 Cutting into parameters: ``RaggedShard`` and ``Replicated`` buffers are in parameter order already (one
 ``split_with_sizes`` gives every parameter as a view); ``ChunkShard`` buffers are rank-major, and parameter ``p``
 is the row-major flattening of its ``(N, chunk_p)`` column block, so the whole group is reordered into a
-parameter-order buffer by one row copy (:mod:`zero_dtensor.rows`: one ``index_select`` of rows as wide as the
+parameter-order buffer by one row copy (:mod:`zero_dtensor.layout.rows`: one ``index_select`` of rows as wide as the
 chunks' common divisor), or, where rows do not pay (under 32 bytes wide, or chunks of 4,096 elements or more on
 average), by one ``torch.split_with_sizes_copy`` along
 dimension 1 (as FSDP2 copies out its all-gather; one kernel on CUDA, a copy per block on the CPU) — and, for the
 zero-padded ``all_reduce``, each rank writes its chunks straight into parameter order (one row copy likewise). A
-pipelined all_gather (:meth:`~GroupPlacement.pipeline_pieces`: ``ChunkShard`` only, large transfers) gathers the
+pipelined all_gather (:meth:`~zero_dtensor.materialize.assembly.GroupAssembly.pipeline_pieces`: ``ChunkShard`` only, large transfers) gathers the
 columns in two pieces cut at a parameter boundary and reorders each piece by its own row copy into its part of the
 parameter-order buffer.
 
 Streaming windows (``iter_full``): a window is consecutive parameters of one group whose spans
-(:meth:`~GroupPlacement.span`) cover ``[start, stop)``, ``W = stop - start`` elements. Its buffers come from the
-caller's allocator, and :meth:`~GroupPlacement.assemble_window` issues :attr:`~GroupPlacement.window_collectives`
+(:meth:`~zero_dtensor.materialize.assembly.GroupAssembly.span`) cover ``[start, stop)``, ``W = stop - start`` elements. Its buffers come from the
+caller's allocator, and :meth:`~zero_dtensor.materialize.assembly.GroupAssembly.assemble_window` issues :attr:`~zero_dtensor.materialize.assembly.GroupAssembly.window_collectives`
 (one, or none) per window (elements per rank; times the element size for bytes):
 
 ===============  ====================================  ============================================
@@ -67,24 +69,24 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from .collectives import all_gather_into, all_gather_single, all_reduce_sum_work, on_comm_device
-from .geometry import ChunkGeometry, RaggedGeometry, ReplicatedGeometry
-from .group_placement import Allocator, GroupPlacement
-from .point_to_point import all_gather_by_send_recv, send_recv
-from .tiling import Tiling, tiling
-from .views import ViewCache
+from ..comm.collectives import all_gather_into, all_gather_single, all_reduce_sum_work, on_comm_device
+from .assembly import Allocator, GroupAssembly
+from ..layout.flat import ChunkShard, GroupPlacement, RaggedShard, Replicated
+from ..comm.point_to_point import all_gather_by_send_recv, send_recv
+from ..layout.tiling import Tiling, tiling
+from ..layout.views import ViewCache
 
 if TYPE_CHECKING:
-    from .layout import GroupLayout, ParamLayout
-    from .plan import ColumnPiece, GroupPlan
-    from .rows import RowMap
+    from ..layout.flat import GroupLayout, ParamLayout
+    from ..layout.plan import ColumnPiece, GroupPlan
+    from ..layout.rows import RowMap
 
-__all__ = ["ChunkShard", "RaggedShard", "Replicated"]
+__all__ = ["ChunkAssembly", "RaggedAssembly", "ReplicatedAssembly", "assembly_of"]
 
 
 @dataclass(frozen=True)
-class RaggedShard(RaggedGeometry, GroupPlacement):
-    """ZeRO-1/2 (:class:`~zero_dtensor.geometry.RaggedGeometry`): gathered in parameter order."""
+class RaggedAssembly(RaggedShard, GroupAssembly):
+    """ZeRO-1/2 (:class:`~zero_dtensor.layout.flat.RaggedShard`): gathered in parameter order."""
 
     def gather_param(self, group: GroupLayout, param: ParamLayout, partition: torch.Tensor,
                      pg: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
@@ -191,8 +193,8 @@ class RaggedShard(RaggedGeometry, GroupPlacement):
 
 
 @dataclass(frozen=True)
-class ChunkShard(ChunkGeometry, GroupPlacement):
-    """ZeRO-3 (:class:`~zero_dtensor.geometry.ChunkGeometry`): gathered rank-major, reordered into parameters."""
+class ChunkAssembly(ChunkShard, GroupAssembly):
+    """ZeRO-3 (:class:`~zero_dtensor.layout.flat.ChunkShard`): gathered rank-major, reordered into parameters."""
 
     def gather_param(self, group: GroupLayout, param: ParamLayout, partition: torch.Tensor,
                      pg: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
@@ -205,9 +207,9 @@ class ChunkShard(ChunkGeometry, GroupPlacement):
     def fill_for_reduce(self, region: torch.Tensor, group: GroupLayout, plan: GroupPlan, partition: torch.Tensor,
                         pieces: tuple[torch.Tensor, ...] | None, cache: ViewCache | None = None) -> None:
         """Rank ``r``'s chunk of parameter ``p`` goes to row ``r`` of ``p``'s ``(N, chunk)`` block: one zero fill,
-        then one row copy of the whole partition (:meth:`~zero_dtensor.plan.GroupPlan.own_column_rows`; the
+        then one row copy of the whole partition (:meth:`~zero_dtensor.layout.plan.GroupPlan.own_column_rows`; the
         chunks' padding lands in the blocks' padding, which no result shows), or, where rows do not pay
-        (:func:`~zero_dtensor.rows.row_map`), one ``_foreach_copy_`` of the fragments."""
+        (:func:`~zero_dtensor.layout.rows.row_map`), one ``_foreach_copy_`` of the fragments."""
         region.zero_()
         rows = plan.own_column_rows(partition.element_size())
         if rows is not None:
@@ -229,9 +231,9 @@ class ChunkShard(ChunkGeometry, GroupPlacement):
                        area: torch.Tensor | None, cache: ViewCache | None = None,
                        piece: ColumnPiece | None = None) -> torch.Tensor:
         """The ``(N, P)`` rows (or a ``piece``'s ``(N, hi - lo)`` rows) cut into column blocks in ``area`` (the
-        piece's ``N·(hi - lo)`` elements): one row copy (:attr:`~zero_dtensor.plan.ColumnPiece.rows`: one
+        piece's ``N·(hi - lo)`` elements): one row copy (:attr:`~zero_dtensor.layout.plan.ColumnPiece.rows`: one
         ``index_select``, or a strided copy per run family), or, where rows do not pay
-        (:func:`~zero_dtensor.rows.row_map`), one ``split_with_sizes_copy`` (FSDP2's copy-out; one kernel on CUDA, a
+        (:func:`~zero_dtensor.layout.rows.row_map`), one ``split_with_sizes_copy`` (FSDP2's copy-out; one kernel on CUDA, a
         copy per block elsewhere). One rank: the rows are parameter order already, one ``copy_``."""
         assert area is not None
         N = group.world_size
@@ -253,7 +255,7 @@ class ChunkShard(ChunkGeometry, GroupPlacement):
                             area: torch.Tensor, cache: ViewCache | None = None) -> None:
         """Rank ``rank``'s partition (``P`` elements: its chunk of every parameter) into row ``rank`` of every
         parameter's ``(N, chunk)`` block in ``area``: one row copy
-        (:meth:`~zero_dtensor.plan.GroupPlan.rank_column_rows`), or, where rows do not pay, one
+        (:meth:`~zero_dtensor.layout.plan.GroupPlan.rank_column_rows`), or, where rows do not pay, one
         ``split_with_sizes_copy`` into the blocks' rows (contiguous pieces). ``P`` elements copied."""
         rows = plan.rank_column_rows(rank, row.element_size())
         if rows is not None:
@@ -271,17 +273,17 @@ class ChunkShard(ChunkGeometry, GroupPlacement):
         return group.flat_numel
 
     def peer_rows(self, plan: GroupPlan, element_size: int) -> tuple[RowMap, RowMap] | None:
-        """:meth:`~zero_dtensor.plan.GroupPlan.own_column_rows` and
-        :meth:`~zero_dtensor.plan.GroupPlan.peer_column_rows` (both or ``None``)."""
+        """:meth:`~zero_dtensor.layout.plan.GroupPlan.own_column_rows` and
+        :meth:`~zero_dtensor.layout.plan.GroupPlan.peer_column_rows` (both or ``None``)."""
         own, peers = plan.own_column_rows(element_size), plan.peer_column_rows(element_size)
         return None if own is None or peers is None else (own, peers)
 
     def pipeline_pieces(self, plan: GroupPlan, element_size: int) -> tuple[ColumnPiece, ...]:
-        """:meth:`~zero_dtensor.plan.GroupPlan.column_pieces`: two, cut at a parameter boundary."""
+        """:meth:`~zero_dtensor.layout.plan.GroupPlan.column_pieces`: two, cut at a parameter boundary."""
         return plan.column_pieces(element_size)
 
     def window_pieces(self, plan: GroupPlan, element_size: int, max_width: int) -> tuple[ColumnPiece, ...]:
-        """:meth:`~zero_dtensor.plan.GroupPlan.column_windows`."""
+        """:meth:`~zero_dtensor.layout.plan.GroupPlan.column_windows`."""
         return plan.column_windows(element_size, max_width)
 
     def window_order_tiling(self, group: GroupLayout, params: tuple[ParamLayout, ...], start: int,
@@ -347,8 +349,8 @@ class ChunkShard(ChunkGeometry, GroupPlacement):
 
 
 @dataclass(frozen=True)
-class Replicated(ReplicatedGeometry, GroupPlacement):
-    """``BF16_Optimizer`` and ``keep_full_grads`` (:class:`~zero_dtensor.geometry.ReplicatedGeometry`): nothing to
+class ReplicatedAssembly(Replicated, GroupAssembly):
+    """``BF16_Optimizer`` and ``keep_full_grads`` (:class:`~zero_dtensor.layout.flat.Replicated`): nothing to
     gather."""
 
     def gather_param(self, group: GroupLayout, param: ParamLayout, partition: torch.Tensor,
@@ -372,6 +374,16 @@ class Replicated(ReplicatedGeometry, GroupPlacement):
                         alloc: Allocator) -> torch.Tensor:
         """No communication: one local copy of ``[start, stop)`` of the stored buffer (a snapshot, on its device)."""
         return alloc(stop - start, partition.dtype, partition.device).copy_(partition.narrow(0, start, stop - start))
+
+
+_ASSEMBLIES: dict[type[GroupPlacement], GroupAssembly] = {
+    RaggedShard: RaggedAssembly(), ChunkShard: ChunkAssembly(), Replicated: ReplicatedAssembly()}
+
+
+def assembly_of(group: GroupLayout) -> GroupAssembly:
+    """How ``group``'s buffer is assembled: the assembly of its placement (:attr:`~zero_dtensor.layout.flat.GroupLayout.
+    placement`, whose geometry it shares). No communication."""
+    return _ASSEMBLIES[type(group.placement)]
 
 
 def _views(cache: ViewCache | None, key: object, region: torch.Tensor,

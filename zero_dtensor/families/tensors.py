@@ -1,21 +1,21 @@
 """``ShardedTensors``: a live, sharded view of one *family* of a DeepSpeed ZeRO engine's flat tensors (the generic
-public front under :class:`~zero_dtensor.grads.ShardedGrads`, :class:`~zero_dtensor.master.ShardedMasterParams` and
-:class:`~zero_dtensor.master.ShardedOptimizerState`).
+public front under :class:`~zero_dtensor.grads.ShardedGrads`, :class:`~zero_dtensor.families.master.ShardedMasterParams` and
+:class:`~zero_dtensor.families.master.ShardedOptimizerState`).
 
-A family is any set of flat, sharded tensors with one layout (:class:`~zero_dtensor.storage.FlatStorage`): the
+A family is any set of flat, sharded tensors with one layout (:class:`~zero_dtensor.core.storage.FlatStorage`): the
 reduced gradients, the fp32 master weights, one optimizer-state key. Everything here works the same on each; what
 differs (when the values are valid, what a write must be followed by) is the family's storage and subclass.
 
 Nothing here communicates unless its docstring says so. Each collective call must run on every rank of the
 data-parallel group, in the same order, or the job hangs (as with any ``torch.distributed`` collective); bulk reads
-and writes agree first (see :mod:`zero_dtensor.agreement`), and a call whose arguments or settings differ between
+and writes agree first (see :mod:`zero_dtensor.comm.agreement`), and a call whose arguments or settings differ between
 ranks, or that one rank refuses (an unknown name, a bad ``out=`` entry or ``dtype``), raises on every rank there,
 before anything is sent. The work is done by modules that take the internal state explicitly:
-:mod:`~zero_dtensor.materialize` (full tensors), :mod:`~zero_dtensor.transforms` (elementwise, clone),
-:mod:`~zero_dtensor.reductions` (norms, dots, stats, clipping), :mod:`~zero_dtensor.redistribute`; the methods are
-grouped by concept: this module (mapping, materialization, writes), :mod:`~zero_dtensor.param_view` (one
-parameter's view), :mod:`~zero_dtensor.tensor_math`
-(transforms and reductions), :mod:`~zero_dtensor.tensor_owners` (DTensors and whole tensors on owners).
+:mod:`~zero_dtensor.materialize` (full tensors), :mod:`~zero_dtensor.ops.transforms` (elementwise, clone),
+:mod:`~zero_dtensor.ops.reductions` (norms, dots, stats, clipping), :mod:`~zero_dtensor.redistribute`; the methods are
+grouped by concept: this module (mapping, materialization, writes), :mod:`~zero_dtensor.families.param_view` (one
+parameter's view), :mod:`~zero_dtensor.families.tensor_math`
+(transforms and reductions), :mod:`~zero_dtensor.families.tensor_owners` (DTensors and whole tensors on owners).
 """
 
 from __future__ import annotations
@@ -27,17 +27,17 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import reductions, writes
-from .agreement import Refusal, agree_on
-from .collectives import mesh_for
-from .errors import StaleTensorsError
-from .layout import FlatLayout, ParamLayout
-from .materialize import bulk as _bulk
-from .materialize import stream as _stream
-from .materialize.results import PendingFullTensors
+from ..ops import reductions, writes
+from ..comm.agreement import Refusal, agree_on
+from ..comm.collectives import mesh_for
+from ..errors import StaleTensorsError
+from ..layout.flat import FlatLayout, ParamLayout
+from ..materialize import bulk as _bulk
+from ..materialize import stream as _stream
+from ..materialize.results import PendingFullTensors
 from .param_view import ParamView
-from .state import FlatState, ParamSelection, Selection, check_dtype, short_names
-from .storage import FlatStorage
+from ..core.state import FlatState, ParamSelection, Selection, check_dtype, short_names
+from ..core.storage import FlatStorage
 from .tensor_math import TensorMath
 from .tensor_owners import TensorOwners
 
@@ -63,7 +63,7 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
     are ever scaled). Operations between two families (``add_``, ``lerp_``, ``copy_``, ``dots``) need the same
     geometry: a family that is replicated where the other is sharded (``BF16_Optimizer``'s gradient against its
     masters) is refused with a ``ValueError`` saying so. Each call runs a fixed number of tensor operations
-    whatever the number of parameters (see :mod:`zero_dtensor.plan`). Memory: none beyond DeepSpeed's own until a
+    whatever the number of parameters (see :mod:`zero_dtensor.layout.plan`). Memory: none beyond DeepSpeed's own until a
     call materializes something (each call's docstring says how much).
     """
 
@@ -186,7 +186,7 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         Communication (``N`` ranks, ``S`` the padded flat bytes of the groups involved, in the stored dtype): first
         the rank agreement (one small collective of a few int64 per process group communicated on, on the call as
         resolved: the selection, ``dtype``, the strategy each transfer uses or that it calibrates, and the settings;
-        see :mod:`zero_dtensor.agreement`; arguments that any rank refuses — names, ``dtype``, ``out=`` entries,
+        see :mod:`zero_dtensor.comm.agreement`; arguments that any rank refuses — names, ``dtype``, ``out=`` entries,
         ``dst``, ``strategy`` — raise there on every rank, this rank's own error or the same class naming the
         refusing rank), then ``all_gather``: one all_gather per (process group, dtype, device),
         coalesced over the flat groups sharing them, ``(N-1)/N·S`` bytes per rank (ZeRO-3 transfers of 16 MiB or
@@ -203,14 +203,14 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         stages and copies out; ZeRO-3 copies this rank's partition into parameter order while the others' travel).
         ``send_recv``: the same gather by one batch of ``isend``/``irecv`` per (process group, dtype, device), the
         same bytes, every partition sent as it is and received in place (no copy of ``S``; ``CommDebugMode`` does
-        not count point-to-point ops, :func:`zero_dtensor.point_to_point.counting_p2p` does).
+        not count point-to-point ops, :func:`zero_dtensor.comm.point_to_point.counting_p2p` does).
         ``all_reduce``: one sum all_reduce
         per (process group, dtype, device) of a zero-filled ``S`` buffer, ``2(N-1)/N·S`` bytes per rank. ``auto`` on
         gloo, for transfers of at least 1 MiB: the first call per (process group, dtype, power-of-two size) also
         calibrates (9 more collectives, 13 where the all_gather is pipelined, 4 more where the transfer is one flat
         group and all_to_all is timed too, and 4 point-to-point batches: send_recv is timed too, except for CUDA tensors on gloo, whose ``isend``/``irecv`` cannot move them:
         there ``send_recv`` is never picked, and asked for it raises ``ValueError`` before anything moves,
-        :func:`zero_dtensor.process_groups.comm_support`); pin it with ``ZERO_DTENSOR_GATHER_STRATEGY`` or
+        :func:`zero_dtensor.comm.process_groups.comm_support`); pin it with ``ZERO_DTENSOR_GATHER_STRATEGY`` or
         :func:`~zero_dtensor.materialize.set_gather_strategy`. Replicated groups (``BF16_Optimizer``,
         ``keep_full_grads``): none.
 
@@ -280,7 +280,7 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
 
         Each rank copies its own fragment of each value (rescaled by ``loss_scale`` under fp16) into DeepSpeed's
         storage: per flat group, small values staged with one ``cat`` per trailing shape and moved with one row
-        copy, large ones with one ``_foreach_copy_`` (see :mod:`zero_dtensor.writes`); values of parameters a rank
+        copy, large ones with one ``_foreach_copy_`` (see :mod:`zero_dtensor.ops.writes`); values of parameters a rank
         holds nothing of are not read there, only their shapes and devices checked. Values must be equal on every
         rank (for replicated groups each rank writes the whole value). Everything is validated on every rank before
         the first write: a bad entry anywhere raises on every rank and nothing is changed. Values may be any
@@ -295,7 +295,7 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
     # --- internals -----------------------------------------------------------------------------------------------
     def _agree(self, what: str, selected: list[ParamLayout] | None, refused: Exception | None,
                *signature: Any) -> None:
-        """The rank agreement of a bulk read (:func:`zero_dtensor.agreement.agree`) over the process groups the
+        """The rank agreement of a bulk read (:func:`zero_dtensor.comm.agreement.agree`) over the process groups the
         call will communicate on (none for replicated or single-rank groups). ``refused``: this rank's validation
         error, which every rank then raises (``selected`` is ``None`` when the selection itself failed: the
         agreement then runs over the process groups of every sharded group)."""
@@ -310,7 +310,7 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
 
     def _agreed_selection(self, what: str, params: ParamSelection, *signature: Any, norm_type: Any = None) -> Selection:
         """A reduction's ``params=`` selection, validated (with ``norm_type`` where given) and agreed on every rank
-        of the process groups it reduces over (:func:`zero_dtensor.agreement.agree`; none where no group
+        of the process groups it reduces over (:func:`zero_dtensor.comm.agreement.agree`; none where no group
         communicates): a selection, a norm type or a setting that differs between ranks raises on every rank."""
         state = self._state
         state.check_current()

@@ -1,4 +1,4 @@
-"""The one internal state under a :class:`~zero_dtensor.tensors.ShardedTensors` (gradients, masters, optimizer
+"""The one internal state under a :class:`~zero_dtensor.families.tensors.ShardedTensors` (gradients, masters, optimizer
 state): storage, plan, selection, staleness.
 
 Every internal module (materialization, transforms, reductions) takes a :class:`FlatState` as an argument instead
@@ -15,12 +15,12 @@ from typing import Any, Union
 
 import torch
 
-from .collectives import on_comm_device
-from .errors import StaleGradientsError
-from .layout import FlatLayout, GroupLayout, ParamLayout
-from .plan import AllParams, FlatPlan, GroupPlan, plan_for
+from ..comm.collectives import on_comm_device
+from ..errors import StaleGradientsError
+from ..layout.flat import FlatLayout, GroupLayout, ParamLayout
+from ..layout.plan import AllParams, FlatPlan, GroupPlan, plan_for
 from .storage import FlatStorage
-from .views import ViewCache
+from ..layout.views import ViewCache
 
 __all__ = ["FlatState", "GradsLike", "ParamSelection", "Selection", "STALE", "check_dtype", "short_names",
            "state_of"]

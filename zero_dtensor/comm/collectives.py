@@ -2,8 +2,8 @@
 
 Every function here must be called on every rank of the group, in the same order, with the same arguments (apart
 from the local data): that is what a collective is. Point-to-point exchanges are in
-:mod:`zero_dtensor.point_to_point`, queries of a process group (ranks, sizes, backends) in
-:mod:`zero_dtensor.process_groups`.
+:mod:`zero_dtensor.comm.point_to_point`, queries of a process group (ranks, sizes, backends) in
+:mod:`zero_dtensor.comm.process_groups`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .devices import to_device
+from ..layout.devices import to_device
 from .process_groups import backend_of, comm_support_of, world_size_of
 
 __all__ = [
@@ -106,7 +106,7 @@ def all_gather_into(
     """Gather each equal-per-rank 1-D ``partitions[i]`` into the preallocated ``outs[i]`` (``N×`` its length).
 
     **One** collective for all of them (coalesced when there are several; they must share dtype and device), or,
-    where the backend cannot coalesce on their device (:func:`~zero_dtensor.process_groups.comm_support`: gloo over
+    where the backend cannot coalesce on their device (:func:`~zero_dtensor.comm.process_groups.comm_support`: gloo over
     CUDA tensors), one ``all_gather_into_tensor`` per partition. Bytes received per rank: ``(N-1)/N`` of the summed
     output sizes. Returns the pending works (empty when sync).
     """

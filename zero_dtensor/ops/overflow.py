@@ -13,11 +13,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .agreement import agree
-from .collectives import all_reduce_op
-from .devices import to_comm
+from ..comm.agreement import agree
+from ..comm.collectives import all_reduce_op
+from ..layout.devices import to_comm
 from .reductions import communicating_groups
-from .state import state_of
+from ..core.state import state_of
 
 __all__ = ["found_inf"]
 
@@ -35,7 +35,7 @@ def _not_finite(part: torch.Tensor) -> torch.Tensor:
 def found_inf(grads: Any) -> bool:
     """True if any element of any gradient (on any rank) is inf or nan. **Collective** (same answer on every rank).
 
-    Communication: the rank agreement (:mod:`zero_dtensor.agreement`), then one ``all_reduce`` (max) of one float
+    Communication: the rank agreement (:mod:`zero_dtensor.comm.agreement`), then one ``all_reduce`` (max) of one float
     per distinct process group of the multi-rank sharded groups; none
     when every group is replicated (``BF16_Optimizer``: every rank holds the same full buffer). Padding is zero and
     never counts. Local work: one ``aminmax`` per flat group where its partition lives (one read, no mask); the

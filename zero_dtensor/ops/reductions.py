@@ -1,16 +1,16 @@
 """Reductions over the local shards: norms, dot products, statistics, clipping, overflow. One collective each.
 
-Local work (no communication): per flat group, :mod:`zero_dtensor.segments` reduces every piece of this rank's
+Local work (no communication): per flat group, :mod:`zero_dtensor.layout.segments` reduces every piece of this rank's
 partition at once, parameters' fragments and padding gaps alike, with a fixed number of tensor operations whatever
 the number of parameters: a row-wise reduction of its full rows (64 elements on the CPU, 2048 on accelerators:
-:func:`~zero_dtensor.segments.block_for`) accumulating in float32 inside the reduction (no upcast copy), one gather
+:func:`~zero_dtensor.layout.segments.block_for`) accumulating in float32 inside the reduction (no upcast copy), one gather
 of the rows holding the other elements and two float64 ``segment_reduce`` (so the partials are float64 sums of
 float32 row sums: more precise than one long float32 reduction). One ``index_select`` then takes the selected
 parameters' pieces, in selection order (padding never counts). A selection that covers under a quarter of a group's
 local elements reduces the concatenation of its fragments instead, so picking one parameter of 10,000 does not pay
 a pass over the partition.
 
-Devices (:mod:`zero_dtensor.devices`): partitions are reduced where they live (the storage device; the CPU under
+Devices (:mod:`zero_dtensor.layout.devices`): partitions are reduced where they live (the storage device; the CPU under
 offload) with index tensors cached there; the per-parameter (or per-group) vector moves once to the communication
 device, where the collective runs and where every tensor result is returned (``stats`` and ``found_inf`` return
 host values). No host sync apart from those documented per call.
@@ -23,8 +23,8 @@ the partition, as ZeRO-1/2 lay them out, is reduced locally by one row-wise ``ve
 for replicated or single-rank groups, whose local values are already complete. ``stats()`` needs two (a sum and a
 max). Results are in true (unscaled) units. On gloo below 4 ranks each travels as one all_gather and is reduced
 locally (a small all_reduce there waits a scheduler tick far more often;
-:func:`~zero_dtensor.collectives.prefers_all_reduce`), and ``stats()`` then needs one. (``found_inf`` lives in
-:mod:`zero_dtensor.overflow`.)
+:func:`~zero_dtensor.comm.collectives.prefers_all_reduce`), and ``stats()`` then needs one. (``found_inf`` lives in
+:mod:`zero_dtensor.ops.overflow`.)
 """
 
 from __future__ import annotations
@@ -40,23 +40,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .collectives import all_reduce_rows, sum_max_rows
-from .agreement import distinct_groups
-from .devices import to_comm, to_device, to_host, to_storage
-from .param_values import ParamStatsMap, ParamValues
-from .segments import (
-    SegmentPlan,
-    block_for,
-    param_index,
-    piece_dots,
-    piece_max_abs,
-    piece_pow_sums,
-    piece_stats,
-    piece_sums,
-    segment_plan,
-    sizes_plan,
-)
-from .state import FlatState, Selection
+from ..comm.collectives import all_reduce_rows, sum_max_rows
+from ..comm.agreement import distinct_groups
+from ..layout.devices import to_comm, to_device, to_host, to_storage
+from ..core.param_values import ParamStatsMap, ParamValues
+from ..layout.segments import (SegmentPlan, block_for, param_index, piece_dots, piece_max_abs, piece_pow_sums,
+                               piece_stats, piece_sums, segment_plan, sizes_plan)
+from ..core.state import FlatState, Selection
 from .transforms import PerParam, mul_
 
 __all__ = [
@@ -269,7 +259,7 @@ _RUN_DTYPES = (torch.float32, torch.float64)
 
 def _run_of(state: FlatState, sel: Selection, g: int) -> torch.Tensor | None:
     """Group ``g``'s parameter elements in this rank's partition as one view, where it is selected whole, holds
-    them as one run (:attr:`~zero_dtensor.plan.GroupPlan.param_run`) and stores float32 or float64; else
+    them as one run (:attr:`~zero_dtensor.layout.plan.GroupPlan.param_run`) and stores float32 or float64; else
     ``None``. Other dtypes take the run too where the partitions are not on the CPU. Decided on each rank for
     itself (ZeRO-3 pads only the last rank's pieces): no collective depends on
     it."""
@@ -283,8 +273,8 @@ def _run_of(state: FlatState, sel: Selection, g: int) -> torch.Tensor | None:
 
 
 def _run_partial(run: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """``sum |x|^p`` (``max |x|`` for inf) of ``run``, a 0-d float64: as :mod:`zero_dtensor.segments` reduces, the
-    row norms of its full rows of :func:`~zero_dtensor.segments.block_for` its device's width, accumulated in
+    """``sum |x|^p`` (``max |x|`` for inf) of ``run``, a 0-d float64: as :mod:`zero_dtensor.layout.segments` reduces, the
+    row norms of its full rows of :func:`~zero_dtensor.layout.segments.block_for` its device's width, accumulated in
     float32 inside the reduction (float64 for float64), summed in float64, plus its last partial row's (one
     ``vector_norm`` over a long float32 run loses digits: 4e-4 relative at 2.6M elements). One read, no copy."""
     if math.isinf(norm_type):
@@ -331,7 +321,7 @@ def _group_partials(state: FlatState, sel: Selection, norm_type: float) -> torch
 
 def dots(state: FlatState, other: FlatState, sel: Selection, with_norms: bool) -> Any:
     """Per-parameter ``<g, other_g>`` (and 2-norms): one collective of a (k, 1 or 3) float32 vector per process
-    group. Locally: :func:`~zero_dtensor.segments.piece_dots` (and two ``piece_pow_sums``) per group."""
+    group. Locally: :func:`~zero_dtensor.layout.segments.piece_dots` (and two ``piece_pow_sums``) per group."""
 
     def values(part: _Part) -> torch.Tensor:
         a, b = part.bufs
@@ -353,7 +343,7 @@ def dots(state: FlatState, other: FlatState, sel: Selection, with_norms: bool) -
 
 def _moments(part: _Part) -> torch.Tensor:
     """(pieces, 6) float64: sum of squares, sum, max |x|, nan count, inf count, missed
-    (:func:`~zero_dtensor.segments.piece_stats` with ``counts``: three reads, counts decided on the device)."""
+    (:func:`~zero_dtensor.layout.segments.piece_stats` with ``counts``: three reads, counts decided on the device)."""
     (buf,) = part.bufs
     return piece_stats(buf, part.seg, part.device, counts=True)
 
@@ -387,9 +377,9 @@ def _stat_rows(state: FlatState, sel: Selection, parts: list[_Part]) -> torch.Te
 
 def stats(state: FlatState, sel: Selection) -> ParamStatsMap[GradStats]:
     """Per parameter 2-norm, max |g|, mean, nan and inf counts: a (k, 6) float64 matrix (sums of squares, sums,
-    counts summed across ranks; max |x| and an incompleteness flag maxed; :func:`~zero_dtensor.collectives.sum_max_rows`):
+    counts summed across ranks; max |x| and an incompleteness flag maxed; :func:`~zero_dtensor.comm.collectives.sum_max_rows`):
     per process group one all_gather of it (gloo below 4 ranks), else two all_reduces. Locally per group one
-    :func:`~zero_dtensor.segments.piece_stats` (sums of squares, sums, maxima: three reads; nan/inf counts of
+    :func:`~zero_dtensor.layout.segments.piece_stats` (sums of squares, sums, maxima: three reads; nan/inf counts of
     the bits and of up to max(16, rows/256) rows whose sum of squares is not finite, chosen on the device). One
     host sync: the copy of the results (``GradStats`` hold Python numbers). Only when more of some rank's rows of
     a group than that are not finite (the flag, the same on every rank after the reduction) are the counts taken

@@ -1,0 +1,8 @@
+"""Operations on a family's local shards, batched per flat group.
+
+- :mod:`.transforms` (with :mod:`.operands`, :mod:`.noise`): elementwise writes, no communication;
+- :mod:`.reductions` (with :mod:`.overflow`): norms, dots, statistics, clipping, one collective each;
+- :mod:`.writes`: ``set_full_``, full tensors written into each rank's fragments, no communication.
+
+Reads of full tensors are :mod:`zero_dtensor.materialize`'s, redistributions :mod:`zero_dtensor.redistribute`'s.
+"""

@@ -154,6 +154,16 @@ def test_the_top_level_holds_entry_points_and_folders() -> None:
     assert folders == declared - {name.removesuffix(".py") for name in TOP_LEVEL_MODULES}
 
 
+#: one concept per module: a module longer than this is two concepts (the package's rule is "about 450 lines")
+MAX_MODULE_LINES = 460
+
+
+def test_no_module_is_over_about_450_lines() -> None:
+    long = {str(p.relative_to(PACKAGE)): n for p in sorted(PACKAGE.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}, "cut the module in two along its concepts"
+
+
 def test_every_module_says_what_it_is_for() -> None:
     """Every module has a docstring (its first line says what the module is for), and every folder's ``__init__``
     names each module of the folder (``:mod:`.name```) in saying what the folder holds."""

@@ -1,0 +1,113 @@
+"""``set_full_``'s per-parameter path: each value copied straight into a cached view of its fragment, planned once
+per request and flat group, so that a call makes no Python pass over the parameters. **No communication**; writes
+DeepSpeed's partition in place (no allocation: the views are cached per partition buffer) and never records autograd
+history (the caller runs it under ``torch.no_grad``)."""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..core.state import FlatState
+from ..layout.plan import GroupPlan
+
+__all__ = ["write_direct"]
+
+
+@dataclass(frozen=True, eq=False)
+class _DirectWrite:
+    """How one request's values of one flat group are written value by value (planned once per request and group):
+    ``whole_pick`` picks the values of the parameters this rank holds whole (``None``: all of them, in order), each
+    copied into a cached view of its fragment in the parameter's shape; ``partial`` holds, per parameter this rank
+    holds only part of, its value's index, its index ``k`` in the group, and the part's start and length in the
+    value."""
+
+    whole_pick: Callable[[list[torch.Tensor]], Any] | None
+    whole: tuple[int, ...]  # the parameters (indices ``k`` in the group) held whole, in request order
+    partial: tuple[tuple[int, int, int, int], ...]
+    whole_offsets: tuple[int, ...]  # where their fragments start in the partition
+    whole_shapes: tuple[torch.Size, ...]  # their shapes
+    whole_strides: tuple[tuple[int, ...], ...]  # and contiguous strides
+
+
+_DIRECT: weakref.WeakKeyDictionary[GroupPlan, dict[tuple[str, ...], _DirectWrite]] = weakref.WeakKeyDictionary()
+_DIRECT_KEPT = 16
+
+
+def _direct_write(plan: GroupPlan, names: tuple[str, ...]) -> _DirectWrite:
+    """The cached :class:`_DirectWrite` of ``names`` (request order) in ``plan``'s group (a pass over the
+    parameters the first time a request is seen, none after)."""
+    per_plan = _DIRECT.setdefault(plan, {})
+    found = per_plan.get(names)
+    if found is None:
+        if len(per_plan) >= _DIRECT_KEPT:
+            per_plan.clear()
+        whole_at, positions = plan.whole_position, plan.positions
+        ks = [positions[n] for n in names]
+        held = [i for i, k in enumerate(ks) if k in whole_at]
+        partial = tuple((i, k, plan.frag_start[k], plan.frag_len[k]) for i, k in enumerate(ks)
+                        if k not in whole_at and plan.frag_len[k])
+        pick = None if held == list(range(len(ks))) else _picker(held)
+        whole = tuple(ks[i] for i in held)
+        shapes = tuple(plan.params[k].shape for k in whole)
+        found = per_plan[names] = _DirectWrite(pick, whole, partial, tuple(plan.frag_offset[k] for k in whole),
+                                               shapes, tuple(_contiguous_strides(shape) for shape in shapes))
+    return found
+
+
+def _picker(indices: list[int]) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+    """``values -> [values[i] for i in indices]`` with one C-level call."""
+    if not indices:
+        return lambda values: []
+    get = operator.itemgetter(*indices)
+    return (lambda values: [get(values)]) if len(indices) == 1 else (lambda values: list(get(values)))
+
+
+def write_direct(state: FlatState, plan: GroupPlan, names: tuple[str, ...], values: list[torch.Tensor]) -> None:
+    """Whole local parameters: the value itself into a cached view of its fragment in the parameter's shape (no
+    view per call); parameters this rank holds only part of: a view of the value's part. What goes where is planned
+    once per request (:class:`_DirectWrite`): a call makes no pass over the parameters in Python, only one view per
+    partly held parameter (ZeRO-1/2: at most two per rank and group; ZeRO-3 over several ranks: every one)."""
+    direct = _direct_write(plan, names)
+    dests = list(state.view_caches[plan.index].get(("direct", plan, names),
+                                                   lambda _: _direct_views(state, plan, direct)))
+    sources = values if direct.whole_pick is None else direct.whole_pick(values)
+    if direct.partial:
+        sources = [*sources, *(values[i].reshape(-1).narrow(0, start, length)
+                               for i, _, start, length in direct.partial)]
+    if not dests:
+        return
+    scale = state.loss_scale
+    if scale != 1.0:  # value × scale in float32 (bit-identical to scaling each value alone), cast on copy
+        if all(s.dtype == torch.float32 for s in sources):
+            sources = torch._foreach_mul(sources, scale)
+        else:  # other dtypes: one cat (promoting), one cast, one multiply; then flat pieces into flat fragments
+            flat = torch.cat([s.reshape(-1) for s in sources]).to(torch.float32).mul_(scale)
+            sources = list(flat.split_with_sizes([d.numel() for d in dests]))
+            dests = [d.view(-1) for d in dests]
+    torch._foreach_copy_(dests, sources)
+
+
+def _direct_views(state: FlatState, plan: GroupPlan, direct: _DirectWrite) -> list[torch.Tensor]:
+    """New views of the partition for the fragments ``direct`` writes, in its order: in the parameter's shape where
+    this rank holds it whole (one ``as_strided`` each, by a C-level pass), flat where it holds a part. Made once per
+    partition buffer: again every step where the partition is DeepSpeed's own memory, so one view per parameter and
+    no per-piece tiling first."""
+    buffer = state.view_caches[plan.index].buffer
+    base = buffer.storage_offset()
+    whole = list(map(buffer.as_strided, direct.whole_shapes, direct.whole_strides,
+                     map(base.__add__, direct.whole_offsets)))
+    return whole + [buffer.narrow(0, plan.frag_offset[k], length) for _, k, _, length in direct.partial]
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))

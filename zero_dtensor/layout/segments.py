@@ -381,7 +381,7 @@ def _budget(rows: int) -> int:
 
 
 def joint_stats(bufs: Sequence[torch.Tensor], segs: Sequence[SegmentPlan], device: torch.device | None = None, *,
-                counts: bool = False) -> torch.Tensor:
+                counts: bool = False, order: Sequence[int] | None = None) -> torch.Tensor:
     """(pieces of all plans, 3) float64: per piece the sum of squares, the sum and the max ``|x|``, exactly as
     :func:`joint_pow_sums`, :func:`joint_sums` and :func:`joint_max_abs` give them, sharing one gather of the bits:
     three reads of the rows per buffer (``vector_norm``, ``sum``, ``vector_norm(ord=inf)``).
@@ -392,7 +392,8 @@ def joint_stats(bufs: Sequence[torch.Tensor], segs: Sequence[SegmentPlan], devic
     ``max(COUNT_ROWS, row_end // COUNT_SHARE)`` of each buffer's (chosen by one ``topk`` of its row flags) are
     gathered and counted (a temporary of at most 1/:data:`COUNT_SHARE` of the rows, or 16 rows: about 8 MB of 2 GB
     on the H200 layout). ``missed`` is set when more of some buffer's rows than that are not finite (then count
-    with :func:`joint_sums` of ``isnan``/``isinf``)."""
+    with :func:`joint_sums` of ``isnan``/``isinf``). ``order``: the columns in this order instead (indices into
+    the above; one concatenation either way)."""
     j = _prepare(bufs, segs, device)
     rows = _row_views(bufs, segs)
     bits = _bit_parts(bufs, segs, j)
@@ -400,16 +401,17 @@ def joint_stats(bufs: Sequence[torch.Tensor], segs: Sequence[SegmentPlan], devic
     columns = [_joined(squares, j, "sum"),
                _joined(torch.cat([*map(_row_sums, rows), *bits]).to(torch.float64), j, "sum"),
                _joined(torch.cat([*map(_row_max_abs, rows), *bits]).to(torch.float64).abs_(), j, "max")]
-    if not counts:
-        return torch.stack(columns, dim=1)
-    raw = torch.cat(bits)
-    found = _segments(torch.stack([torch.isnan(raw), torch.isinf(raw)], dim=1).to(torch.float64), j.bit_offsets,
-                      "sum")  # (pieces, 2): exact small integers, whatever the order of the sum
-    if rows:
-        missed = _count_bad_rows(rows, squares[: j.rows], j, found).to(torch.float64).expand(j.pieces, 1)
-    else:
-        missed = torch.zeros((j.pieces, 1), dtype=torch.float64, device=squares.device)
-    return torch.cat([torch.stack(columns, dim=1), found, missed], dim=1)
+    columns = [c.unsqueeze(1) for c in columns]
+    if counts:
+        raw = torch.cat(bits)
+        found = _segments(torch.stack([torch.isnan(raw), torch.isinf(raw)], dim=1).to(torch.float64), j.bit_offsets,
+                          "sum")  # (pieces, 2): exact small integers, whatever the order of the sum
+        if rows:
+            missed = _count_bad_rows(rows, squares[: j.rows], j, found).to(torch.float64).expand(j.pieces, 1)
+        else:
+            missed = torch.zeros((j.pieces, 1), dtype=torch.float64, device=squares.device)
+        columns += [found[:, :1], found[:, 1:], missed]
+    return torch.cat(columns if order is None else [columns[i] for i in order], dim=1)
 
 
 def _count_bad_rows(rows: list[torch.Tensor], row_sq: torch.Tensor, j: _Joint, found: torch.Tensor) -> torch.Tensor:
@@ -428,7 +430,7 @@ def _count_bad_rows(rows: list[torch.Tensor], row_sq: torch.Tensor, j: _Joint, f
     run = torch.searchsorted(j.row_offsets, pick, right=True) - 1  # the run of each picked row
     weight = (run.remainder(2) == 1) * bad.index_select(0, pick)  # rows straddling pieces are bits (counted there)
     piece = torch.div(run, 2, rounding_mode="floor").clamp_(max=j.pieces - 1)
-    per_row = torch.stack([torch.isnan(block).sum(1), torch.isinf(block).sum(1)], dim=1).to(torch.float64)
+    per_row = torch.stack([torch.isnan(block), torch.isinf(block)], dim=1).sum(2).to(torch.float64)
     found.index_add_(0, piece, per_row.mul_(weight.unsqueeze(1)))
     return (_segments(bad, j.row_starts, "sum") > j.budgets).any()
 

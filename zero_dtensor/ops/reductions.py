@@ -424,12 +424,12 @@ def dots(state: FlatState, other: FlatState, sel: Selection, with_norms: bool) -
     return result, ParamValues(names, reduced[:, 1].sqrt() / s), ParamValues(names, reduced[:, 2].sqrt() / so)
 
 
-def _moments(parts: _Parts) -> torch.Tensor:
-    """(pieces, 6) float64: sum of squares, sum, max |x|, nan count, inf count, missed
-    (:func:`~zero_dtensor.layout.segments.joint_stats` with ``counts``: three reads, counts decided on the
-    device), every group at once."""
+def _moments(parts: _Parts, order: Sequence[int] | None = None) -> torch.Tensor:
+    """(pieces, 6) float64: sum of squares, sum, max |x|, nan count, inf count, missed (or these columns in
+    ``order``; :func:`~zero_dtensor.layout.segments.joint_stats` with ``counts``: three reads, counts decided on
+    the device), every group at once."""
     (bufs,) = parts.bufs
-    return joint_stats(bufs, parts.segs, parts.device, counts=True)
+    return joint_stats(bufs, parts.segs, parts.device, counts=True, order=order)
 
 
 def _counts(parts: _Parts) -> torch.Tensor:
@@ -442,6 +442,7 @@ def _counts(parts: _Parts) -> torch.Tensor:
 
 #: columns of :func:`_stat_rows`: summed across ranks (the first four), maxed (the last two)
 _SUMMED = 4
+_ROW_ORDER = (0, 1, 3, 4, 2, 5)  #: :func:`_moments`' columns in :func:`_stat_rows`' order
 
 
 def _stat_columns(parts: _Parts) -> torch.Tensor:
@@ -455,8 +456,7 @@ def _stat_columns(parts: _Parts) -> torch.Tensor:
 def _stat_rows(state: FlatState, parts: _Parts | None) -> torch.Tensor:
     """(k, 6) float64 on the communication device: sum of squares, sum, nan count, inf count, max |x|, missed
     (1.0 where some group's counts may be incomplete) per selected parameter. No host sync."""
-    m = _per_param(state, parts, _moments, torch.float64, (6,))
-    return torch.cat([m[:, :2], m[:, 3:5], m[:, 2:3], m[:, 5:]], dim=1)
+    return _per_param(state, parts, lambda p: _moments(p, _ROW_ORDER), torch.float64, (6,))
 
 
 def stats(state: FlatState, sel: Selection) -> ParamStatsMap[GradStats]:

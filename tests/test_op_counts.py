@@ -133,9 +133,10 @@ def test_reductions_read_the_data_once_without_copies_or_syncs(ranks, name: str)
 #: (one ``topk``) and gathers them (one ``index_select``); dots may cut one more chunk of rows (float32: one
 #: ``vecdot``; bf16: a copy, a multiply and a sum); (2) once, whatever the number of groups beyond one: the
 #: ``index_select`` putting the rows back in selection order (the groups interleave in it), and stats' two
-#: concatenations of the groups' picked rows and their indices. Everything else (casts, concatenations of values, segment sums, the move to the communication
-#: device) is one set of operations for all groups. The code before this test added 15 operations to norms (both
-#: dtypes), 6 (fp32) / 12 (bf16) to global_norm, 7 / 13 to clip_grad_norm_, 61 to stats and 16 to dots.
+#: concatenations of the groups' picked rows and their indices. Everything else (casts, concatenations of values,
+#: segment sums, the move to the communication device) is one set of operations for all groups. The code before
+#: this test added 15 operations to norms (both dtypes), 6 (fp32) / 12 (bf16) to global_norm, 7 / 13 to
+#: clip_grad_norm_, 61 to stats and 16 to dots.
 GROUP_COST = {"norms": (1 + 1, 1), "global_norm": (1 + 1, 0), "clip_grad_norm_": (1 + 1 + 1, 0),
               "stats": (3 + 1 + 2, 1 + 2), "dots": (2 + 3, 1)}
 

@@ -360,7 +360,7 @@ def _group_partials(state: FlatState, sel: Selection, norm_type: float) -> torch
     """Per selected group (ascending index) the local ``sum |x|^p`` (``max |x|``) of its selected parameters,
     summed (maxed) across the ranks of each distinct process group of the multi-rank sharded groups: one
     collective per process group, a (groups,) float64 on the engine's device. Locally, where every selected group
-    is a run (:func:`_run_of`), row-wise ``vector_norm``\ s over each run (:func:`_run_norms`); else every group's
+    is a run (:func:`_run_of`), row-wise ``vector_norm`` calls over each run (:func:`_run_norms`); else every group's
     per-parameter partials (:func:`_piece_norms`); then one reduction per group for all groups
     (:func:`_per_group`)."""
     devices = state.storage.devices

@@ -77,7 +77,8 @@ def test_python_work_does_not_grow_with_parameters(ranks, variant: str, name: st
 
 # --- issue 42: memory traffic and host syncs of the reductions (tests/workers/dispatch_probe.py), per rank, on a
 # model whose data far outweighs the per-piece bookkeeping; results on the (simulated) accelerator.
-TRAFFIC_CASES = ((1, "fp16"), (2, "bf16"), (3, "fp32"))
+#: (stage, dtype[, 1: one param group]); two param groups (two flat groups) unless said
+TRAFFIC_CASES = ((1, "fp16"), (2, "bf16"), (3, "fp32"), (3, "fp32", 1), (3, "bf16"), (3, "bf16", 1))
 #: (most data reads, in passes over the data; most data writes) per call
 TRAFFIC_LIMITS = {"norms": (1, 0), "norms(1)": (1, 0), "norms(inf)": (1, 0), "norms(half)": (1, 0),
                   "global_norm": (1, 0), "global_norm(inf)": (1, 0), "dots": (1, 0), "dots(with_norms)": (2, 0),
@@ -94,15 +95,20 @@ TRAFFIC_OPS = {"dots": 2 * (4 * 17 + 20) + 30, "dots(with_norms)": 2 * (4 * 17 +
 _TRAFFIC: list = []
 
 
-@pytest.mark.parametrize("name", sorted(TRAFFIC_LIMITS))
-def test_reductions_read_the_data_once_without_copies_or_syncs(ranks, name: str) -> None:
+def _traffic(ranks) -> list:
+    """Every rank's ``device_ops.check_traffic`` of :data:`TRAFFIC_CASES` (measured once for the module)."""
     from workers import device_ops
 
     if not _TRAFFIC:
         _TRAFFIC.append(ranks(2).run(device_ops.check_traffic, TRAFFIC_CASES))
+    return _TRAFFIC[0]
+
+
+@pytest.mark.parametrize("name", sorted(TRAFFIC_LIMITS))
+def test_reductions_read_the_data_once_without_copies_or_syncs(ranks, name: str) -> None:
     reads, writes = TRAFFIC_LIMITS[name]
     problems = []
-    for rank, per_case in enumerate(_TRAFFIC[0]):
+    for rank, per_case in enumerate(_traffic(ranks)):
         for case, rows in per_case.items():
             r = rows[name]
             data = r["data_bytes"]
@@ -118,4 +124,32 @@ def test_reductions_read_the_data_once_without_copies_or_syncs(ranks, name: str)
                 problems.append(f"rank {rank} {case}: {r['refused'][:2]}")
             if r["ops"] > TRAFFIC_OPS.get(name, 10**9):
                 problems.append(f"rank {rank} {case}: {r['ops']} operations (at most {TRAFFIC_OPS[name]})")
+    assert not problems, f"{name}: " + "; ".join(problems)
+
+
+#: issue 42: what a second flat group may add to a call's operations (ZeRO-3, the same model in two param groups
+#: against one): (1) the kernels that read its data: one row-wise reduction per quantity read and one gather of its
+#: bits per buffer read; clipping also scales it (one more multiply); stats also picks its rows that are not finite
+#: (one ``topk``) and gathers them (one ``index_select``); dots may cut one more chunk of rows (float32: one
+#: ``vecdot``; bf16: a copy, a multiply and a sum); (2) once, whatever the number of groups beyond one: the
+#: ``index_select`` putting the rows back in selection order (the groups interleave in it), and stats' two
+#: concatenations of the groups' picked rows and their indices. Everything else (casts, concatenations of values,
+#: segment sums, the move to the communication device) is one set of operations for all groups. The code before
+#: this test added 15 operations to norms (both dtypes), 6 (fp32) / 12 (bf16) to global_norm, 7 / 13 to
+#: clip_grad_norm_, 61 to stats and 16 to dots.
+GROUP_COST = {"norms": (1 + 1, 1), "global_norm": (1 + 1, 0), "clip_grad_norm_": (1 + 1 + 1, 0),
+              "stats": (3 + 1 + 2, 1 + 2), "dots": (2 + 3, 1)}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])  # global_norm: a row-wise pass over each group's run (fp32), or
+@pytest.mark.parametrize("name", sorted(GROUP_COST))  # per-piece partials (bf16 on the CPU)
+def test_a_second_flat_group_adds_only_its_reading_kernels(ranks, name: str, dtype: str) -> None:
+    problems = []
+    for rank, per_case in enumerate(_traffic(ranks)):
+        two, one = per_case[f"z3-{dtype}"][name], per_case[f"z3-{dtype}-1group"][name]
+        limit = sum(GROUP_COST[name])
+        if two["ops"] - one["ops"] > limit:
+            more = {k: v - one["by_op"].get(k, 0) for k, v in two["by_op"].items() if v != one["by_op"].get(k, 0)}
+            problems.append(f"rank {rank}: {one['ops']} operations with one flat group, {two['ops']} with two "
+                            f"(at most +{limit}; {more})")
     assert not problems, f"{name}: " + "; ".join(problems)

@@ -285,8 +285,8 @@ def test_local_partials_take_each_selected_fragment_in_selection_order(case, dty
         for j, f in enumerate(frags):
             want = ref_norm(f, p_norm) if math.isinf(p_norm) else float(f.abs().pow(p_norm).sum())
             assert math.isclose(float(got[j]), want, rel_tol=2e-5, abs_tol=1e-30), (p_norm, j, float(got[j]), want)
-    cols = reductions._per_param(state, sel, reductions._parts((state,), sel), reductions._stat_columns,
-                                 torch.float64, (5,))
+    cols = reductions._per_param(state, reductions._parts((state,), sel), reductions._stat_columns, torch.float64,
+                                 (5,))
     assert cols.shape == (len(chosen), 5)
     for j, f in enumerate(frags):
         assert math.isclose(float(cols[j, 0]), float(f.square().sum()), rel_tol=2e-5, abs_tol=1e-30)

@@ -225,10 +225,10 @@ TRAFFIC: dict[str, Call] = {
 WARM_UP = ("norms", "norms(half)", "found_inf")  #: the calls whose first run fills every cache the others use
 
 
-def check_traffic(cases: tuple[tuple[int, str], ...], dot_chunk: int = 2048) -> dict[str, dict[str, Any]]:
+def check_traffic(cases: tuple[tuple[Any, ...], ...], dot_chunk: int = 2048) -> dict[str, dict[str, Any]]:
     """``{"z{stage}-{dtype}": {call: DispatchProbe.summary()}}`` of each reduction and clip of :data:`TRAFFIC` on a
-    :class:`Blocks` engine (two param groups) per ``(stage, dtype)``, measured on its second call (caches filled by
-    the first, also simulated) with
+    :class:`Blocks` engine (two param groups) per ``(stage, dtype)`` (``(stage, dtype, 1)``: one param group, key
+    ``"z{stage}-{dtype}-1group"``), measured on its second call (caches filled by the first, also simulated) with
     the gradient partitions (and the clone's, for ``dots``) watched as the data, under simulated devices without
     offload (partitions and results on the simulated accelerator: a read back to the host is a sync).
     ``dot_chunk``: :data:`zero_dtensor.layout.segments.DOT_CHUNK` meanwhile (small, so that a chunk is far smaller than
@@ -238,12 +238,14 @@ def check_traffic(cases: tuple[tuple[int, str], ...], dot_chunk: int = 2048) -> 
     out: dict[str, dict[str, Any]] = {}
     chunk, segments.DOT_CHUNK = getattr(segments, "DOT_CHUNK", None), dot_chunk
     try:
-        for stage, dtype in cases:
+        for stage, dtype, *rest in cases:
             config = EngineCase(stage, dtype).config()
             model = Blocks()
             # two param groups (weights, biases): two flat groups, whose per-parameter rows are put back in
-            # selection order (as ZeRO-3's sub-groups of a large model are)
-            groups = [{"params": [p for n, p in model.named_parameters() if n.endswith(k)]} for k in ("weight", "bias")]
+            # selection order (as ZeRO-3's sub-groups of a large model are); or one param group, one flat group
+            one = bool(rest) and rest[0] == 1
+            groups = None if one else [{"params": [p for n, p in model.named_parameters() if n.endswith(k)]}
+                                       for k in ("weight", "bias")]
             engine = make_engine(config, model, model_parameters=groups)
             g = torch.Generator().manual_seed(3 + dist.get_rank())
             x = torch.randn(engine.train_micro_batch_size_per_gpu(), 256, generator=g).to(
@@ -268,7 +270,7 @@ def check_traffic(cases: tuple[tuple[int, str], ...], dot_chunk: int = 2048) -> 
                         probe.tag(mine + theirs, "dev").watch(mine + (theirs if name.startswith("dots") else []))
                         fn(grads, other)
                 rows[name] = probe.summary()
-            out[f"z{stage}-{dtype}"] = rows
+            out[f"z{stage}-{dtype}" + ("-1group" if one else "")] = rows
             engine.step()
             del engine, grads, other
     finally:

@@ -17,8 +17,17 @@ A :class:`SegmentPlan` instead splits the work in two, whatever the number of pi
 
 The two are added (maxed) into one float64 value per piece. So every function here dispatches the same handful of
 operations for 8 pieces or 10,000; row sums are over 64 elements and everything above them is float64, which makes
-them far more precise than one long float32 reduction. Plans hold Python tuples only; their index tensors are built
-lazily per device and cached on the plan. Nothing here communicates.
+them far more precise than one long float32 reduction.
+
+**Several buffers at once** (the ``joint_*`` functions; issue 42): a selection spanning several flat groups (ZeRO-3's
+sub-groups, several param groups) reduces each group's partition by its own plan, but only the kernels that read a
+buffer are per buffer (its row-wise pass per quantity, the ``index_select`` of its bits); everything after them is
+one set of operations for all buffers: the row values of every buffer and the bits of every buffer are
+concatenated (in that order, buffer after buffer) into one vector, cast to float64 once, and one ``segment_reduce``
+over joint offsets gives every piece's body and bits values (added or maxed once). The per-piece values are the same
+float64 numbers as buffer by buffer: the same elements in the same segments. The ``piece_*`` functions are the
+one-buffer case. Plans hold Python tuples only; the joint index tensors are built lazily per (plans, device) and
+cached. Nothing here communicates.
 """
 
 from __future__ import annotations
@@ -38,6 +47,11 @@ __all__ = [
     "BLOCK",
     "SegmentPlan",
     "param_index",
+    "joint_dots",
+    "joint_max_abs",
+    "joint_pow_sums",
+    "joint_stats",
+    "joint_sums",
     "piece_dots",
     "piece_max_abs",
     "piece_pow_sums",
@@ -80,7 +94,7 @@ class SegmentPlan:
     bit_spans: tuple[int, ...]
     bit_lengths: tuple[int, ...]
     param_piece: tuple[int, ...] = ()
-    _by_device: dict[torch.device, _Tensors] = field(default_factory=dict, init=False, repr=False)
+
     _by_params: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
     @property
@@ -91,15 +105,6 @@ class SegmentPlan:
     def bits(self) -> int:
         """How many elements the bits pass gathers."""
         return sum(self.bit_spans)
-
-
-@dataclass(frozen=True)
-class _Tensors:
-    """A plan's index tensors on one device: per piece or per row, never per element."""
-
-    row_offsets: torch.Tensor  # (2·pieces + 1,) int64: ``segment_reduce`` offsets of ``unused_0, body_0, ...``
-    bit_rows: torch.Tensor  # (non-body full rows,) int64, ascending
-    bit_offsets: torch.Tensor  # (pieces + 1,) int64: ``segment_reduce`` offsets of each piece's bits
 
 
 def _build(sizes: Sequence[int], param_piece: tuple[int, ...], block: int) -> SegmentPlan:
@@ -156,14 +161,6 @@ def _sizes_plan(sizes: tuple[int, ...], block: int) -> SegmentPlan:
     return _build(sizes, tuple(range(len(sizes))), block)
 
 
-def _tensors(seg: SegmentPlan, device: torch.device) -> _Tensors:
-    """The plan's index tensors on ``device`` (built on first use, then cached on the plan)."""
-    found = seg._by_device.get(device)
-    if found is None:  # two threads may both build it: the same values, one is kept
-        found = seg._by_device.setdefault(device, _make_tensors(seg, device))
-    return found
-
-
 def _offsets(lengths: Sequence[int]) -> list[int]:
     out = [0]
     for n in lengths:
@@ -171,9 +168,26 @@ def _offsets(lengths: Sequence[int]) -> list[int]:
     return out
 
 
-def _make_tensors(seg: SegmentPlan, device: torch.device) -> _Tensors:
-    """Per piece and per row only: the body runs' offsets, the full rows outside every body (they and the last
-    partial row hold every bit, in buffer order), the bits' per-piece offsets. One copy to ``device``."""
+@dataclass(frozen=True)
+class _Joint:
+    """Index tensors of one or more plans reduced together, on one device: per piece or per row, never per element.
+    Their values are laid out plan after plan: every plan's row values (its first ``row_end`` rows), then every
+    plan's bits."""
+
+    pieces: int  # all plans' pieces
+    rows: int  # all plans' covered rows (sum of ``row_end``)
+    row_offsets: torch.Tensor  # (2·pieces + 1,): ``segment_reduce`` offsets of every plan's ``unused_0, body_0, ...``
+    all_offsets: torch.Tensor  # (3·pieces + 1,): the same runs, then each piece's bits, over rows then bits
+    bit_offsets: torch.Tensor  # (pieces + 1,): each piece's bits among the bits alone
+    bit_rows: tuple[torch.Tensor, ...]  # per plan: its full rows outside every body, ascending
+    row_starts: torch.Tensor  # (plans with rows + 1,): where each plan's rows start among all rows (then the end)
+    budgets: torch.Tensor  # (plans with rows,): how many of its rows :func:`joint_stats` counts at most
+    pick_starts: torch.Tensor  # (sum of budgets,): the row start of the plan of each counted row
+
+
+def _bit_rows(seg: SegmentPlan) -> list[int]:
+    """The full rows of ``seg`` outside every body (they and the last partial row hold every bit, in buffer
+    order)."""
     full = seg.numel // seg.block
     body = bytearray(full)
     row = 0
@@ -181,11 +195,28 @@ def _make_tensors(seg: SegmentPlan, device: torch.device) -> _Tensors:
         row += seg.row_lengths[i]
         body[row:row + seg.row_lengths[i + 1]] = b"\x01" * seg.row_lengths[i + 1]
         row += seg.row_lengths[i + 1]
-    bit_rows = [r for r in range(full) if not body[r]]
-    row_offsets, bit_offsets = _offsets(seg.row_lengths), _offsets(seg.bit_lengths)
-    packed = torch.tensor(row_offsets + bit_rows + bit_offsets, dtype=torch.int64)
-    moved = to_device(packed, device).split([len(row_offsets), len(bit_rows), len(bit_offsets)])
-    return _Tensors(row_offsets=moved[0], bit_rows=moved[1], bit_offsets=moved[2])
+    return [r for r in range(full) if not body[r]]
+
+
+@lru_cache(maxsize=64)
+def _joint(segs: tuple[SegmentPlan, ...], device: torch.device) -> _Joint:
+    """The joint index tensors of ``segs`` on ``device`` (plans compare by identity; one Python pass and one copy to
+    ``device`` on first use, then cached)."""
+    row_lengths = [n for seg in segs for n in seg.row_lengths]
+    bit_lengths = [n for seg in segs for n in seg.bit_lengths]
+    rows = sum(seg.row_end for seg in segs)
+    row_offsets, bit_offsets = _offsets(row_lengths), _offsets(bit_lengths)
+    all_offsets = row_offsets + [rows + o for o in bit_offsets[1:]]
+    bit_rows = [_bit_rows(seg) for seg in segs]
+    ends = [seg.row_end for seg in segs if seg.row_end]
+    row_starts, budgets = _offsets(ends), [_budget(n) for n in ends]
+    pick_starts = [start for start, b in zip(row_starts, budgets) for _ in range(b)]
+    lists = [row_offsets, all_offsets, bit_offsets, row_starts, budgets, pick_starts, *bit_rows]
+    packed = torch.tensor([v for values in lists for v in values], dtype=torch.int64)
+    moved = to_device(packed, device).split(list(map(len, lists)))
+    return _Joint(pieces=len(bit_lengths), rows=rows, row_offsets=moved[0], all_offsets=moved[1],
+                  bit_offsets=moved[2], row_starts=moved[3], budgets=moved[4], pick_starts=moved[5],
+                  bit_rows=tuple(moved[6:]))
 
 
 def param_index(seg: SegmentPlan, params: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -201,7 +232,7 @@ def param_index(seg: SegmentPlan, params: Sequence[int], device: torch.device) -
     return found
 
 
-# --- the two passes ------------------------------------------------------------------------------------------------
+# --- the two passes, over one plan or several at once ----------------------------------------------------------------
 def _acc(*dtypes: torch.dtype) -> torch.dtype:
     """Row accumulation dtype: float64 for float64 input, else float32 (bf16/fp16/fp32, bool)."""
     return torch.float64 if torch.float64 in dtypes else torch.float32
@@ -212,26 +243,41 @@ def _check(buf: torch.Tensor, seg: SegmentPlan) -> None:
         raise ValueError(f"expected a 1-D buffer of {seg.numel} elements, got shape {tuple(buf.shape)}")
 
 
+def _prepare(bufs: Sequence[torch.Tensor], segs: Sequence[SegmentPlan], device: torch.device | None) -> _Joint:
+    """Check each buffer against its plan; the plans' joint index tensors on ``device`` (default: the first
+    buffer's)."""
+    if len(bufs) != len(segs) or not segs:
+        raise ValueError(f"expected one buffer per plan, got {len(bufs)} buffers for {len(segs)} plans")
+    for buf, seg in zip(bufs, segs):
+        _check(buf, seg)
+    return _joint(tuple(segs), bufs[0].device if device is None else torch.device(device))
+
+
 def _rows(buf: torch.Tensor, seg: SegmentPlan) -> torch.Tensor:
     """The rows the plan covers, a (row_end, block) view."""
     return buf[: seg.row_end * seg.block].view(seg.row_end, seg.block)
 
 
-def _bits(buf: torch.Tensor, seg: SegmentPlan, t: _Tensors) -> torch.Tensor:
-    """The bits in buffer order, float64: one ``index_select`` of the full rows outside every body (an index per
-    row, not per element) and the last partial row, concatenated (a copy of the bits only)."""
-    full = seg.numel // seg.block
-    picked = buf[: full * seg.block].view(full, seg.block).index_select(0, t.bit_rows).view(-1)
-    return torch.cat([picked, buf[full * seg.block:]]).to(torch.float64)  # the same ops with or without a tail
+def _row_views(bufs: Sequence[torch.Tensor], segs: Sequence[SegmentPlan]) -> list[torch.Tensor]:
+    """The covered rows of each buffer whose plan has body rows (the others take no row-wise pass)."""
+    return [_rows(buf, seg) for buf, seg in zip(bufs, segs) if seg.body_rows]
 
 
-def _per_piece(bit_values: torch.Tensor, row_values: torch.Tensor | None, t: _Tensors, how: str) -> torch.Tensor:
-    """Combine per-bit and per-row float64 values into per-piece values (``how``: "sum" or "max")."""
-    out = _segments(bit_values, t.bit_offsets, how)
-    if row_values is None:
-        return out
-    body = _body(row_values, t, how)
-    return out.add_(body) if how == "sum" else torch.maximum(out, body)
+def _bit_parts(bufs: Sequence[torch.Tensor], segs: Sequence[SegmentPlan], j: _Joint) -> list[torch.Tensor]:
+    """The bits of every buffer, in buffer order, plan after plan, as pieces to concatenate: per buffer one
+    ``index_select`` of the full rows outside every body (an index per row, not per element; the one operation
+    per buffer) and a view of its last partial row."""
+    parts: list[torch.Tensor] = []
+    for buf, seg, bit_rows in zip(bufs, segs, j.bit_rows):
+        full = seg.numel // seg.block
+        parts += [buf[: full * seg.block].view(full, seg.block).index_select(0, bit_rows).view(-1),
+                  buf[full * seg.block:]]
+    return parts
+
+
+def _cat(values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``values`` concatenated (the one tensor itself when there is one)."""
+    return values[0] if len(values) == 1 else torch.cat(list(values))
 
 
 def _segments(values: torch.Tensor, offsets: torch.Tensor, how: str) -> torch.Tensor:
@@ -240,154 +286,200 @@ def _segments(values: torch.Tensor, offsets: torch.Tensor, how: str) -> torch.Te
     return torch.segment_reduce(values, how, offsets=offsets, unsafe=True, initial=0.0 if how == "max" else None)
 
 
-def _body(row_values: torch.Tensor, t: _Tensors, how: str) -> torch.Tensor:
-    """Per piece, its body rows reduced: the odd runs of ``unused_0, body_0, unused_1, ...`` (a strided view)."""
-    return _segments(row_values, t.row_offsets, how)[1::2]
+def _joined(values: torch.Tensor, j: _Joint, how: str) -> torch.Tensor:
+    """Per piece, from float64 ``values`` laid out as every plan's row values then every plan's bits (one value
+    each): its body rows' and its bits' values reduced (``how``: "sum" or "max"), by one ``segment_reduce`` over
+    both and one add (max)."""
+    seg = _segments(values, j.all_offsets, how)
+    body, bits = seg[: 2 * j.pieces][1::2], seg[2 * j.pieces:]
+    return bits + body if how == "sum" else torch.maximum(bits, body)
 
 
-def _row_pow_sums(rows: torch.Tensor, p: float) -> torch.Tensor:
-    """Per row ``sum |x|^p``, float64, accumulated inside the reduction (float32, float64 for float64 rows): no
-    upcast copy of the rows."""
-    acc = _acc(rows.dtype)
-    if p == 2.0:
-        return torch.linalg.vector_norm(rows, 2, dim=1, dtype=acc).to(torch.float64).square_()
-    return torch.linalg._powsum(rows, p, dim=1, dtype=acc).to(torch.float64)
+def _row_norms(rows: torch.Tensor) -> torch.Tensor:
+    """Per row the 2-norm, accumulated inside the reduction in float32 (float64 for float64 rows): no upcast copy
+    of the rows. Squared in float64 by the caller."""
+    return torch.linalg.vector_norm(rows, 2, dim=1, dtype=_acc(rows.dtype))
 
 
 def _row_max_abs(rows: torch.Tensor) -> torch.Tensor:
-    """Per row ``max |x|`` (nan where the row holds one), float64: one ``vector_norm(ord=inf)`` pass (one read at
-    the 2-norm's speed, no ``abs`` copy; ``aminmax`` read the rows 1.27x slower on an H200). Exact: the maximum
-    of ``|x|`` is one of the stored values."""
-    return torch.linalg.vector_norm(rows, math.inf, dim=1).to(torch.float64)
+    """Per row ``max |x|`` (nan where the row holds one), in the rows' dtype: one ``vector_norm(ord=inf)`` pass
+    (one read at the 2-norm's speed, no ``abs`` copy; ``aminmax`` read the rows 1.27x slower on an H200). Exact:
+    the maximum of ``|x|`` is one of the stored values."""
+    return torch.linalg.vector_norm(rows, math.inf, dim=1)
+
+
+def _row_sums(rows: torch.Tensor) -> torch.Tensor:
+    """Per row ``sum x`` in float32 (float64 for float64 rows; bool rows count)."""
+    return rows.sum(1, dtype=_acc(rows.dtype))
 
 
 # --- the reductions ------------------------------------------------------------------------------------------------
+def joint_pow_sums(bufs: Sequence[torch.Tensor], segs: Sequence[SegmentPlan], p: float = 2.0,
+                   device: torch.device | None = None) -> torch.Tensor:
+    """(pieces of all plans,) float64, plan after plan: ``sum |x|^p`` of each piece of each buffer (0 for an empty
+    one), ``p > 0`` finite.
+
+    Rows by one row-wise reduction per buffer accumulating inside (``vector_norm`` squared in float64 for p = 2,
+    ``linalg._powsum`` else: float32, float64 for float64 buffers; no upcast copy); bits in float64; everything
+    above the row-wise pass and the bits' gather is one set of operations for all buffers. ``device``: where the
+    buffers live (the index tensors are cached per device; default the first buffer's)."""
+    j = _prepare(bufs, segs, device)
+    rows = _row_views(bufs, segs)
+    if p == 2.0:  # row norms and raw bits squared together
+        values = torch.cat([*map(_row_norms, rows), *_bit_parts(bufs, segs, j)]).to(torch.float64).square_()
+        return _joined(values, j, "sum")
+    acc = [torch.linalg._powsum(r, p, dim=1, dtype=_acc(r.dtype)) for r in rows]
+    bits = torch.cat(_bit_parts(bufs, segs, j)).to(torch.float64).abs_().pow_(p)
+    values = torch.cat([_cat(acc).to(torch.float64), bits]) if acc else bits
+    return _joined(values, j, "sum")
+
+
+def joint_max_abs(bufs: Sequence[torch.Tensor], segs: Sequence[SegmentPlan],
+                  device: torch.device | None = None) -> torch.Tensor:
+    """(pieces of all plans,) float64: ``max |x|`` of each piece, 0 for an empty one, ``nan`` where the piece holds
+    a nan. Rows by one ``vector_norm(ord=inf)`` per buffer (one read, no full-size temporary)."""
+    j = _prepare(bufs, segs, device)
+    values = torch.cat([*map(_row_max_abs, _row_views(bufs, segs)), *_bit_parts(bufs, segs, j)])
+    return _joined(values.to(torch.float64).abs_(), j, "max")
+
+
+def joint_sums(bufs: Sequence[torch.Tensor], segs: Sequence[SegmentPlan],
+               device: torch.device | None = None) -> torch.Tensor:
+    """(pieces of all plans,) float64: ``sum x`` of each piece (0 for an empty one); buffers may be bool (counts).
+    Rows summed in float32 (float64 for float64 buffers), everything above them in float64."""
+    j = _prepare(bufs, segs, device)
+    values = torch.cat([*map(_row_sums, _row_views(bufs, segs)), *_bit_parts(bufs, segs, j)])
+    return _joined(values.to(torch.float64), j, "sum")
+
+
 def piece_pow_sums(buf: torch.Tensor, seg: SegmentPlan, p: float = 2.0,
                    device: torch.device | None = None) -> torch.Tensor:
-    """(pieces,) float64 on ``buf.device``: ``sum |x|^p`` of each piece (0 for an empty one), ``p > 0`` finite.
-
-    Rows by one row-wise reduction accumulating inside (``vector_norm`` squared for p = 2, ``linalg._powsum``
-    else: float32, float64 for float64 buffers; no upcast copy); bits in float64. ``device``: where ``buf`` lives
-    (the index tensors are cached per device; default ``buf.device``)."""
-    _check(buf, seg)
-    t = _tensors(seg, buf.device if device is None else device)
-    bits = _bits(buf, seg, t)
-    bits = bits.square_() if p == 2.0 else bits.abs_().pow_(p)
-    row_values = _row_pow_sums(_rows(buf, seg), p) if seg.body_rows else None
-    return _per_piece(bits, row_values, t, "sum")
+    """(pieces,) float64 on ``buf.device``: ``sum |x|^p`` of each piece of one buffer (:func:`joint_pow_sums`)."""
+    return joint_pow_sums((buf,), (seg,), p, device)
 
 
 def piece_max_abs(buf: torch.Tensor, seg: SegmentPlan, device: torch.device | None = None) -> torch.Tensor:
-    """(pieces,) float64: ``max |x|`` of each piece, 0 for an empty one, ``nan`` where the piece holds a nan (as
-    ``aminmax`` propagates it). Rows by one ``aminmax`` over ``dim=1`` (one read, no full-size temporary)."""
-    _check(buf, seg)
-    t = _tensors(seg, buf.device if device is None else device)
-    row_values = _row_max_abs(_rows(buf, seg)) if seg.body_rows else None
-    return _per_piece(_bits(buf, seg, t).abs_(), row_values, t, "max")
+    """(pieces,) float64: ``max |x|`` of each piece of one buffer (:func:`joint_max_abs`)."""
+    return joint_max_abs((buf,), (seg,), device)
 
 
 def piece_sums(buf: torch.Tensor, seg: SegmentPlan, device: torch.device | None = None) -> torch.Tensor:
-    """(pieces,) float64: ``sum x`` of each piece (0 for an empty one); ``buf`` may be bool (counts). Rows summed in
-    float32 (float64 for float64 buffers), everything above them in float64."""
-    _check(buf, seg)
-    t = _tensors(seg, buf.device if device is None else device)
-    row_values = None
-    if seg.body_rows:
-        row_values = _rows(buf, seg).sum(1, dtype=_acc(buf.dtype)).to(torch.float64)
-    return _per_piece(_bits(buf, seg, t), row_values, t, "sum")
+    """(pieces,) float64: ``sum x`` of each piece of one buffer (:func:`joint_sums`)."""
+    return joint_sums((buf,), (seg,), device)
 
 
-#: :func:`piece_stats` with ``counts=True`` counts the non-finite elements of at most ``rows // COUNT_SHARE`` rows
-#: (those whose sum of squares is not finite: the only ones holding a nan or an inf), chosen on the device
+#: :func:`joint_stats` with ``counts=True`` counts the non-finite elements of at most ``rows // COUNT_SHARE`` rows
+#: of each buffer (those whose sum of squares is not finite: the only ones holding a nan or an inf), chosen on the
+#: device
 COUNT_SHARE = 256
 COUNT_ROWS = 16  #: ... or at most this many rows, whichever is more (a few bad rows of a small buffer)
 
 
-def piece_stats(buf: torch.Tensor, seg: SegmentPlan, device: torch.device | None = None, *,
-                counts: bool = False) -> torch.Tensor:
-    """(pieces, 3) float64: per piece the sum of squares, the sum and the max ``|x|``, exactly as
-    :func:`piece_pow_sums`, :func:`piece_sums` and :func:`piece_max_abs` give them, sharing one gather of the bits:
-    three reads of the rows (``vector_norm``, ``sum``, ``vector_norm(ord=inf)``).
+def _budget(rows: int) -> int:
+    """How many of a buffer's ``rows`` covered rows :func:`joint_stats` counts at most."""
+    return min(rows, max(COUNT_ROWS, rows // COUNT_SHARE))
+
+
+def joint_stats(bufs: Sequence[torch.Tensor], segs: Sequence[SegmentPlan], device: torch.device | None = None, *,
+                counts: bool = False, order: Sequence[int] | None = None) -> torch.Tensor:
+    """(pieces of all plans, 3) float64: per piece the sum of squares, the sum and the max ``|x|``, exactly as
+    :func:`joint_pow_sums`, :func:`joint_sums` and :func:`joint_max_abs` give them, sharing one gather of the bits:
+    three reads of the rows per buffer (``vector_norm``, ``sum``, ``vector_norm(ord=inf)``).
 
     ``counts``: (pieces, 6), three more columns: nan count, inf count, and ``missed`` (1.0 on every piece when
     the counts may be incomplete, else 0.0), decided on the device without a host sync: the bits are counted
     directly; of the rows, only those whose sum of squares is not finite can hold a nan or an inf, and up to
-    ``max(COUNT_ROWS, row_end // COUNT_SHARE)`` of them (chosen by one ``topk`` of the row flags) are gathered and counted (a
-    temporary of at most 1/:data:`COUNT_SHARE` of the rows, or 16 rows: about 8 MB of 2 GB on the H200 layout). ``missed`` is set when more rows than that are not
-    finite (then count with :func:`piece_sums` of ``isnan``/``isinf``)."""
-    _check(buf, seg)
-    t = _tensors(seg, buf.device if device is None else device)
-    bits = _bits(buf, seg, t)
-    offsets = t.bit_offsets
-    columns = [_segments(bits * bits, offsets, "sum"), _segments(bits, offsets, "sum"), None]
+    ``max(COUNT_ROWS, row_end // COUNT_SHARE)`` of each buffer's (chosen by one ``topk`` of its row flags) are
+    gathered and counted (a temporary of at most 1/:data:`COUNT_SHARE` of the rows, or 16 rows: about 8 MB of 2 GB
+    on the H200 layout). ``missed`` is set when more of some buffer's rows than that are not finite (then count
+    with :func:`joint_sums` of ``isnan``/``isinf``). ``order``: the columns in this order instead (indices into
+    the above; one concatenation either way)."""
+    j = _prepare(bufs, segs, device)
+    rows = _row_views(bufs, segs)
+    bits = _bit_parts(bufs, segs, j)
+    squares = torch.cat([*map(_row_norms, rows), *bits]).to(torch.float64).square_()
+    columns = [_joined(squares, j, "sum"),
+               _joined(torch.cat([*map(_row_sums, rows), *bits]).to(torch.float64), j, "sum"),
+               _joined(torch.cat([*map(_row_max_abs, rows), *bits]).to(torch.float64).abs_(), j, "max")]
+    columns = [c.unsqueeze(1) for c in columns]
     if counts:
-        columns += [_segments(torch.isnan(bits).to(torch.float64), offsets, "sum"),
-                    _segments(torch.isinf(bits).to(torch.float64), offsets, "sum")]
-    columns[2] = _segments(bits.abs_(), offsets, "max")
-    missed = None
-    if seg.body_rows:
-        rows, acc = _rows(buf, seg), _acc(buf.dtype)
-        row_sq = _row_pow_sums(rows, 2.0)
-        columns[0].add_(_body(row_sq, t, "sum"))
-        columns[1].add_(_body(rows.sum(1, dtype=acc).to(torch.float64), t, "sum"))
-        columns[2] = torch.maximum(columns[2], _body(_row_max_abs(rows), t, "max"))
-        if counts:
-            missed = _count_bad_rows(rows, row_sq, t, columns[3], columns[4])
-    if not counts:
-        return torch.stack(columns, dim=1)
-    flag = torch.zeros_like(columns[0]) if missed is None else missed.to(torch.float64).expand(seg.pieces)
-    return torch.stack([*columns, flag], dim=1)
+        raw = torch.cat(bits)
+        found = _segments(torch.stack([torch.isnan(raw), torch.isinf(raw)], dim=1).to(torch.float64), j.bit_offsets,
+                          "sum")  # (pieces, 2): exact small integers, whatever the order of the sum
+        if rows:
+            missed = _count_bad_rows(rows, squares[: j.rows], j, found).to(torch.float64).expand(j.pieces, 1)
+        else:
+            missed = torch.zeros((j.pieces, 1), dtype=torch.float64, device=squares.device)
+        columns += [found[:, :1], found[:, 1:], missed]
+    return torch.cat(columns if order is None else [columns[i] for i in order], dim=1)
 
 
-def _count_bad_rows(rows: torch.Tensor, row_sq: torch.Tensor, t: _Tensors, nans: torch.Tensor,
-                    infs: torch.Tensor) -> torch.Tensor:
-    """Add the nan and inf counts of the body rows whose sum of squares is not finite to ``nans``/``infs`` (per
-    piece, in place): the first ``max(COUNT_ROWS, rows // COUNT_SHARE)`` such rows found by one ``topk`` (a fixed-size
-    gather, no host sync). Returns a 0-d bool: whether more rows than that are not finite (counts incomplete)."""
-    bad = ~torch.isfinite(row_sq)
-    budget = min(rows.shape[0], max(COUNT_ROWS, rows.shape[0] // COUNT_SHARE))
-    pick = torch.topk(bad.to(torch.uint8), budget, sorted=False).indices
-    picked = rows.index_select(0, pick)
-    run = torch.searchsorted(t.row_offsets, pick, right=True) - 1  # the run of each picked row
-    body = (run % 2 == 1) & bad.index_select(0, pick)  # rows straddling pieces are bits (counted there)
-    piece = torch.div(run, 2, rounding_mode="floor").clamp_(max=nans.shape[0] - 1)
-    nans.index_add_(0, piece, torch.isnan(picked).sum(1).to(torch.float64) * body)
-    infs.index_add_(0, piece, torch.isinf(picked).sum(1).to(torch.float64) * body)
-    return bad.sum() > budget
+def _count_bad_rows(rows: list[torch.Tensor], row_sq: torch.Tensor, j: _Joint, found: torch.Tensor) -> torch.Tensor:
+    """Add the nan and inf counts of the body rows whose sum of squares is not finite to ``found`` ((pieces, 2), in
+    place): per buffer the first ``max(COUNT_ROWS, rows // COUNT_SHARE)`` such rows, found by one ``topk`` and
+    gathered by one ``index_select`` (fixed sizes, no host sync); everything else once for all buffers. Returns a
+    0-d bool: whether some buffer has more rows than that not finite (counts incomplete)."""
+    bad = (~torch.isfinite(row_sq)).to(torch.float64)  # (all rows,) 0/1
+    picks, picked = [], []
+    for r, start in zip(rows, _offsets([r.shape[0] for r in rows])):
+        pick = torch.topk(bad[start: start + r.shape[0]], _budget(r.shape[0]), sorted=False).indices
+        picks.append(pick)
+        picked.append(r.index_select(0, pick))
+    pick = _cat(picks).add_(j.pick_starts)  # among all rows
+    block = _cat(picked)
+    run = torch.searchsorted(j.row_offsets, pick, right=True) - 1  # the run of each picked row
+    weight = (run.remainder(2) == 1) * bad.index_select(0, pick)  # rows straddling pieces are bits (counted there)
+    piece = torch.div(run, 2, rounding_mode="floor").clamp_(max=j.pieces - 1)
+    per_row = torch.stack([torch.isnan(block), torch.isinf(block)], dim=1).sum(2).to(torch.float64)
+    found.index_add_(0, piece, per_row.mul_(weight.unsqueeze(1)))
+    return (_segments(bad, j.row_starts, "sum") > j.budgets).any()
 
 
-#: :func:`piece_dots` reduces its rows in at most about :data:`DOT_PARTS` chunks, each at least this many elements
-#: (one chunk for buffers up to it)
+#: :func:`joint_dots` reduces its rows in at most about :data:`DOT_PARTS` chunks (plus one per further buffer), each
+#: at least this many elements (one chunk per buffer up to it)
 DOT_CHUNK = 1 << 22
-#: ... and at most ``rows // DOT_PARTS`` rows (plus a last, shorter one): a bounded number of chunks (about 3
-#: kernels each), temporaries of at most 1/DOT_PARTS of the rows' float32 size
+#: ... and at most ``rows // DOT_PARTS`` rows of all buffers (plus a last, shorter one per buffer): a bounded number
+#: of chunks (about 3 kernels each), temporaries of at most 1/DOT_PARTS of the rows' float32 size
 DOT_PARTS = 16
 
 
 def _dot_rows(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Per row ``sum x·y``, float64. Lower-precision rows: one float32 copy of ``x``, multiplied in place by ``y``
-    (exact products: a bf16 or fp16 product fits float32), summed in float32 per row; float32/float64 rows:
-    ``linalg.vecdot`` (float64 if either is)."""
+    """Per row ``sum x·y``, float32 (float64 if either is). Lower-precision rows: one float32 copy of ``x``,
+    multiplied in place by ``y`` (exact products: a bf16 or fp16 product fits float32), summed in float32 per row;
+    float32/float64 rows: ``linalg.vecdot``."""
     acc = _acc(x.dtype, y.dtype)
     if x.dtype == acc and y.dtype == acc:
-        return torch.linalg.vecdot(x, y).to(torch.float64)
+        return torch.linalg.vecdot(x, y)
     if x.dtype != acc:
-        return x.to(acc).mul_(y).sum(1).to(torch.float64)
-    return y.to(acc).mul_(x).sum(1).to(torch.float64)
+        return x.to(acc).mul_(y).sum(1)
+    return y.to(acc).mul_(x).sum(1)
+
+
+def joint_dots(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], segs: Sequence[SegmentPlan],
+               device: torch.device | None = None) -> torch.Tensor:
+    """(pieces of all plans,) float64: ``sum a·b`` of each piece (``a[i]`` and ``b[i]`` on one device, cut by
+    ``segs[i]``). Rows chunk by chunk (:func:`_dot_rows`; chunks of ``max(DOT_CHUNK elements, all buffers' rows /
+    DOT_PARTS)`` rows, each buffer's last one shorter: at most :data:`DOT_PARTS` plus one per buffer in all):
+    accumulation in float32 (float64 if either is float64) of exact products for lower-precision data, no
+    temporary over 1/DOT_PARTS of the rows' float32 size, a number of operations bounded whatever the size."""
+    j = _prepare(a, segs, device)
+    _prepare(b, segs, device)
+    rows_a, rows_b = _row_views(a, segs), _row_views(b, segs)
+    step = max(1, DOT_CHUNK // segs[0].block, j.rows // DOT_PARTS)
+    sums = [_dot_rows(x, y) for ra, rb in zip(rows_a, rows_b) for x, y in zip(ra.split(step), rb.split(step))]
+    bits = torch.cat(_bit_parts(a, segs, j)).to(torch.float64)
+    bits.mul_(torch.cat(_bit_parts(b, segs, j)).to(torch.float64))
+    values = torch.cat([_cat(sums).to(torch.float64), bits]) if sums else bits
+    return _joined(values, j, "sum")
+
+
+def piece_stats(buf: torch.Tensor, seg: SegmentPlan, device: torch.device | None = None, *,
+                counts: bool = False) -> torch.Tensor:
+    """(pieces, 3 or 6) float64: :func:`joint_stats` of one buffer."""
+    return joint_stats((buf,), (seg,), device, counts=counts)
 
 
 def piece_dots(a: torch.Tensor, b: torch.Tensor, seg: SegmentPlan, device: torch.device | None = None
                ) -> torch.Tensor:
-    """(pieces,) float64 on ``a.device``: ``sum a·b`` of each piece (``a`` and ``b`` on the same device). Rows
-    chunk by chunk (:func:`_dot_rows`; at most :data:`DOT_PARTS` + 1 chunks of at least :data:`DOT_CHUNK`
-    elements): accumulation in float32 (float64 if either is float64) of exact products for lower-precision data,
-    no temporary over 1/DOT_PARTS of the rows' float32 size, a number of operations bounded whatever the size."""
-    _check(a, seg)
-    _check(b, seg)
-    t = _tensors(seg, a.device if device is None else device)
-    row_values = None
-    if seg.body_rows:
-        step = max(1, DOT_CHUNK // seg.block, seg.row_end // DOT_PARTS)
-        chunks = [_dot_rows(x, y) for x, y in zip(_rows(a, seg).split(step), _rows(b, seg).split(step))]
-        row_values = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
-    return _per_piece(_bits(a, seg, t).mul_(_bits(b, seg, t)), row_values, t, "sum")
+    """(pieces,) float64 on ``a.device``: :func:`joint_dots` of one pair of buffers."""
+    return joint_dots((a,), (b,), (seg,), device)

@@ -1,14 +1,16 @@
 """Reductions over the local shards: norms, dot products, statistics, clipping, overflow. One collective each.
 
-Local work (no communication): per flat group, :mod:`zero_dtensor.layout.segments` reduces every piece of this rank's
-partition at once, parameters' fragments and padding gaps alike, with a fixed number of tensor operations whatever
-the number of parameters: a row-wise reduction of its full rows (64 elements on the CPU, 2048 on accelerators:
-:func:`~zero_dtensor.layout.segments.block_for`) accumulating in float32 inside the reduction (no upcast copy), one gather
-of the rows holding the other elements and two float64 ``segment_reduce`` (so the partials are float64 sums of
-float32 row sums: more precise than one long float32 reduction). One ``index_select`` then takes the selected
-parameters' pieces, in selection order (padding never counts). A selection that covers under a quarter of a group's
-local elements reduces the concatenation of its fragments instead, so picking one parameter of 10,000 does not pay
-a pass over the partition.
+Local work (no communication): every selected flat group at once, :mod:`zero_dtensor.layout.segments` reduces every
+piece of this rank's partitions, parameters' fragments and padding gaps alike, with a fixed number of tensor
+operations whatever the number of parameters: per group a row-wise reduction of its full rows per quantity (64
+elements on the CPU, 2048 on accelerators: :func:`~zero_dtensor.layout.segments.block_for`) accumulating in float32
+inside the reduction (no upcast copy) and one gather of the rows holding the other elements; then, once for all
+groups, one cast to float64 and one ``segment_reduce`` per quantity (so the partials are float64 sums of float32 row
+sums: more precise than one long float32 reduction). One ``index_select`` then takes the selected parameters'
+pieces among all groups' pieces, in selection order (padding never counts). So a second flat group (ZeRO-3's
+sub-groups) adds only the kernels that read it. A selection that covers under a quarter of a group's local elements
+reduces the concatenation of its fragments instead, so picking one parameter of 10,000 does not pay a pass over the
+partition.
 
 Devices (:mod:`zero_dtensor.layout.devices`): partitions are reduced where they live (the storage device; the CPU under
 offload) with index tensors cached there; the per-parameter (or per-group) vector moves once to the communication
@@ -44,8 +46,8 @@ from ..comm.collectives import all_reduce_rows, sum_max_rows
 from ..comm.agreement import distinct_groups
 from ..layout.devices import to_comm, to_device, to_host, to_storage
 from ..core.param_values import ParamStatsMap, ParamValues
-from ..layout.segments import (SegmentPlan, block_for, param_index, piece_dots, piece_max_abs, piece_pow_sums,
-                               piece_stats, piece_sums, segment_plan, sizes_plan)
+from ..layout.segments import (SegmentPlan, block_for, joint_dots, joint_max_abs, joint_pow_sums, joint_stats,
+                               joint_sums, segment_plan, sizes_plan)
 from ..core.state import FlatState, Selection
 from .transforms import PerParam, mul_
 
@@ -99,60 +101,103 @@ SPARSE = 4  #: a selection covering under 1/SPARSE of a group's local elements r
 
 
 @dataclass(frozen=True)
-class _Part:
-    """One flat group's share of a selection: the buffer to reduce (one per state), its plan, and the pieces that
-    are the selected parameters in selection order (``None``: piece ``j`` is the group's ``j``-th selected one)."""
+class _Index:
+    """Where a selection's values lie among all its groups' values, on the storage device (built once per
+    selection and device, in one host-to-device copy: a copy on every call would be a host sync on CUDA)."""
 
-    seg: SegmentPlan
-    bufs: tuple[torch.Tensor, ...]
-    take: torch.Tensor | None
+    take: torch.Tensor | None  # (k,): each selected parameter's piece among all groups' pieces, selection order
+    group_take: torch.Tensor | None  # (k,): the same, group by group (``None``: every piece, in order)
+    group_offsets: torch.Tensor  # (groups + 1,): ``segment_reduce`` offsets of ``group_take``'s rows per group
+    run_offsets: torch.Tensor | None  # (groups + 1,): of the run values (:func:`_run_norms`), every group a run
+
+
+@dataclass(frozen=True)
+class _Parts:
+    """A selection's flat groups, reduced together: per group (ascending index) its plan and the buffer to reduce
+    (one per state: the whole partition, or the concatenation of the selected fragments), and where the selected
+    parameters' pieces lie among all groups' pieces (:class:`_Index`)."""
+
+    segs: tuple[SegmentPlan, ...]
+    bufs: tuple[tuple[torch.Tensor, ...], ...]  # per state, one buffer per group
+    index: _Index
     device: torch.device  # the storage device (index tensors are cached per device)
 
 
-def _parts(states: Sequence[FlatState], sel: Selection) -> list[_Part]:
-    """Per selected group (ascending index): :func:`_part`."""
-    return [_part(states, sel, g) for g in sorted(sel.by_group)]
+def _parts(states: Sequence[FlatState], sel: Selection) -> _Parts | None:
+    """The selected groups' buffers and plans (:func:`_part`) and their :class:`_Index`. ``None`` when nothing is
+    selected."""
+    groups = sorted(sel.by_group)
+    if not groups:
+        return None
+    devices = states[0].storage.devices
+    parts = [_part(states, sel, g) for g in groups]
+    segs = tuple(seg for seg, _, _ in parts)
+    bufs = tuple(tuple(part[1][i] for part in parts) for i in range(len(states)))
+    plans = states[0].plan.groups
+    key = tuple((seg, tuple(sel.by_group[g]), whole,
+                 plans[g].param_run[1] if whole and plans[g].param_run is not None else None)
+                for (seg, _, whole), g in zip(parts, groups))
+    order = None if len(groups) == 1 else tuple(p.group for p in sel.params)
+    return _Parts(segs, bufs, _index(key, order, devices.storage), devices.storage)
 
 
-def _part(states: Sequence[FlatState], sel: Selection, g: int) -> _Part:
-    """Group ``g``'s share of the selection: the whole partition of each state, or the concatenation of the
-    selected fragments when they cover under ``1/SPARSE`` of it (states share one layout geometry)."""
+def _part(states: Sequence[FlatState], sel: Selection, g: int) -> tuple[SegmentPlan, tuple[torch.Tensor, ...], bool]:
+    """Group ``g``'s share of the selection: its plan, the whole partition of each state (``True``), or the
+    concatenation of the selected fragments when they cover under ``1/SPARSE`` of it (``False``; states share one
+    layout geometry)."""
     chosen, plan = sel.by_group[g], states[0].plan.groups[g]
     devices = states[0].storage.devices
     block = block_for(devices.storage)
     seg = segment_plan(plan.local, block)
     if len(chosen) == len(plan.params) or SPARSE * sum(map(plan.frag_len.__getitem__, chosen)) >= seg.numel:
-        bufs = tuple(to_storage(s.storage.partitions[g], devices) for s in states)
-        return _Part(seg, bufs, param_index(seg, chosen, devices.storage), devices.storage)
+        return seg, tuple(to_storage(s.storage.partitions[g], devices) for s in states), True
     bufs = tuple(to_storage(torch.cat(s.fragments_of(g, chosen)), devices) for s in states)
-    return _Part(sizes_plan([plan.frag_len[k] for k in chosen], block), bufs, None, devices.storage)
+    return sizes_plan([plan.frag_len[k] for k in chosen], block), bufs, False
 
 
-def _per_param(state: FlatState, sel: Selection, parts: list[_Part], values: Callable[[_Part], torch.Tensor],
-               dtype: torch.dtype, columns: tuple[int, ...] = ()) -> torch.Tensor:
-    """``values(part)`` (per piece, float64) for the selected parameters: (k, *columns) ``dtype`` on the result
-    device, rows in ``sel.params`` order."""
-    devices = state.storage.devices
-    out = []
-    for part in parts:
-        v = values(part)
-        out.append((v if part.take is None else v.index_select(0, part.take)).to(dtype))
-    if not out:
-        return torch.zeros((0, *columns), dtype=dtype, device=devices.comm)
-    if len(out) == 1:
-        return to_comm(out[0], devices)
-    # parts are in ascending group order; a stable sort of the selection by group says where each row goes
-    order = _order(tuple(p.group for p in sel.params), devices.comm)
-    stacked = to_comm(torch.cat(out), devices)
-    return torch.empty_like(stacked).index_copy_(0, order, stacked)
+def _offsets(lengths: Sequence[int]) -> list[int]:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out
 
 
 @lru_cache(maxsize=32)
-def _order(groups: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """Where each selected parameter's row goes among rows stacked group by group: a (k,) int64 index on
-    ``device``, cached per (groups of the selection, device). Built once: a host-to-device copy on every call
-    would be a host sync on CUDA (a blocking copy from pageable memory)."""
-    return to_device(torch.argsort(torch.tensor(groups), stable=True), device)
+def _index(key: tuple[tuple[SegmentPlan, tuple[int, ...], bool, int | None], ...], order: tuple[int, ...] | None,
+           device: torch.device) -> _Index:
+    """The :class:`_Index` of a selection (``key``: per group its plan, its selected parameters, whether the plan
+    is the whole partition's and the length of its parameters' run when it is selected whole and has one;
+    ``order``: the group of each selected parameter, in selection order, ``None`` for one group) on ``device``."""
+    stacked, base = [], 0
+    for seg, chosen, whole, _ in key:
+        stacked += [base + (seg.param_piece[k] if whole else i) for i, k in enumerate(chosen)]
+        base += seg.pieces
+    ordered = stacked
+    if order is not None:  # rows stacked group by group go back to selection order (a stable sort by group)
+        ordered = [0] * len(stacked)
+        for i, at in enumerate(sorted(range(len(order)), key=order.__getitem__)):
+            ordered[at] = stacked[i]
+    block = block_for(device)
+    runs = [n for *_, n in key]
+    lists = [ordered, stacked, _offsets([len(chosen) for _, chosen, _, _ in key]),
+             _offsets([n // block + 1 for n in runs]) if None not in runs else []]
+    every = list(range(base))
+    packed = torch.tensor([v for values in lists for v in values], dtype=torch.int64)
+    take, group_take, group_offsets, run_offsets = to_device(packed, device).split(list(map(len, lists)))
+    return _Index(take=None if ordered == every else take, group_take=None if stacked == every else group_take,
+                  group_offsets=group_offsets, run_offsets=run_offsets if lists[3] else None)
+
+
+def _per_param(state: FlatState, parts: _Parts | None, values: Callable[[_Parts], torch.Tensor],
+               dtype: torch.dtype, columns: tuple[int, ...] = ()) -> torch.Tensor:
+    """``values(parts)`` (per piece of all groups, float64) for the selected parameters: (k, *columns) ``dtype`` on
+    the result device, rows in ``sel.params`` order: one ``index_select``, one cast and one move, whatever the
+    number of groups."""
+    devices = state.storage.devices
+    if parts is None:
+        return torch.zeros((0, *columns), dtype=dtype, device=devices.comm)
+    v, take = values(parts), parts.index.take
+    return to_comm((v if take is None else v.index_select(0, take)).to(dtype), devices)
 
 
 def _reduce(state: FlatState, sel: Selection, local: torch.Tensor, op: Any,
@@ -190,15 +235,18 @@ def _communicating_by_process_group(state: FlatState) -> list[tuple[Any, set[int
 
 
 def _partials(state: FlatState, sel: Selection, norm_type: float) -> torch.Tensor:
-    """Per selected parameter: local ``sum |x|^p`` (or ``max |x|`` for inf), float32, stored units."""
-    is_inf = math.isinf(norm_type)
+    """Per selected parameter: local ``sum |x|^p`` (or ``max |x|`` for inf), float32, stored units: every
+    selected group at once (:func:`_piece_norms`)."""
+    parts = _parts((state,), sel)
+    return _per_param(state, parts, lambda p: _piece_norms(p, norm_type), torch.float32)
 
-    def values(part: _Part) -> torch.Tensor:
-        (buf,) = part.bufs
-        return (piece_max_abs(buf, part.seg, part.device) if is_inf
-                else piece_pow_sums(buf, part.seg, norm_type, part.device))
 
-    return _per_param(state, sel, _parts((state,), sel), values, torch.float32)
+def _piece_norms(parts: _Parts, norm_type: float) -> torch.Tensor:
+    """Per piece of every group: ``sum |x|^p`` (``max |x|`` for inf), float64."""
+    (bufs,) = parts.bufs
+    if math.isinf(norm_type):
+        return joint_max_abs(bufs, parts.segs, parts.device)
+    return joint_pow_sums(bufs, parts.segs, norm_type, parts.device)
 
 
 def communicating_groups(state: FlatState) -> list[Any]:
@@ -252,7 +300,7 @@ def global_norm(state: FlatState, sel: Selection, norm_type: float) -> torch.Ten
     return total.to(torch.float32) / state.loss_scale
 
 
-#: partition dtypes reduced as one run (:func:`_run_partial`) on the CPU (elsewhere every dtype: the row-wise
+#: partition dtypes reduced as one run (:func:`_run_norms`) on the CPU (elsewhere every dtype: the row-wise
 #: ``vector_norm`` accumulates bf16/fp16 in float32 inside the reduction there; on the CPU it would copy them first)
 _RUN_DTYPES = (torch.float32, torch.float64)
 
@@ -272,46 +320,66 @@ def _run_of(state: FlatState, sel: Selection, g: int) -> torch.Tensor | None:
     return part.narrow(0, start, length)
 
 
-def _run_partial(run: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """``sum |x|^p`` (``max |x|`` for inf) of ``run``, a 0-d float64: as :mod:`zero_dtensor.layout.segments` reduces, the
-    row norms of its full rows of :func:`~zero_dtensor.layout.segments.block_for` its device's width, accumulated in
-    float32 inside the reduction (float64 for float64), summed in float64, plus its last partial row's (one
-    ``vector_norm`` over a long float32 run loses digits: 4e-4 relative at 2.6M elements). One read, no copy."""
-    if math.isinf(norm_type):
-        return (torch.linalg.vector_norm(run, norm_type) if run.numel()
-                else torch.zeros((), dtype=run.dtype, device=run.device)).to(torch.float64)
-    block = block_for(run.device)
-    acc = torch.float64 if run.dtype == torch.float64 else torch.float32
-    rows = run.numel() // block * block
-    parts = [run.narrow(0, 0, rows).view(-1, block), run.narrow(0, rows, run.numel() - rows).view(1, -1)]
-    norms = torch.cat([torch.linalg.vector_norm(part, norm_type, dim=1, dtype=acc) for part in parts]
-                      ).to(torch.float64)
-    return (norms.square() if norm_type == 2.0 else norms.pow(norm_type)).sum()
+def _run_norms(runs: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """Per run, one after the other: the row norms of its full rows of
+    :func:`~zero_dtensor.layout.segments.block_for` its device's width, accumulated in float32 inside the reduction
+    (float64 for float64), then its last partial row's (one ``vector_norm`` over a long float32 run loses digits:
+    4e-4 relative at 2.6M elements), raised to ``p`` in float64: ``length // block + 1`` values per run, summed per
+    run by the caller. Two reads' worth of kernels per run (the rows, the last row), one cast and one power for
+    all. No copy."""
+    block = block_for(runs[0].device)
+    parts = []
+    for run in runs:
+        acc = torch.float64 if run.dtype == torch.float64 else torch.float32
+        rows = run.numel() // block * block
+        parts += [torch.linalg.vector_norm(run.narrow(0, 0, rows).view(-1, block), norm_type, dim=1, dtype=acc),
+                  torch.linalg.vector_norm(run.narrow(0, rows, run.numel() - rows).view(1, -1), norm_type, dim=1,
+                                           dtype=acc)]
+    norms = torch.cat(parts).to(torch.float64)
+    return norms.square() if norm_type == 2.0 else norms.pow(norm_type)
+
+
+def _run_max(runs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per run ``max |x|``, a (runs,) float64 (0 for an empty run)."""
+    return torch.stack([torch.linalg.vector_norm(run, math.inf) if run.numel()
+                        else torch.zeros((), dtype=run.dtype, device=run.device) for run in runs]).to(torch.float64)
+
+
+def _per_group(values: torch.Tensor, offsets: torch.Tensor, is_inf: bool) -> torch.Tensor:
+    """(groups,) float64: ``values`` laid out group by group (``offsets``) summed (maxed) per group. One group:
+    one ``sum`` (``max``) as before; several: one ``segment_reduce`` for all (the same values per group, summed
+    in sequence: possibly another last float64 bit than one ``sum`` each)."""
+    if offsets.numel() == 2:
+        one = values.max() if is_inf and values.numel() else values.sum()
+        return one.unsqueeze(0)
+    return torch.segment_reduce(values, "max" if is_inf else "sum", offsets=offsets, unsafe=True,
+                                initial=0.0 if is_inf else None)
 
 
 def _group_partials(state: FlatState, sel: Selection, norm_type: float) -> torch.Tensor:
     """Per selected group (ascending index) the local ``sum |x|^p`` (``max |x|``) of its selected parameters,
     summed (maxed) across the ranks of each distinct process group of the multi-rank sharded groups: one
-    collective per process group, a (groups,) float64 on the engine's device. Locally one ``vector_norm`` over
-    the group's run where it has one (:func:`_run_of`), else its per-parameter partials (:func:`_part`)."""
+    collective per process group, a (groups,) float64 on the engine's device. Locally, where every selected group
+    is a run (:func:`_run_of`), row-wise ``vector_norm`` calls over each run (:func:`_run_norms`); else every group's
+    per-parameter partials (:func:`_piece_norms`); then one reduction per group for all groups
+    (:func:`_per_group`)."""
     devices = state.storage.devices
     groups = sorted(sel.by_group)
     if not groups:
         return torch.zeros(0, dtype=torch.float64, device=devices.comm)
     is_inf = math.isinf(norm_type)
-    values = []
-    for g in groups:
-        run = _run_of(state, sel, g)
-        if run is not None:
-            values.append(_run_partial(run, norm_type))
-            continue
-        part = _part((state,), sel, g)
-        (buf,) = part.bufs
-        pieces = (piece_max_abs(buf, part.seg, part.device) if is_inf
-                  else piece_pow_sums(buf, part.seg, norm_type, part.device))
-        pieces = pieces if part.take is None else pieces.index_select(0, part.take)
-        values.append(pieces.to(torch.float64).max() if is_inf and pieces.numel() else pieces.to(torch.float64).sum())
-    local = to_comm(torch.stack(values), devices)
+    runs = [_run_of(state, sel, g) for g in groups]
+    if all(run is not None for run in runs):
+        index = _parts((state,), sel).index
+        local = _run_max(runs) if is_inf else _per_group(_run_norms(runs, norm_type), index.run_offsets, False)
+    elif all(run is None for run in runs):
+        local = _piece_group_partials(_parts((state,), sel), norm_type)
+    else:  # some groups are runs, some not (a selection whole in some groups only): group by group
+        local = torch.cat([(_run_max([run]) if is_inf else _run_norms([run], norm_type).sum().unsqueeze(0))
+                           if run is not None else _piece_group_partials(_parts((state,), _subset(sel, [g])),
+                                                                          norm_type)
+                           for g, run in zip(groups, runs)])
+    local = to_comm(local, devices)
     for pg, members in _communicating_by_process_group(state):
         rows = [i for i, g in enumerate(groups) if g in members]
         if rows:
@@ -319,19 +387,34 @@ def _group_partials(state: FlatState, sel: Selection, norm_type: float) -> torch
     return local
 
 
+def _piece_group_partials(parts: _Parts, norm_type: float) -> torch.Tensor:
+    """(groups,) float64: per group of ``parts``, the sum (max) of its selected parameters' partials."""
+    pieces = _piece_norms(parts, norm_type)
+    take = parts.index.group_take
+    return _per_group(pieces if take is None else pieces.index_select(0, take), parts.index.group_offsets,
+                      math.isinf(norm_type))
+
+
+def _subset(sel: Selection, groups: list[int]) -> Selection:
+    """``sel`` restricted to ``groups``."""
+    keep = set(groups)
+    return Selection([p for p in sel.params if p.group in keep], {g: sel.by_group[g] for g in groups})
+
+
 def dots(state: FlatState, other: FlatState, sel: Selection, with_norms: bool) -> Any:
     """Per-parameter ``<g, other_g>`` (and 2-norms): one collective of a (k, 1 or 3) float32 vector per process
-    group. Locally: :func:`~zero_dtensor.layout.segments.piece_dots` (and two ``piece_pow_sums``) per group."""
+    group. Locally: :func:`~zero_dtensor.layout.segments.joint_dots` (and two ``joint_pow_sums``) over every group."""
 
-    def values(part: _Part) -> torch.Tensor:
-        a, b = part.bufs
-        columns = [piece_dots(a, b, part.seg, part.device)]
+    def values(parts: _Parts) -> torch.Tensor:
+        a, b = parts.bufs
+        columns = [joint_dots(a, b, parts.segs, parts.device)]
         if with_norms:
-            columns += [piece_pow_sums(a, part.seg, 2.0, part.device), piece_pow_sums(b, part.seg, 2.0, part.device)]
-        return torch.stack(columns, dim=1)
+            columns += [joint_pow_sums(a, parts.segs, 2.0, parts.device),
+                        joint_pow_sums(b, parts.segs, 2.0, parts.device)]
+        return columns[0].unsqueeze(1) if len(columns) == 1 else torch.stack(columns, dim=1)
 
     width = 3 if with_norms else 1
-    local = _per_param(state, sel, _parts((state, other), sel), values, torch.float32, (width,))
+    local = _per_param(state, _parts((state, other), sel), values, torch.float32, (width,))
     names = sel.names
     reduced = _reduce(state, sel, local, dist.ReduceOp.SUM, names)
     s, so = state.loss_scale, other.loss_scale
@@ -341,58 +424,60 @@ def dots(state: FlatState, other: FlatState, sel: Selection, with_norms: bool) -
     return result, ParamValues(names, reduced[:, 1].sqrt() / s), ParamValues(names, reduced[:, 2].sqrt() / so)
 
 
-def _moments(part: _Part) -> torch.Tensor:
-    """(pieces, 6) float64: sum of squares, sum, max |x|, nan count, inf count, missed
-    (:func:`~zero_dtensor.layout.segments.piece_stats` with ``counts``: three reads, counts decided on the device)."""
-    (buf,) = part.bufs
-    return piece_stats(buf, part.seg, part.device, counts=True)
+def _moments(parts: _Parts, order: Sequence[int] | None = None) -> torch.Tensor:
+    """(pieces, 6) float64: sum of squares, sum, max |x|, nan count, inf count, missed (or these columns in
+    ``order``; :func:`~zero_dtensor.layout.segments.joint_stats` with ``counts``: three reads, counts decided on
+    the device), every group at once."""
+    (bufs,) = parts.bufs
+    return joint_stats(bufs, parts.segs, parts.device, counts=True, order=order)
 
 
-def _counts(part: _Part) -> torch.Tensor:
-    """(pieces, 2) float64: nan and inf counts, exactly (two more passes and two masks of the buffer's size: only
+def _counts(parts: _Parts) -> torch.Tensor:
+    """(pieces, 2) float64: nan and inf counts, exactly (two more passes and two masks of each buffer's size: only
     taken when :func:`_moments` could not count every non-finite row)."""
-    (buf,) = part.bufs
-    return torch.stack([piece_sums(torch.isnan(buf), part.seg, part.device),
-                        piece_sums(torch.isinf(buf), part.seg, part.device)], dim=1)
+    (bufs,) = parts.bufs
+    return torch.stack([joint_sums([torch.isnan(b) for b in bufs], parts.segs, parts.device),
+                        joint_sums([torch.isinf(b) for b in bufs], parts.segs, parts.device)], dim=1)
 
 
 #: columns of :func:`_stat_rows`: summed across ranks (the first four), maxed (the last two)
 _SUMMED = 4
+_ROW_ORDER = (0, 1, 3, 4, 2, 5)  #: :func:`_moments`' columns in :func:`_stat_rows`' order
 
 
-def _stat_columns(part: _Part) -> torch.Tensor:
-    """(pieces, 5) float64 of one part: sum of squares, sum, nan count, inf count, max |x| (with a host check of
+def _stat_columns(parts: _Parts) -> torch.Tensor:
+    """(pieces, 5) float64 of every group: sum of squares, sum, nan count, inf count, max |x| (with a host check of
     its own when the counts may be incomplete; :func:`stats` decides that from its one result copy instead)."""
-    m = _moments(part)
-    counts = m[:, 3:5] if not bool(m[:, 5].any()) else _counts(part)
+    m = _moments(parts)
+    counts = m[:, 3:5] if not bool(m[:, 5].any()) else _counts(parts)
     return torch.cat([m[:, :2], counts, m[:, 2:3]], dim=1)
 
 
-def _stat_rows(state: FlatState, sel: Selection, parts: list[_Part]) -> torch.Tensor:
+def _stat_rows(state: FlatState, parts: _Parts | None) -> torch.Tensor:
     """(k, 6) float64 on the communication device: sum of squares, sum, nan count, inf count, max |x|, missed
-    (1.0 where some part's counts may be incomplete) per selected parameter. No host sync."""
-    m = _per_param(state, sel, parts, _moments, torch.float64, (6,))
-    return torch.cat([m[:, :2], m[:, 3:5], m[:, 2:3], m[:, 5:]], dim=1)
+    (1.0 where some group's counts may be incomplete) per selected parameter. No host sync."""
+    return _per_param(state, parts, lambda p: _moments(p, _ROW_ORDER), torch.float64, (6,))
 
 
 def stats(state: FlatState, sel: Selection) -> ParamStatsMap[GradStats]:
     """Per parameter 2-norm, max |g|, mean, nan and inf counts: a (k, 6) float64 matrix (sums of squares, sums,
     counts summed across ranks; max |x| and an incompleteness flag maxed; :func:`~zero_dtensor.comm.collectives.sum_max_rows`):
-    per process group one all_gather of it (gloo below 4 ranks), else two all_reduces. Locally per group one
-    :func:`~zero_dtensor.layout.segments.piece_stats` (sums of squares, sums, maxima: three reads; nan/inf counts of
-    the bits and of up to max(16, rows/256) rows whose sum of squares is not finite, chosen on the device). One
+    per process group one all_gather of it (gloo below 4 ranks), else two all_reduces. Locally one
+    :func:`~zero_dtensor.layout.segments.joint_stats` over every group (sums of squares, sums, maxima: three reads;
+    nan/inf counts of the bits and of up to max(16, rows/256) rows per group whose sum of squares is not finite,
+    chosen on the device). One
     host sync: the copy of the results (``GradStats`` hold Python numbers). Only when more of some rank's rows of
     a group than that are not finite (the flag, the same on every rank after the reduction) are the counts taken
     again exactly (two more passes, one more collective, a second copy). The partials are reduced on the storage
     device and move to the communication device once."""
     parts = _parts((state,), sel)
-    local = _stat_rows(state, sel, parts)
+    local = _stat_rows(state, parts)
     names = sel.names
     scale = state.loss_scale
     reduced = _reduce_rows(state, sel, local, lambda rows, which, pg: sum_max_rows(rows, which, pg, _SUMMED))
     host = to_host(reduced)
     if bool(host[:, 5].any()):  # rare (a host value: no sync): count every element, agreed by the flag
-        counts = _reduce(state, sel, _per_param(state, sel, parts, _counts, torch.float64, (2,)), dist.ReduceOp.SUM)
+        counts = _reduce(state, sel, _per_param(state, parts, _counts, torch.float64, (2,)), dist.ReduceOp.SUM)
         host[:, 2:4] = to_host(counts)
     sumsq, total, nans, infs, top, _ = host.unbind(1)
     numels, counts_ = sel.numels()

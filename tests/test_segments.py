@@ -221,7 +221,7 @@ def test_grad_stats_fast_constructor_is_a_normal_frozen_dataclass() -> None:
 # --- reductions over a layout, in one process ------------------------------------------------------------------------
 # Single-rank groups communicate nothing, so the public reductions run here; for a rank of a 2-rank layout only the
 # local partials are checked (no process group). Padding holds a sentinel (huge, or nan): it must never count.
-from zero_dtensor.ops import reductions  # noqa: E402
+from zero_dtensor.ops import partials, reductions  # noqa: E402
 from zero_dtensor.layout.flat import FlatLayout, GroupLayout, Packing, ParamLayout  # noqa: E402
 from zero_dtensor.core.state import FlatState  # noqa: E402
 from zero_dtensor.core.storage import FlatStorage  # noqa: E402
@@ -285,7 +285,7 @@ def test_local_partials_take_each_selected_fragment_in_selection_order(case, dty
         for j, f in enumerate(frags):
             want = ref_norm(f, p_norm) if math.isinf(p_norm) else float(f.abs().pow(p_norm).sum())
             assert math.isclose(float(got[j]), want, rel_tol=2e-5, abs_tol=1e-30), (p_norm, j, float(got[j]), want)
-    cols = reductions._per_param(state, reductions._parts((state,), sel), reductions._stat_columns, torch.float64,
+    cols = partials.per_param(state, partials.parts_of((state,), sel), reductions._stat_columns, torch.float64,
                                  (5,))
     assert cols.shape == (len(chosen), 5)
     for j, f in enumerate(frags):

@@ -6,8 +6,8 @@ The bottom layer: it imports nothing else of zero_dtensor (and no ``torch.distri
   :class:`~.flat.ParamLayout`) and the placement kinds that say which rank holds what (``RaggedShard``: ZeRO-1/2,
   ``ChunkShard``: ZeRO-3, ``Replicated``);
 - :mod:`.plan`: per-layout plans (split sizes, offsets, fragments), built once per layout;
-- :mod:`.tiling`, :mod:`.rows`, :mod:`.segments`: how a 1-D buffer is cut into pieces, copied by rows, reduced
-  per piece;
+- :mod:`.tiling`, :mod:`.rows`, :mod:`.segments` (planned by :mod:`.segment_plan`): how a 1-D buffer is cut into
+  pieces, copied by rows, reduced per piece;
 - :mod:`.views`: views kept across steps; :mod:`.devices`: storage and communication devices, the one seam for
   device moves.
 """

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from .flat import FlatLayout, GroupLayout, ParamLayout
 from .rows import RowMap, row_map
-from .segments import SegmentPlan, segment_plan
+from .segment_plan import SegmentPlan, segment_plan
 from .tiling import Tiling, tiling
 
 __all__ = ["PIPELINE_FIRST_SHARE", "AllParams", "ColumnPiece", "FlatPlan", "GroupPlan", "Tiling", "plan_for", "tiling"]

@@ -34,17 +34,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from functools import lru_cache
-from typing import Any
 
 import torch
 
-from .devices import to_device
-from .tiling import Tiling
+from .segment_plan import (BLOCK, COUNT_ROWS, COUNT_SHARE, DEVICE_BLOCK, JointPlan, SegmentPlan, block_for,
+                           count_budget, joint_plan, offsets_of, param_index, segment_plan, sizes_plan)
 
 __all__ = [
     "BLOCK",
+    "COUNT_ROWS",
+    "COUNT_SHARE",
+    "DEVICE_BLOCK",
+    "block_for",
     "SegmentPlan",
     "param_index",
     "joint_dots",
@@ -61,178 +62,6 @@ __all__ = [
     "sizes_plan",
 ]
 
-BLOCK = 64  #: row width on the CPU: a row lying inside one piece is reduced by the row-wise pass
-#: row width on accelerators: PyTorch's CUDA reduction vectorizes its loads only along rows over 128 elements; rows
-#: of 2048 reach 1.09x a flat ``vector_norm`` on an H200 (64: 6.8x; 512: 1.5x; 8192: 1.55x; 1.03B bf16 elements)
-DEVICE_BLOCK = 2048
-
-
-def block_for(device: torch.device) -> int:
-    """The row width of the plans reducing buffers on ``device``: :data:`BLOCK` on the CPU (its tuned recipe),
-    :data:`DEVICE_BLOCK` elsewhere."""
-    return BLOCK if torch.device(device).type == "cpu" else DEVICE_BLOCK
-_PARAM_KEYS = 16  #: at most this many cached parameter selections per plan (then the cache starts over)
-
-
-@dataclass(frozen=True, eq=False)
-class SegmentPlan:
-    """How to reduce every piece of a 1-D buffer of ``numel`` elements in a fixed number of operations.
-
-    ``row_lengths`` (2 per piece): the runs of the first ``row_end`` rows of ``block`` elements, ``unused_i,
-    body_i`` for piece ``i`` (a piece without full rows has ``0, 0``; unused rows straddle piece boundaries).
-    ``bit_starts``/``bit_spans``: the other elements as maximal spans ``[start, start + span)`` in buffer order;
-    ``bit_lengths[i]``: how many of them piece ``i`` holds (head and tail together). ``param_piece``: the tiling's
-    piece of each parameter (buffer order), for :func:`param_index`. Compared by identity.
-    """
-
-    numel: int
-    block: int
-    row_end: int  # rows [0, row_end) are covered by row_lengths (the last body row's end)
-    body_rows: int  # rows inside some piece's body (0: the row-wise pass is skipped)
-    row_lengths: tuple[int, ...]
-    bit_starts: tuple[int, ...]
-    bit_spans: tuple[int, ...]
-    bit_lengths: tuple[int, ...]
-    param_piece: tuple[int, ...] = ()
-
-    _by_params: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict, init=False, repr=False)
-
-    @property
-    def pieces(self) -> int:
-        return len(self.bit_lengths)
-
-    @property
-    def bits(self) -> int:
-        """How many elements the bits pass gathers."""
-        return sum(self.bit_spans)
-
-
-def _build(sizes: Sequence[int], param_piece: tuple[int, ...], block: int) -> SegmentPlan:
-    """One pass over the pieces (Python ints only)."""
-    row_lengths: list[int] = []
-    bit_starts: list[int] = []
-    bit_spans: list[int] = []
-    bit_lengths: list[int] = []
-    row_pos = body_rows = start = 0
-
-    def bit(at: int, length: int) -> None:
-        if not length:
-            return
-        if bit_starts and bit_starts[-1] + bit_spans[-1] == at:  # adjacent to the previous span: extend it
-            bit_spans[-1] += length
-        else:
-            bit_starts.append(at)
-            bit_spans.append(length)
-
-    for size in sizes:
-        end = start + size
-        first, last = -(-start // block), end // block  # the piece's full rows are [first, last)
-        if last > first:
-            row_lengths += (first - row_pos, last - first)
-            row_pos, body_rows = last, body_rows + last - first
-            bit(start, first * block - start)
-            bit(last * block, end - last * block)
-            bit_lengths.append(size - (last - first) * block)
-        else:
-            row_lengths += (0, 0)
-            bit(start, size)
-            bit_lengths.append(size)
-        start = end
-    return SegmentPlan(numel=start, block=block, row_end=row_pos, body_rows=body_rows,
-                       row_lengths=tuple(row_lengths), bit_starts=tuple(bit_starts), bit_spans=tuple(bit_spans),
-                       bit_lengths=tuple(bit_lengths), param_piece=param_piece)
-
-
-@lru_cache(maxsize=64)
-def segment_plan(tiling: Tiling, block: int = BLOCK) -> SegmentPlan:
-    """The plan of a :class:`~zero_dtensor.layout.tiling.Tiling` (cached per tiling value: one Python pass on first use).
-    Its :func:`param_index` maps the tiling's parameters to their pieces."""
-    return _build(tiling.sizes, tiling.piece, block)
-
-
-def sizes_plan(sizes: Sequence[int], block: int = BLOCK) -> SegmentPlan:
-    """The plan of a buffer made of pieces of ``sizes`` back to back, piece ``k`` being parameter ``k`` (for a
-    concatenation of selected fragments; cached per ``sizes``)."""
-    return _sizes_plan(tuple(sizes), block)
-
-
-@lru_cache(maxsize=64)
-def _sizes_plan(sizes: tuple[int, ...], block: int) -> SegmentPlan:
-    return _build(sizes, tuple(range(len(sizes))), block)
-
-
-def _offsets(lengths: Sequence[int]) -> list[int]:
-    out = [0]
-    for n in lengths:
-        out.append(out[-1] + n)
-    return out
-
-
-@dataclass(frozen=True)
-class _Joint:
-    """Index tensors of one or more plans reduced together, on one device: per piece or per row, never per element.
-    Their values are laid out plan after plan: every plan's row values (its first ``row_end`` rows), then every
-    plan's bits."""
-
-    pieces: int  # all plans' pieces
-    rows: int  # all plans' covered rows (sum of ``row_end``)
-    row_offsets: torch.Tensor  # (2·pieces + 1,): ``segment_reduce`` offsets of every plan's ``unused_0, body_0, ...``
-    all_offsets: torch.Tensor  # (3·pieces + 1,): the same runs, then each piece's bits, over rows then bits
-    bit_offsets: torch.Tensor  # (pieces + 1,): each piece's bits among the bits alone
-    bit_rows: tuple[torch.Tensor, ...]  # per plan: its full rows outside every body, ascending
-    row_starts: torch.Tensor  # (plans with rows + 1,): where each plan's rows start among all rows (then the end)
-    budgets: torch.Tensor  # (plans with rows,): how many of its rows :func:`joint_stats` counts at most
-    pick_starts: torch.Tensor  # (sum of budgets,): the row start of the plan of each counted row
-
-
-def _bit_rows(seg: SegmentPlan) -> list[int]:
-    """The full rows of ``seg`` outside every body (they and the last partial row hold every bit, in buffer
-    order)."""
-    full = seg.numel // seg.block
-    body = bytearray(full)
-    row = 0
-    for i in range(0, len(seg.row_lengths), 2):
-        row += seg.row_lengths[i]
-        body[row:row + seg.row_lengths[i + 1]] = b"\x01" * seg.row_lengths[i + 1]
-        row += seg.row_lengths[i + 1]
-    return [r for r in range(full) if not body[r]]
-
-
-@lru_cache(maxsize=64)
-def _joint(segs: tuple[SegmentPlan, ...], device: torch.device) -> _Joint:
-    """The joint index tensors of ``segs`` on ``device`` (plans compare by identity; one Python pass and one copy to
-    ``device`` on first use, then cached)."""
-    row_lengths = [n for seg in segs for n in seg.row_lengths]
-    bit_lengths = [n for seg in segs for n in seg.bit_lengths]
-    rows = sum(seg.row_end for seg in segs)
-    row_offsets, bit_offsets = _offsets(row_lengths), _offsets(bit_lengths)
-    all_offsets = row_offsets + [rows + o for o in bit_offsets[1:]]
-    bit_rows = [_bit_rows(seg) for seg in segs]
-    ends = [seg.row_end for seg in segs if seg.row_end]
-    row_starts, budgets = _offsets(ends), [_budget(n) for n in ends]
-    pick_starts = [start for start, b in zip(row_starts, budgets) for _ in range(b)]
-    lists = [row_offsets, all_offsets, bit_offsets, row_starts, budgets, pick_starts, *bit_rows]
-    packed = torch.tensor([v for values in lists for v in values], dtype=torch.int64)
-    moved = to_device(packed, device).split(list(map(len, lists)))
-    return _Joint(pieces=len(bit_lengths), rows=rows, row_offsets=moved[0], all_offsets=moved[1],
-                  bit_offsets=moved[2], row_starts=moved[3], budgets=moved[4], pick_starts=moved[5],
-                  bit_rows=tuple(moved[6:]))
-
-
-def param_index(seg: SegmentPlan, params: Sequence[int], device: torch.device) -> torch.Tensor:
-    """(len(params),) int64 on ``device``: the piece of each of the given parameters (indices into the tiling's
-    parameters, buffer order). Cached per (device, params) on the plan (a few selections at a time)."""
-    key = (device, tuple(params))
-    found = seg._by_params.get(key)
-    if found is None:
-        found = to_device(torch.tensor([seg.param_piece[k] for k in key[1]], dtype=torch.int64), device)
-        if len(seg._by_params) >= _PARAM_KEYS:
-            seg._by_params.clear()
-        seg._by_params[key] = found
-    return found
-
-
-# --- the two passes, over one plan or several at once ----------------------------------------------------------------
 def _acc(*dtypes: torch.dtype) -> torch.dtype:
     """Row accumulation dtype: float64 for float64 input, else float32 (bf16/fp16/fp32, bool)."""
     return torch.float64 if torch.float64 in dtypes else torch.float32
@@ -243,14 +72,14 @@ def _check(buf: torch.Tensor, seg: SegmentPlan) -> None:
         raise ValueError(f"expected a 1-D buffer of {seg.numel} elements, got shape {tuple(buf.shape)}")
 
 
-def _prepare(bufs: Sequence[torch.Tensor], segs: Sequence[SegmentPlan], device: torch.device | None) -> _Joint:
+def _prepare(bufs: Sequence[torch.Tensor], segs: Sequence[SegmentPlan], device: torch.device | None) -> JointPlan:
     """Check each buffer against its plan; the plans' joint index tensors on ``device`` (default: the first
     buffer's)."""
     if len(bufs) != len(segs) or not segs:
         raise ValueError(f"expected one buffer per plan, got {len(bufs)} buffers for {len(segs)} plans")
     for buf, seg in zip(bufs, segs):
         _check(buf, seg)
-    return _joint(tuple(segs), bufs[0].device if device is None else torch.device(device))
+    return joint_plan(tuple(segs), bufs[0].device if device is None else torch.device(device))
 
 
 def _rows(buf: torch.Tensor, seg: SegmentPlan) -> torch.Tensor:
@@ -263,7 +92,7 @@ def _row_views(bufs: Sequence[torch.Tensor], segs: Sequence[SegmentPlan]) -> lis
     return [_rows(buf, seg) for buf, seg in zip(bufs, segs) if seg.body_rows]
 
 
-def _bit_parts(bufs: Sequence[torch.Tensor], segs: Sequence[SegmentPlan], j: _Joint) -> list[torch.Tensor]:
+def _bit_parts(bufs: Sequence[torch.Tensor], segs: Sequence[SegmentPlan], j: JointPlan) -> list[torch.Tensor]:
     """The bits of every buffer, in buffer order, plan after plan, as pieces to concatenate: per buffer one
     ``index_select`` of the full rows outside every body (an index per row, not per element; the one operation
     per buffer) and a view of its last partial row."""
@@ -286,7 +115,7 @@ def _segments(values: torch.Tensor, offsets: torch.Tensor, how: str) -> torch.Te
     return torch.segment_reduce(values, how, offsets=offsets, unsafe=True, initial=0.0 if how == "max" else None)
 
 
-def _joined(values: torch.Tensor, j: _Joint, how: str) -> torch.Tensor:
+def _joined(values: torch.Tensor, j: JointPlan, how: str) -> torch.Tensor:
     """Per piece, from float64 ``values`` laid out as every plan's row values then every plan's bits (one value
     each): its body rows' and its bits' values reduced (``how``: "sum" or "max"), by one ``segment_reduce`` over
     both and one add (max)."""
@@ -368,18 +197,6 @@ def piece_sums(buf: torch.Tensor, seg: SegmentPlan, device: torch.device | None 
     return joint_sums((buf,), (seg,), device)
 
 
-#: :func:`joint_stats` with ``counts=True`` counts the non-finite elements of at most ``rows // COUNT_SHARE`` rows
-#: of each buffer (those whose sum of squares is not finite: the only ones holding a nan or an inf), chosen on the
-#: device
-COUNT_SHARE = 256
-COUNT_ROWS = 16  #: ... or at most this many rows, whichever is more (a few bad rows of a small buffer)
-
-
-def _budget(rows: int) -> int:
-    """How many of a buffer's ``rows`` covered rows :func:`joint_stats` counts at most."""
-    return min(rows, max(COUNT_ROWS, rows // COUNT_SHARE))
-
-
 def joint_stats(bufs: Sequence[torch.Tensor], segs: Sequence[SegmentPlan], device: torch.device | None = None, *,
                 counts: bool = False, order: Sequence[int] | None = None) -> torch.Tensor:
     """(pieces of all plans, 3) float64: per piece the sum of squares, the sum and the max ``|x|``, exactly as
@@ -414,15 +231,15 @@ def joint_stats(bufs: Sequence[torch.Tensor], segs: Sequence[SegmentPlan], devic
     return torch.cat(columns if order is None else [columns[i] for i in order], dim=1)
 
 
-def _count_bad_rows(rows: list[torch.Tensor], row_sq: torch.Tensor, j: _Joint, found: torch.Tensor) -> torch.Tensor:
+def _count_bad_rows(rows: list[torch.Tensor], row_sq: torch.Tensor, j: JointPlan, found: torch.Tensor) -> torch.Tensor:
     """Add the nan and inf counts of the body rows whose sum of squares is not finite to ``found`` ((pieces, 2), in
     place): per buffer the first ``max(COUNT_ROWS, rows // COUNT_SHARE)`` such rows, found by one ``topk`` and
     gathered by one ``index_select`` (fixed sizes, no host sync); everything else once for all buffers. Returns a
     0-d bool: whether some buffer has more rows than that not finite (counts incomplete)."""
     bad = (~torch.isfinite(row_sq)).to(torch.float64)  # (all rows,) 0/1
     picks, picked = [], []
-    for r, start in zip(rows, _offsets([r.shape[0] for r in rows])):
-        pick = torch.topk(bad[start: start + r.shape[0]], _budget(r.shape[0]), sorted=False).indices
+    for r, start in zip(rows, offsets_of([r.shape[0] for r in rows])):
+        pick = torch.topk(bad[start: start + r.shape[0]], count_budget(r.shape[0]), sorted=False).indices
         picks.append(pick)
         picked.append(r.index_select(0, pick))
     pick = _cat(picks).add_(j.pick_starts)  # among all rows

@@ -1,7 +1,8 @@
 """Operations on a family's local shards, batched per flat group.
 
 - :mod:`.transforms` (with :mod:`.operands`, :mod:`.noise`): elementwise writes, no communication;
-- :mod:`.reductions` (with :mod:`.overflow`): norms, dots, statistics, clipping, one collective each;
+- :mod:`.reductions` (with :mod:`.overflow`, and :mod:`.partials`: the pieces a selection reduces and their
+  reduction across ranks): norms, dots, statistics, clipping, one collective each;
 - :mod:`.writes`: ``set_full_``, full tensors written into each rank's fragments, no communication.
 - :mod:`.direct_write`: ``set_full_``'s per-parameter path, each value copied into a cached view of its fragment.
 

@@ -33,9 +33,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from itertools import repeat
 from typing import Any
 
@@ -44,11 +43,12 @@ import torch.distributed as dist
 
 from ..comm.collectives import all_reduce_rows, sum_max_rows
 from ..comm.agreement import distinct_groups
-from ..layout.devices import to_comm, to_device, to_host, to_storage
+from ..layout.devices import to_comm, to_host, to_storage
 from ..core.param_values import ParamStatsMap, ParamValues
-from ..layout.segments import (SegmentPlan, block_for, joint_dots, joint_max_abs, joint_pow_sums, joint_stats,
-                               joint_sums, segment_plan, sizes_plan)
+from ..layout.segments import block_for, joint_dots, joint_max_abs, joint_pow_sums, joint_stats, joint_sums
 from ..core.state import FlatState, Selection
+from .partials import (Parts, communicating_by_process_group, parts_of, per_param, reduce_across,
+                       reduce_rows_across)
 from .transforms import PerParam, mul_
 
 __all__ = [
@@ -96,152 +96,14 @@ def _result_device(state: FlatState) -> torch.device:
     return state.storage.devices.comm
 
 
-# --- local partials: per group, every piece at once ----------------------------------------------------------------
-SPARSE = 4  #: a selection covering under 1/SPARSE of a group's local elements reduces only its fragments
-
-
-@dataclass(frozen=True)
-class _Index:
-    """Where a selection's values lie among all its groups' values, on the storage device (built once per
-    selection and device, in one host-to-device copy: a copy on every call would be a host sync on CUDA)."""
-
-    take: torch.Tensor | None  # (k,): each selected parameter's piece among all groups' pieces, selection order
-    group_take: torch.Tensor | None  # (k,): the same, group by group (``None``: every piece, in order)
-    group_offsets: torch.Tensor  # (groups + 1,): ``segment_reduce`` offsets of ``group_take``'s rows per group
-    run_offsets: torch.Tensor | None  # (groups + 1,): of the run values (:func:`_run_norms`), every group a run
-
-
-@dataclass(frozen=True)
-class _Parts:
-    """A selection's flat groups, reduced together: per group (ascending index) its plan and the buffer to reduce
-    (one per state: the whole partition, or the concatenation of the selected fragments), and where the selected
-    parameters' pieces lie among all groups' pieces (:class:`_Index`)."""
-
-    segs: tuple[SegmentPlan, ...]
-    bufs: tuple[tuple[torch.Tensor, ...], ...]  # per state, one buffer per group
-    index: _Index
-    device: torch.device  # the storage device (index tensors are cached per device)
-
-
-def _parts(states: Sequence[FlatState], sel: Selection) -> _Parts | None:
-    """The selected groups' buffers and plans (:func:`_part`) and their :class:`_Index`. ``None`` when nothing is
-    selected."""
-    groups = sorted(sel.by_group)
-    if not groups:
-        return None
-    devices = states[0].storage.devices
-    parts = [_part(states, sel, g) for g in groups]
-    segs = tuple(seg for seg, _, _ in parts)
-    bufs = tuple(tuple(part[1][i] for part in parts) for i in range(len(states)))
-    plans = states[0].plan.groups
-    key = tuple((seg, tuple(sel.by_group[g]), whole,
-                 plans[g].param_run[1] if whole and plans[g].param_run is not None else None)
-                for (seg, _, whole), g in zip(parts, groups))
-    order = None if len(groups) == 1 else tuple(p.group for p in sel.params)
-    return _Parts(segs, bufs, _index(key, order, devices.storage), devices.storage)
-
-
-def _part(states: Sequence[FlatState], sel: Selection, g: int) -> tuple[SegmentPlan, tuple[torch.Tensor, ...], bool]:
-    """Group ``g``'s share of the selection: its plan, the whole partition of each state (``True``), or the
-    concatenation of the selected fragments when they cover under ``1/SPARSE`` of it (``False``; states share one
-    layout geometry)."""
-    chosen, plan = sel.by_group[g], states[0].plan.groups[g]
-    devices = states[0].storage.devices
-    block = block_for(devices.storage)
-    seg = segment_plan(plan.local, block)
-    if len(chosen) == len(plan.params) or SPARSE * sum(map(plan.frag_len.__getitem__, chosen)) >= seg.numel:
-        return seg, tuple(to_storage(s.storage.partitions[g], devices) for s in states), True
-    bufs = tuple(to_storage(torch.cat(s.fragments_of(g, chosen)), devices) for s in states)
-    return sizes_plan([plan.frag_len[k] for k in chosen], block), bufs, False
-
-
-def _offsets(lengths: Sequence[int]) -> list[int]:
-    out = [0]
-    for n in lengths:
-        out.append(out[-1] + n)
-    return out
-
-
-@lru_cache(maxsize=32)
-def _index(key: tuple[tuple[SegmentPlan, tuple[int, ...], bool, int | None], ...], order: tuple[int, ...] | None,
-           device: torch.device) -> _Index:
-    """The :class:`_Index` of a selection (``key``: per group its plan, its selected parameters, whether the plan
-    is the whole partition's and the length of its parameters' run when it is selected whole and has one;
-    ``order``: the group of each selected parameter, in selection order, ``None`` for one group) on ``device``."""
-    stacked, base = [], 0
-    for seg, chosen, whole, _ in key:
-        stacked += [base + (seg.param_piece[k] if whole else i) for i, k in enumerate(chosen)]
-        base += seg.pieces
-    ordered = stacked
-    if order is not None:  # rows stacked group by group go back to selection order (a stable sort by group)
-        ordered = [0] * len(stacked)
-        for i, at in enumerate(sorted(range(len(order)), key=order.__getitem__)):
-            ordered[at] = stacked[i]
-    block = block_for(device)
-    runs = [n for *_, n in key]
-    lists = [ordered, stacked, _offsets([len(chosen) for _, chosen, _, _ in key]),
-             _offsets([n // block + 1 for n in runs]) if None not in runs else []]
-    every = list(range(base))
-    packed = torch.tensor([v for values in lists for v in values], dtype=torch.int64)
-    take, group_take, group_offsets, run_offsets = to_device(packed, device).split(list(map(len, lists)))
-    return _Index(take=None if ordered == every else take, group_take=None if stacked == every else group_take,
-                  group_offsets=group_offsets, run_offsets=run_offsets if lists[3] else None)
-
-
-def _per_param(state: FlatState, parts: _Parts | None, values: Callable[[_Parts], torch.Tensor],
-               dtype: torch.dtype, columns: tuple[int, ...] = ()) -> torch.Tensor:
-    """``values(parts)`` (per piece of all groups, float64) for the selected parameters: (k, *columns) ``dtype`` on
-    the result device, rows in ``sel.params`` order: one ``index_select``, one cast and one move, whatever the
-    number of groups."""
-    devices = state.storage.devices
-    if parts is None:
-        return torch.zeros((0, *columns), dtype=dtype, device=devices.comm)
-    v, take = values(parts), parts.index.take
-    return to_comm((v if take is None else v.index_select(0, take)).to(dtype), devices)
-
-
-def _reduce(state: FlatState, sel: Selection, local: torch.Tensor, op: Any,
-            names: Sequence[str] | None = None) -> torch.Tensor:
-    """All-reduce the rows of ``local`` (one per selected parameter) over each distinct process group of the
-    multi-rank sharded groups (one collective per process group). Returns the reduced rows on the engine's
-    device."""
-    return _reduce_rows(state, sel, local, lambda rows, which, pg: all_reduce_rows(rows, which, pg, op))
-
-
-def _reduce_rows(state: FlatState, sel: Selection, local: torch.Tensor,
-                 reduce: Callable[[torch.Tensor, list[int], Any], None]) -> torch.Tensor:
-    """``reduce(local, rows, process group)`` over each distinct process group of the multi-rank sharded groups,
-    ``rows`` those of its selected parameters. Returns ``local``, moved to the communication device."""
-    local = to_comm(local, state.storage.devices)  # where the process group communicates (and results live)
-    for pg, members in _communicating_by_process_group(state):
-        if len(members) == len(state.layout.groups):  # every row takes part (the usual case): no row lookup
-            rows = list(range(len(sel.params)))
-        else:
-            rows = [i for i, p in enumerate(sel.params) if p.group in members]
-        if rows:
-            reduce(local, rows, pg)
-    return local
-
-
-def _communicating_by_process_group(state: FlatState) -> list[tuple[Any, set[int]]]:
-    """``(process group, indices of its flat groups)`` for each distinct process group of the multi-rank sharded
-    groups (the ones a reduction communicates on). No communication."""
-    by_pg: dict[int, tuple[Any, set[int]]] = {}
-    for i, g in enumerate(state.layout.groups):
-        if g.placement.is_sharded and g.world_size > 1:
-            pg = state.storage.process_groups[i]
-            by_pg.setdefault(id(pg), (pg, set()))[1].add(i)
-    return list(by_pg.values())
-
-
 def _partials(state: FlatState, sel: Selection, norm_type: float) -> torch.Tensor:
     """Per selected parameter: local ``sum |x|^p`` (or ``max |x|`` for inf), float32, stored units: every
     selected group at once (:func:`_piece_norms`)."""
-    parts = _parts((state,), sel)
-    return _per_param(state, parts, lambda p: _piece_norms(p, norm_type), torch.float32)
+    parts = parts_of((state,), sel)
+    return per_param(state, parts, lambda p: _piece_norms(p, norm_type), torch.float32)
 
 
-def _piece_norms(parts: _Parts, norm_type: float) -> torch.Tensor:
+def _piece_norms(parts: Parts, norm_type: float) -> torch.Tensor:
     """Per piece of every group: ``sum |x|^p`` (``max |x|`` for inf), float64."""
     (bufs,) = parts.bufs
     if math.isinf(norm_type):
@@ -267,7 +129,7 @@ def _reduced_partials(state: FlatState, sel: Selection, norm_type: float,
     check_norm_type(norm_type)
     is_inf = math.isinf(norm_type)
     local = _partials(state, sel, norm_type)
-    return _reduce(state, sel, local, dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, names), is_inf
+    return reduce_across(state, sel, local, dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, names), is_inf
 
 
 def norm_values(state: FlatState, sel: Selection, norm_type: float,
@@ -370,24 +232,24 @@ def _group_partials(state: FlatState, sel: Selection, norm_type: float) -> torch
     is_inf = math.isinf(norm_type)
     runs = [_run_of(state, sel, g) for g in groups]
     if all(run is not None for run in runs):
-        index = _parts((state,), sel).index
+        index = parts_of((state,), sel).index
         local = _run_max(runs) if is_inf else _per_group(_run_norms(runs, norm_type), index.run_offsets, False)
     elif all(run is None for run in runs):
-        local = _piece_group_partials(_parts((state,), sel), norm_type)
+        local = _piece_group_partials(parts_of((state,), sel), norm_type)
     else:  # some groups are runs, some not (a selection whole in some groups only): group by group
         local = torch.cat([(_run_max([run]) if is_inf else _run_norms([run], norm_type).sum().unsqueeze(0))
-                           if run is not None else _piece_group_partials(_parts((state,), _subset(sel, [g])),
+                           if run is not None else _piece_group_partials(parts_of((state,), _subset(sel, [g])),
                                                                           norm_type)
                            for g, run in zip(groups, runs)])
     local = to_comm(local, devices)
-    for pg, members in _communicating_by_process_group(state):
+    for pg, members in communicating_by_process_group(state):
         rows = [i for i, g in enumerate(groups) if g in members]
         if rows:
             all_reduce_rows(local, rows, pg, dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM)
     return local
 
 
-def _piece_group_partials(parts: _Parts, norm_type: float) -> torch.Tensor:
+def _piece_group_partials(parts: Parts, norm_type: float) -> torch.Tensor:
     """(groups,) float64: per group of ``parts``, the sum (max) of its selected parameters' partials."""
     pieces = _piece_norms(parts, norm_type)
     take = parts.index.group_take
@@ -405,7 +267,7 @@ def dots(state: FlatState, other: FlatState, sel: Selection, with_norms: bool) -
     """Per-parameter ``<g, other_g>`` (and 2-norms): one collective of a (k, 1 or 3) float32 vector per process
     group. Locally: :func:`~zero_dtensor.layout.segments.joint_dots` (and two ``joint_pow_sums``) over every group."""
 
-    def values(parts: _Parts) -> torch.Tensor:
+    def values(parts: Parts) -> torch.Tensor:
         a, b = parts.bufs
         columns = [joint_dots(a, b, parts.segs, parts.device)]
         if with_norms:
@@ -414,9 +276,9 @@ def dots(state: FlatState, other: FlatState, sel: Selection, with_norms: bool) -
         return columns[0].unsqueeze(1) if len(columns) == 1 else torch.stack(columns, dim=1)
 
     width = 3 if with_norms else 1
-    local = _per_param(state, _parts((state, other), sel), values, torch.float32, (width,))
+    local = per_param(state, parts_of((state, other), sel), values, torch.float32, (width,))
     names = sel.names
-    reduced = _reduce(state, sel, local, dist.ReduceOp.SUM, names)
+    reduced = reduce_across(state, sel, local, dist.ReduceOp.SUM, names)
     s, so = state.loss_scale, other.loss_scale
     result = ParamValues(names, reduced[:, 0] / (s * so))
     if not with_norms:
@@ -424,7 +286,7 @@ def dots(state: FlatState, other: FlatState, sel: Selection, with_norms: bool) -
     return result, ParamValues(names, reduced[:, 1].sqrt() / s), ParamValues(names, reduced[:, 2].sqrt() / so)
 
 
-def _moments(parts: _Parts, order: Sequence[int] | None = None) -> torch.Tensor:
+def _moments(parts: Parts, order: Sequence[int] | None = None) -> torch.Tensor:
     """(pieces, 6) float64: sum of squares, sum, max |x|, nan count, inf count, missed (or these columns in
     ``order``; :func:`~zero_dtensor.layout.segments.joint_stats` with ``counts``: three reads, counts decided on
     the device), every group at once."""
@@ -432,7 +294,7 @@ def _moments(parts: _Parts, order: Sequence[int] | None = None) -> torch.Tensor:
     return joint_stats(bufs, parts.segs, parts.device, counts=True, order=order)
 
 
-def _counts(parts: _Parts) -> torch.Tensor:
+def _counts(parts: Parts) -> torch.Tensor:
     """(pieces, 2) float64: nan and inf counts, exactly (two more passes and two masks of each buffer's size: only
     taken when :func:`_moments` could not count every non-finite row)."""
     (bufs,) = parts.bufs
@@ -445,7 +307,7 @@ _SUMMED = 4
 _ROW_ORDER = (0, 1, 3, 4, 2, 5)  #: :func:`_moments`' columns in :func:`_stat_rows`' order
 
 
-def _stat_columns(parts: _Parts) -> torch.Tensor:
+def _stat_columns(parts: Parts) -> torch.Tensor:
     """(pieces, 5) float64 of every group: sum of squares, sum, nan count, inf count, max |x| (with a host check of
     its own when the counts may be incomplete; :func:`stats` decides that from its one result copy instead)."""
     m = _moments(parts)
@@ -453,10 +315,10 @@ def _stat_columns(parts: _Parts) -> torch.Tensor:
     return torch.cat([m[:, :2], counts, m[:, 2:3]], dim=1)
 
 
-def _stat_rows(state: FlatState, parts: _Parts | None) -> torch.Tensor:
+def _stat_rows(state: FlatState, parts: Parts | None) -> torch.Tensor:
     """(k, 6) float64 on the communication device: sum of squares, sum, nan count, inf count, max |x|, missed
     (1.0 where some group's counts may be incomplete) per selected parameter. No host sync."""
-    return _per_param(state, parts, lambda p: _moments(p, _ROW_ORDER), torch.float64, (6,))
+    return per_param(state, parts, lambda p: _moments(p, _ROW_ORDER), torch.float64, (6,))
 
 
 def stats(state: FlatState, sel: Selection) -> ParamStatsMap[GradStats]:
@@ -470,14 +332,14 @@ def stats(state: FlatState, sel: Selection) -> ParamStatsMap[GradStats]:
     a group than that are not finite (the flag, the same on every rank after the reduction) are the counts taken
     again exactly (two more passes, one more collective, a second copy). The partials are reduced on the storage
     device and move to the communication device once."""
-    parts = _parts((state,), sel)
+    parts = parts_of((state,), sel)
     local = _stat_rows(state, parts)
     names = sel.names
     scale = state.loss_scale
-    reduced = _reduce_rows(state, sel, local, lambda rows, which, pg: sum_max_rows(rows, which, pg, _SUMMED))
+    reduced = reduce_rows_across(state, sel, local, lambda rows, which, pg: sum_max_rows(rows, which, pg, _SUMMED))
     host = to_host(reduced)
     if bool(host[:, 5].any()):  # rare (a host value: no sync): count every element, agreed by the flag
-        counts = _reduce(state, sel, _per_param(state, parts, _counts, torch.float64, (2,)), dist.ReduceOp.SUM)
+        counts = reduce_across(state, sel, per_param(state, parts, _counts, torch.float64, (2,)), dist.ReduceOp.SUM)
         host[:, 2:4] = to_host(counts)
     sumsq, total, nans, infs, top, _ = host.unbind(1)
     numels, counts_ = sel.numels()

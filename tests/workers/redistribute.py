@@ -467,8 +467,9 @@ def _probe_call(family: Any, call: str, arg: Any, offload: bool) -> tuple[Any, d
 
 
 def check_copies(cases: tuple[tuple, ...]) -> dict:
-    """Issue 44: per ``(stage, offload[, model])`` case (model: a key of ``MODELS``, default ``"odd"``), family (gradients, then fp32 masters after a step) and call, under
-    :class:`~workers.dispatch_probe.DispatchProbe`: the bytes local operations write or return
+    """Issue 44: per ``(stage, offload[, model])`` case (model: a key of ``MODELS``, default ``"odd"``), family
+    (gradients, then fp32 masters after a step) and call, under :class:`~workers.dispatch_probe.DispatchProbe`: the
+    bytes local operations write or return
     (``written + produced``: every local copy, collectives aside) and allocate, beside the plan's figures (bytes
     this rank keeps, sends and receives in the call's exchanges; map_full_: both). The writes get what the reads
     returned (``set_dtensors_(to_dtensors())``, ``set_owned_(owned())``, ``map_full_(lambda n, g: g)``): values
@@ -497,7 +498,8 @@ def check_copies(cases: tuple[tuple, ...]) -> dict:
                     owned = result
                 row = {k: probe[k] for k in ("written", "produced", "allocated", "largest", "by_op", "refused")}
                 row.update(_delivered(family, call, names, assignment))
-                report[f"z{stage}{'-offload' if offload else ''}{'' if model == 'odd' else '-' + model} {fam} {call}"] = row
+                label = f"z{stage}{'-offload' if offload else ''}{'' if model == 'odd' else '-' + model}"
+                report[f"{label} {fam} {call}"] = row
             after = dict(family.full_tensors())
             assert all(torch.equal(before[n], after[n]) for n in before), (stage, offload, fam)
             dts = owned = None

@@ -181,6 +181,13 @@ def check_round_trips(case: EngineCase) -> dict:
     assert_comms(mode, {"alltoall_base": a2a + n, agreement_op(grads): n}, "map_full_")
     assert _same_bytes(before, deepspeed_storage(engine)), "map_full_(identity)"
 
+    # expanded values (stride 0 once flattened) are written as values, never sent as a view as they lie
+    saved = {name: v.clone() for name, v in grads.owned().items()}
+    grads.set_owned_({name: torch.full((1,), 3.0).expand(v.shape) for name, v in saved.items()})
+    assert all(bool((g == 3.0).all()) for g in grads.full_tensors().values()), "set_owned_(expanded values)"
+    grads.set_owned_(saved)
+    assert _same_bytes(before, deepspeed_storage(engine)), "set_owned_(a clone of owned())"
+
     grads.set_owned_({})  # nothing passed anywhere: nothing changes, no exchange
     assert _same_bytes(before, deepspeed_storage(engine)), "set_owned_({})"
     return {"a2a": a2a}

@@ -141,7 +141,7 @@ def _exchange_peers(sources: Sequence[torch.Tensor], dests: Sequence[torch.Tenso
     (own_sent, own_received), (sent, received) = transfer.own_pieces(), transfer.peer_pieces()
     send_counts, recv_counts = transfer.peer_counts()
     send = _run_on(sources, transfer.peer_send_run, device)
-    if send is None:
+    if send is None or (send.numel() > 1 and send.stride(0) != 1):  # (a write's value may be expanded: stride 0)
         n = sum(send_counts)
         space = send_space.narrow(0, 0, n) if send_space is not None and send_space.numel() >= n \
             else _scratch("send", bucket, device, n)

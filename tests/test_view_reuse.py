@@ -64,6 +64,6 @@ def test_zero3_row_reorder_matches_deepspeed(ranks, case: EngineCase) -> None:
     assert all(r["peer_rows"] for r in results), "the wide model must take the all_to_all and send_recv row paths"
 
 
-@pytest.mark.parametrize("case", [EngineCase(1), EngineCase(2, world=3)], ids=lambda c: c.id)
+@pytest.mark.parametrize("case", [EngineCase(1), EngineCase(1, "bf16"), EngineCase(2, world=3)], ids=lambda c: c.id)
 def test_replaced_pieces_are_freed_by_the_step(ranks, case: EngineCase) -> None:
     ranks(case.world).run(view_reuse.check_replaced_pieces_freed_by_the_step, case)

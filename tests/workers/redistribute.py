@@ -181,6 +181,13 @@ def check_round_trips(case: EngineCase) -> dict:
     assert_comms(mode, {"alltoall_base": a2a + n, agreement_op(grads): n}, "map_full_")
     assert _same_bytes(before, deepspeed_storage(engine)), "map_full_(identity)"
 
+    # expanded values (stride 0 once flattened) are written as values, never sent as a view as they lie
+    saved = {name: v.clone() for name, v in grads.owned().items()}
+    grads.set_owned_({name: torch.full((1,), 3.0).expand(v.shape) for name, v in saved.items()})
+    assert all(bool((g == 3.0).all()) for g in grads.full_tensors().values()), "set_owned_(expanded values)"
+    grads.set_owned_(saved)
+    assert _same_bytes(before, deepspeed_storage(engine)), "set_owned_(a clone of owned())"
+
     grads.set_owned_({})  # nothing passed anywhere: nothing changes, no exchange
     assert _same_bytes(before, deepspeed_storage(engine)), "set_owned_({})"
     return {"a2a": a2a}
@@ -418,14 +425,16 @@ def _count_ops(stage: int, dtype: str, bf16_optimizer: bool) -> dict[str, dict[i
 # --- issue 44: local copies and allocations per byte exchanged (DispatchProbe) ---------------------------------------
 def _delivered(family: Any, call: str, names: list[str], assignment: dict[str, int] | None) -> dict[str, int]:
     """From the call's plan: bytes this rank ends with (reads: the result; writes: what lands in its partitions),
-    sends to / receives from other ranks, and keeps (its own share)."""
+    sends to / receives from other ranks, and keeps (its own share); ``scattered``: whether the pieces a read sends
+    the other ranks lie scattered in the partitions (not one run of one: then they are packed somewhere)."""
     from zero_dtensor.redistribute import OWNERS, ROWS, plan_for
+    from zero_dtensor.redistribute.plan import _one_run
 
     storage = family._storage
     selected = [storage.layout.by_name[n] for n in names]
     kind = ROWS if "dtensors" in call else OWNERS
     plan = plan_for(storage, selected, kind, assignment if kind == OWNERS else None)
-    out = {"result": 0, "sent": 0, "received": 0, "own": 0}
+    out = {"result": 0, "sent": 0, "received": 0, "own": 0, "scattered": False}
     directions = {"to_dtensors": ("read",), "owned": ("read",), "map_full_": ("read", "write")}.get(call, ("write",))
     for bucket in plan.buckets:
         size = torch.empty(0, dtype=bucket.dtype).element_size()
@@ -434,6 +443,8 @@ def _delivered(family: Any, call: str, names: list[str], assignment: dict[str, i
             out["sent"] += size * transfer.sent_elements
             out["received"] += size * transfer.received_elements
             out["own"] += size * (sum(transfer.recv_counts) - transfer.received_elements)
+            peers_sent = transfer.peer_pieces()[0]
+            out["scattered"] |= direction == "read" and bool(peers_sent) and _one_run(peers_sent) is None
         out["result"] += size * bucket.out_numel if "read" in directions else 0
     return out
 
@@ -462,17 +473,19 @@ def _probe_call(family: Any, call: str, arg: Any, offload: bool) -> tuple[Any, d
     return result, probe.summary()
 
 
-def check_copies(cases: tuple[tuple[int, bool], ...]) -> dict:
-    """Issue 44: per ``(stage, offload)`` case, family (gradients, then fp32 masters after a step) and call, under
-    :class:`~workers.dispatch_probe.DispatchProbe`: the bytes local operations write or return
+def check_copies(cases: tuple[tuple, ...]) -> dict:
+    """Issue 44: per ``(stage, offload[, model])`` case (model: a key of ``MODELS``, default ``"odd"``), family
+    (gradients, then fp32 masters after a step) and call, under :class:`~workers.dispatch_probe.DispatchProbe`: the
+    bytes local operations write or return
     (``written + produced``: every local copy, collectives aside) and allocate, beside the plan's figures (bytes
     this rank keeps, sends and receives in the call's exchanges; map_full_: both). The writes get what the reads
     returned (``set_dtensors_(to_dtensors())``, ``set_owned_(owned())``, ``map_full_(lambda n, g: g)``): values
     unchanged, checked. Offloaded cases run under simulated devices (:func:`~workers.dispatch_probe.
     simulated_offload`): a move between the host and the exchange's device counts as the copy it is."""
     report: dict[str, Any] = {}
-    for stage, offload in cases:
-        engine = build_engine(EngineCase(stage, world=dist.get_world_size(), offload=offload))
+    for stage, offload, *model in cases:
+        model = model[0] if model else "odd"
+        engine = build_engine(EngineCase(stage, world=dist.get_world_size(), offload=offload, model=model))
         forward_backward(engine)
         for fam in ("grads", "masters"):
             if fam == "masters":
@@ -492,7 +505,8 @@ def check_copies(cases: tuple[tuple[int, bool], ...]) -> dict:
                     owned = result
                 row = {k: probe[k] for k in ("written", "produced", "allocated", "largest", "by_op", "refused")}
                 row.update(_delivered(family, call, names, assignment))
-                report[f"z{stage}{'-offload' if offload else ''} {fam} {call}"] = row
+                label = f"z{stage}{'-offload' if offload else ''}{'' if model == 'odd' else '-' + model}"
+                report[f"{label} {fam} {call}"] = row
             after = dict(family.full_tensors())
             assert all(torch.equal(before[n], after[n]) for n in before), (stage, offload, fam)
             dts = owned = None

@@ -67,20 +67,28 @@ def check_partition_reuse(case: EngineCase) -> dict[str, bool]:
 def check_replaced_pieces_freed_by_the_step(case: EngineCase) -> None:
     """ZeRO-1/2: the list of pieces DeepSpeed made in backward, which ``sharded_grads`` replaces with views of its
     flat partition, lives until DeepSpeed's step drops it (freed there, as without zero_dtensor), not longer; a
-    second call in the same step finds the rebound list current, and the step makes its views stale."""
+    second call in the same step finds the rebound list current, and the step makes its views stale. Nor does a
+    partition used in place (ZeRO-1, a rank whose pieces lie in flat order in one buffer) keep the tensor its
+    first piece is a view of (a parameter's gradient) alive past the step while the caller holds the gradients:
+    an ``as_strided`` of the piece itself had it as its ``_base`` (kept after the step, and after the gradients
+    were dropped)."""
     engine = build_engine(case)
     opt = engine.optimizer
     for step in range(3):
         forward_backward(engine, step)
-        piece = weakref.ref(opt.averaged_gradients[0][0])
+        first = opt.averaged_gradients[0][0]
+        piece = weakref.ref(first)
+        underlying = weakref.ref(first if first._base is None else first._base)
+        del first
         grads = zd.sharded_grads(engine)
-        assert piece() is not None, "DeepSpeed's pieces were freed before its step"
+        assert piece() is not None and underlying() is not None, "DeepSpeed's pieces were freed before its step"
         again = zd.sharded_grads(engine)
         assert again.local_partitions[0].data_ptr() == grads.local_partitions[0].data_ptr()
         assert torch.equal(again.full_tensors()[grads.names[0]], grads.full_tensors()[grads.names[0]])
         del again
         engine.step()
         assert piece() is None, "DeepSpeed's replaced pieces outlived its step"
+        assert underlying() is None, "the tensor DeepSpeed's first piece views outlived its step"
         with pytest.raises(zd.StaleGradientsError):
             grads.norms()
         del grads

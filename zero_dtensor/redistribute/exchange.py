@@ -76,15 +76,16 @@ def read_targets(storage: FlatStorage, plan: Plan, dtype: torch.dtype | None
     from the partition into the output; where what arrives already is the targets in order, one
     ``all_to_all_single`` receives straight into the output and sends the run of a partition that is to go (a
     view: owners holding contiguous runs, :func:`~.assignment.balanced_owners`) or, where this rank keeps no more
-    than it receives, the pieces packed once; where only the send side is one run and this rank sends others more
-    than it keeps, the run travels whole into a receive buffer that is copied once into place; else this rank's
-    own share is copied straight into place and the others' pieces travel alone (packed, exchanged, copied into
-    place). So no buffer besides the output holds more than this rank sends and receives. The output buffer is recycled: a new
-    one only while every earlier result still holds its own
+    than it receives, the pieces packed once; else this rank's own share is copied straight into place and the
+    others' pieces travel alone: sent as they lie where they are one run, else packed into the output itself
+    (free until the exchange returns), received into a buffer of what arrives from the other ranks and copied
+    into place (ZeRO-3 owners, whose owned pieces arrive grouped by sender). So no buffer besides the output holds
+    more than this rank sends and receives, and none is a staging twin of the output. The output buffer is
+    recycled: a new one only while every earlier result still holds its own
     (:meth:`~zero_dtensor.materialize.buffers.BufferPool.recycled_or_new`, which also keeps the per-target views).
     Memory: the output (``S/N`` for rows, the owned tensors for owners), plus, kept between calls, a send buffer
-    where pieces are packed and a receive buffer where they do not arrive in place (each at most what goes
-    through it)."""
+    where pieces are packed outside the output and a receive buffer of the other ranks' pieces where they do not
+    arrive in place (each at most what goes through it)."""
     results = []
     for bucket in plan.buckets:
         parts = [storage.partitions[g] for g in bucket.groups]
@@ -102,14 +103,10 @@ def read_targets(storage: FlatStorage, plan: Plan, dtype: torch.dtype | None
             send = run if run is not None else _pack_into(_scratch("send", bucket, device), parts,
                                                           _as_run(read.send_pieces, read.send_run), device)
             collectives.all_to_all_into(out, send, read.recv_counts, read.send_counts, pg)
-        elif run is not None and read.sent_elements > _kept(read):
-            # sent as it lies (packing the peers' share would copy more than the own share the receive buffer
-            # holds); every share received, then copied into place once
-            recv = _scratch("recv", bucket, device, sum(read.recv_counts))
-            collectives.all_to_all_into(recv, run, read.recv_counts, read.send_counts, pg)
-            _unpack(recv, read.recv_pieces, [out], out.device)
-        else:  # this rank's own share copied straight into place; the others' packed, exchanged, unpacked
-            _exchange_peers(parts, [out], read, device, bucket, pg)
+        else:  # this rank's own share copied straight into place; the others' sent (as they lie where they are
+            # one run, else packed into the output, free until they arrive), received alone and copied into place:
+            # no receive buffer of the result's size (ZeRO-3 owners: what arrives is grouped by sender)
+            _exchange_peers(parts, [out], read, device, bucket, pg, send_space=out)
         true = storage.to_true(out)
         if dtype is not None and true.dtype != dtype:
             true = true.to(dtype)
@@ -134,13 +131,21 @@ def _kept(transfer: Transfer) -> int:
 
 
 def _exchange_peers(sources: Sequence[torch.Tensor], dests: Sequence[torch.Tensor], transfer: Transfer,
-                    device: torch.device, bucket: BucketPlan, pg: object) -> None:
+                    device: torch.device, bucket: BucketPlan, pg: object,
+                    send_space: torch.Tensor | None = None) -> None:
     """``transfer`` with this rank's own share copied straight from ``sources`` into ``dests`` (one
-    ``_foreach_copy_``), the other ranks' pieces packed into a kept send buffer, exchanged into a kept receive
-    buffer (one ``all_to_all_single`` with this rank's own split 0) and copied into place."""
+    ``_foreach_copy_``), the other ranks' pieces sent as they lie where they are one run (a view), else packed
+    into ``send_space`` (memory nothing reads until the exchange returned: a read's output, written only after it)
+    where it holds them, else into a kept send buffer; exchanged into a kept receive buffer of what arrives from the
+    other ranks (one ``all_to_all_single`` with this rank's own split 0) and copied into place."""
     (own_sent, own_received), (sent, received) = transfer.own_pieces(), transfer.peer_pieces()
     send_counts, recv_counts = transfer.peer_counts()
-    send = _pack_into(_scratch("send", bucket, device, sum(send_counts)), sources, sent, device)
+    send = _run_on(sources, transfer.peer_send_run, device)
+    if send is None or (send.numel() > 1 and send.stride(0) != 1):  # (a write's value may be expanded: stride 0)
+        n = sum(send_counts)
+        space = send_space.narrow(0, 0, n) if send_space is not None and send_space.numel() >= n \
+            else _scratch("send", bucket, device, n)
+        send = _pack_into(space, sources, sent, device)
     recv = _scratch("recv", bucket, device, sum(recv_counts))
     collectives.all_to_all_into(recv, send, recv_counts, send_counts, pg)
     _copy_pieces(dests, own_received, sources, own_sent)

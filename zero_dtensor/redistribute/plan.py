@@ -71,6 +71,12 @@ class Transfer:
         return (tuple(0 if r == me else n for r, n in enumerate(self.send_counts)),
                 tuple(0 if r == me else n for r, n in enumerate(self.recv_counts)))
 
+    @functools.cached_property
+    def peer_send_run(self) -> Piece | None:
+        """The pieces sent to the other ranks as one run of one slot (this rank's own share at an end of
+        ``send_run`` or empty): then sent as they lie, a view. Computed once per (cached) plan."""
+        return _one_run(self.peer_pieces()[0])
+
     @property
     def sent_elements(self) -> int:
         """Elements this rank sends to other ranks (its own share excluded)."""

@@ -13,7 +13,7 @@ import os
 import torch
 
 from zero_dtensor.layout import segments as S
-from zero_dtensor.ops.reductions import _order
+from zero_dtensor.layout.segment_plan import joint_plan
 from zero_dtensor.layout.tiling import Tiling
 from zero_dtensor.ops.transforms import _cast_on_cuda, _scale_op
 
@@ -107,13 +107,13 @@ torch._foreach_mul_(fb, _cast_on_cuda(fb, fs))
 line("scale_bitwise (whole, per-param)", (bool(torch.equal(a, b)), all(map(torch.equal, fa, fb))))
 
 if dev == "cuda":
-    _order((0, 1, 0, 1), torch.device(dev))  # the cached selection order (filled once, as a first call does)
+    joint_plan((seg, seg), torch.device(dev))  # two groups' cached joint index (filled once)
     torch.cuda.set_sync_debug_mode("error")
     try:
         S.piece_pow_sums(flat, seg); S.piece_pow_sums(flat, seg, 1.0); S.piece_max_abs(flat, seg)
         S.piece_stats(bad, seg, counts=True); S.piece_dots(flat, other, seg)
         _scale_op("mul")(flat, coef); torch._foreach_mul_(views, _cast_on_cuda(views, factors))
-        _order((0, 1, 0, 1), torch.device(dev))
+        joint_plan((seg, seg), torch.device(dev)); S.joint_pow_sums((flat, flat), (seg, seg))
         line("no_sync", True)
     except RuntimeError as e:
         line("no_sync", str(e)[:300])

@@ -90,12 +90,6 @@ def _grad_stats(names: list[str], norm: list[float], max_abs: list[float], mean:
     return dict(zip(names, objs))
 
 
-def _result_device(state: FlatState) -> torch.device:
-    """Where every reduction's result lives: the communication device (the engine's; CUDA under NCCL, also when
-    the partitions are offloaded to the CPU)."""
-    return state.storage.devices.comm
-
-
 def _partials(state: FlatState, sel: Selection, norm_type: float) -> torch.Tensor:
     """Per selected parameter: local ``sum |x|^p`` (or ``max |x|`` for inf), float32, stored units: every
     selected group at once (:func:`_piece_norms`)."""

@@ -6,6 +6,7 @@ index tensors are built lazily per (plans, device) and cached. No communication,
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -122,10 +123,7 @@ def _sizes_plan(sizes: tuple[int, ...], block: int) -> SegmentPlan:
 
 def offsets_of(lengths: Sequence[int]) -> list[int]:
     """``[0, l0, l0 + l1, ...]``: where each of ``lengths`` starts, and the total last."""
-    out = [0]
-    for n in lengths:
-        out.append(out[-1] + n)
-    return out
+    return list(itertools.accumulate(lengths, initial=0))
 
 
 @dataclass(frozen=True)

@@ -31,14 +31,6 @@ from ..core.storage import FlatStorage
 from .plan import BucketPlan, Piece, Plan, Transfer
 
 
-def _pack(sources: Sequence[torch.Tensor], pieces: Sequence[Piece], dtype: torch.dtype,
-          device: torch.device) -> torch.Tensor:
-    """One ``torch.cat`` of narrow views (type promotion across sources); an empty tensor when nothing is sent."""
-    if not pieces:
-        return torch.empty(0, dtype=dtype, device=device)
-    return torch.cat([sources[s].narrow(0, o, n) for s, o, n in pieces])
-
-
 def _unpack(buffer: torch.Tensor, pieces: Sequence[Piece], dests: Sequence[torch.Tensor],
             device: torch.device | None = None) -> None:
     """``buffer``'s elements (on the communication ``device``, default its own), back to back, into narrow views of

@@ -369,3 +369,28 @@ def test_stats_count_nonfinite_rows_on_the_device_and_flag_what_they_miss() -> N
         else:
             assert bool((got[:, 3] <= want_nan).all() and (got[:, 4] <= want_inf).all())
         assert torch.equal(torch.isnan(got[:, 2]), want_nan > 0)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                    (torch.bfloat16, torch.float32), (torch.float32, torch.float16)])
+def test_dot_rows_accelerator_recipe_is_bitwise_the_cpu_one_and_makes_no_upcast_copy(dtypes) -> None:
+    """The accelerator recipe of the per-row dots (one ``addcmul`` casting inside its kernel, then ``sum``) gives
+    bitwise the CPU recipe's values, nan and inf included, and stores nothing but the float32 products and the row
+    sums: no float32 copy of an operand (``_to_copy``), 12 bytes of traffic per bf16 pair instead of 20."""
+    from workers.dispatch_probe import DispatchProbe
+    from zero_dtensor.layout.segments import _dot_rows
+
+    gen = torch.Generator().manual_seed(7)
+    rows, width = 96, 64
+    x = (torch.randn(rows, width, generator=gen) * 100).to(dtypes[0])
+    y = torch.randn(rows, width, generator=gen).to(dtypes[1])
+    x[3, 5], y[7, 1], x[9, 2], y[9, 3] = math.nan, math.inf, -math.inf, math.inf
+    cpu_recipe = _dot_rows(x, y, in_kernel_cast=False)
+    with DispatchProbe() as probe:
+        accelerator_recipe = _dot_rows(x, y, in_kernel_cast=True)
+    assert accelerator_recipe.dtype == torch.float32
+    assert torch.equal(accelerator_recipe.isnan(), cpu_recipe.isnan())
+    assert torch.equal(accelerator_recipe.nan_to_num(), cpu_recipe.nan_to_num())
+    assert "aten._to_copy.default" not in probe.by_op, probe.by_op
+    products, sums = rows * width * 4, rows * 4
+    assert probe.written + probe.produced <= products + sums + 4, (probe.written, probe.produced)

@@ -260,13 +260,26 @@ DOT_CHUNK = 1 << 22
 DOT_PARTS = 16
 
 
-def _dot_rows(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Per row ``sum x·y``, float32 (float64 if either is). Lower-precision rows: one float32 copy of ``x``,
-    multiplied in place by ``y`` (exact products: a bf16 or fp16 product fits float32), summed in float32 per row;
-    float32/float64 rows: ``linalg.vecdot``."""
+def _dot_rows(x: torch.Tensor, y: torch.Tensor, *, in_kernel_cast: bool | None = None) -> torch.Tensor:
+    """Per row ``sum x·y``, float32 (float64 if either is). Products of lower-precision rows are exact in float32
+    (a bf16 or fp16 product fits), summed in float32 per row; float32/float64 rows: ``linalg.vecdot``.
+
+    Lower-precision rows, two recipes (``in_kernel_cast``; default: on every device but the CPU):
+
+    - on an accelerator, one ``addcmul`` into a float32 zero expanded to the rows' shape (stride 0, nothing read):
+      its kernel loads both operands in their own dtype and casts in registers (TensorIterator's dynamic cast), so
+      it reads each operand once and writes the products once, then ``sum``: 12 bytes of traffic per bf16 element
+      pair (the float32 copy, then the in-place multiply, made 20);
+    - on the CPU, TensorIterator would make float32 copies of both operands for that ``addcmul`` behind the
+      dispatcher, so the CPU keeps one visible float32 copy of ``x`` multiplied in place by ``y``.
+
+    Both give bitwise the same float32 products and sums."""
     acc = _acc(x.dtype, y.dtype)
     if x.dtype == acc and y.dtype == acc:
         return torch.linalg.vecdot(x, y)
+    if x.device.type != "cpu" if in_kernel_cast is None else in_kernel_cast:
+        zero = torch.zeros((1, 1), dtype=acc, device=x.device).expand(x.shape)
+        return torch.addcmul(zero, x, y).sum(1)
     if x.dtype != acc:
         return x.to(acc).mul_(y).sum(1)
     return y.to(acc).mul_(x).sum(1)

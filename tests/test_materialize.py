@@ -118,6 +118,9 @@ def test_zero3_gathers_in_bounded_windows(ranks, case: EngineCase) -> None:
 def test_set_full_writes_each_byte_once(ranks) -> None:
     """Issue 42 item 2 / issue 44: set_full_ of gradients and fp32 masters on ZeRO-1/2/3 writes each byte of the
     partitions at most once; the per-parameter path writes nothing else and allocates nothing (DispatchProbe).
-    Measured: 6600 B (ZeRO-1/2) / 6664 B (ZeRO-3) held per rank, written once, by one op, no allocation."""
+    Measured: 6600 B (ZeRO-1/2) / 6664 B (ZeRO-3) held per rank, written once, by one op, no allocation: one
+    ``torch.cat(..., out=)`` into the run of the partition the fragments form (on CUDA one vectorized kernel instead
+    of ``_foreach_copy_``'s launch per 320 chunks); a non-contiguous value, or a value that is a live view of the
+    partition, falls back to one ``_foreach_copy_`` with the same result."""
     reports = ranks(2).run(materialize.check_set_full_copies)
-    assert all(len(r) == 12 for r in reports), reports
+    assert all(len(r) == 18 for r in reports), reports

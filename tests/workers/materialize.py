@@ -631,9 +631,49 @@ def check_set_full_copies(stages: tuple[int, ...] = (1, 2, 3)) -> dict:
                 got = dict(family.full_tensors(strategy="all_gather"))
                 _equal(got, values, f"z{stage} {name} {path}")
                 row = {"held": held, "data_written": probe.data_written, "written": probe.written,
-                       "largest": probe.largest, "ops": probe.ops}
+                       "largest": probe.largest, "ops": probe.ops, "by_op": dict(probe.by_op)}
                 report[f"z{stage} {name} {path}"] = row
                 assert probe.data_written <= held, row  # each byte of the partition written at most once
                 if path == "direct":
                     assert probe.written == probe.data_written and probe.largest == 0, row
+                    # the fragments are one run of the partition: one concatenation into it (one kernel on CUDA)
+                    assert row["by_op"] == {"aten.cat.out.default": 1} or row["by_op"] == {"aten.cat.out": 1}, row
+            report[f"z{stage} {name} fallbacks"] = _check_direct_write_fallbacks(family, values, stage)
     return report
+
+
+def _check_direct_write_fallbacks(family: Any, values: dict[str, torch.Tensor], stage: int) -> dict[str, dict]:
+    """Where one ``cat`` into the run cannot be used, the per-parameter path copies value by value (one
+    ``_foreach_copy_``), with the same result: on ZeRO-1/2 a non-contiguous value (``flatten`` would copy it) and
+    a value that is a live view of the partition itself (``cat`` refuses an input overlapping its output). ZeRO-3
+    over two ranks holds every parameter in part: non-contiguous values are reshaped (copied) first, as before, and
+    the parts then concatenated, the last rank's padding gaps included (zeros)."""
+    from unittest import mock
+
+    from zero_dtensor.ops import writes
+
+    cases = {"non-contiguous": {n: (v.t().contiguous().t() if v.dim() == 2 else v) for n, v in values.items()}}
+    assert any(not v.is_contiguous() for v in cases["non-contiguous"].values())
+    if stage in (1, 2):
+        layout = family.layout
+        for p in layout.params:
+            group = layout.groups[p.group]
+            start = p.offset - group.local_start
+            if 0 <= start and start + p.numel <= group.partition_numel and p.numel:
+                live = family.local_partitions[p.group].narrow(0, start, p.numel).view(p.shape)
+                cases["live view"] = {**values, p.name: live}
+                break
+        assert "live view" in cases, "no parameter held whole on this rank"
+    out = {}
+    for case, mapping in cases.items():
+        family.set_full_(values)
+        with mock.patch.object(writes, "STAGE_BELOW", 0), DispatchProbe() as probe:
+            family.set_full_(mapping)
+        _equal(dict(family.full_tensors(strategy="all_gather")), values, f"z{stage} {case}")
+        ops = {k.split(".")[1]: n for k, n in probe.by_op.items()}
+        if stage in (1, 2):  # (a partly held non-contiguous value is reshaped: a copy, as before)
+            assert ops.get("_foreach_copy_") == 1 and "cat" not in ops, (case, dict(probe.by_op))
+        else:  # ZeRO-3 over 2 ranks holds every parameter in part: the parts are reshaped copies, then one cat
+            assert ops.get("cat") == 1 and "_foreach_copy_" not in ops, (case, dict(probe.by_op))
+        out[case] = dict(probe.by_op)
+    return out

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import operator
 import weakref
+from bisect import bisect_left
+from itertools import repeat
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +19,8 @@ from ..core.state import FlatState
 from ..layout.plan import GroupPlan
 
 __all__ = ["write_direct"]
+
+_DEVICE = operator.attrgetter("device")
 
 
 @dataclass(frozen=True, eq=False)
@@ -33,6 +37,20 @@ class _DirectWrite:
     whole_offsets: tuple[int, ...]  # where their fragments start in the partition
     whole_shapes: tuple[torch.Size, ...]  # their shapes
     whole_strides: tuple[tuple[int, ...], ...]  # and contiguous strides
+    run: _Run | None  # where the fragments written form one run of the partition (padding aside)
+
+
+@dataclass(frozen=True, eq=False)
+class _Run:
+    """The fragments a request writes, where they cover ``length`` elements of the partition from ``start`` with
+    nothing in between but padding (ZeRO-3 pads each parameter's chunk on the last ranks): ``pick`` takes the
+    sources (whole values, then partial parts) followed by one zero filler per padding gap (``gaps``: their
+    lengths, in partition order) and returns them in partition order."""
+
+    start: int
+    length: int
+    pick: Callable[[list[torch.Tensor]], Any]
+    gaps: tuple[int, ...]
 
 
 _DIRECT: weakref.WeakKeyDictionary[GroupPlan, dict[tuple[str, ...], _DirectWrite]] = weakref.WeakKeyDictionary()
@@ -56,7 +74,48 @@ def _direct_write(plan: GroupPlan, names: tuple[str, ...]) -> _DirectWrite:
         whole = tuple(ks[i] for i in held)
         shapes = tuple(plan.params[k].shape for k in whole)
         found = per_plan[names] = _DirectWrite(pick, whole, partial, tuple(plan.frag_offset[k] for k in whole),
-                                               shapes, tuple(_contiguous_strides(shape) for shape in shapes))
+                                               shapes, tuple(_contiguous_strides(shape) for shape in shapes),
+                                               _run(plan, [*whole, *(k for _, k, _, _ in partial)]))
+    return found
+
+
+def _run(plan: GroupPlan, ks: list[int]) -> _Run | None:
+    """The :class:`_Run` of the fragments of parameters ``ks`` (in source order), or ``None`` where something other
+    than padding (a fragment the request does not name) lies between two of them, or there is no fragment."""
+    order = sorted((i for i, k in enumerate(ks) if plan.frag_len[k]), key=lambda i: plan.frag_offset[ks[i]])
+    if not order:
+        return None
+    held = sorted(plan.frag_offset[k] for k in range(len(plan.params)) if plan.frag_len[k])
+    start = end = plan.frag_offset[ks[order[0]]]
+    picks: list[int] = []
+    gaps: list[int] = []
+    for i in order:
+        at = plan.frag_offset[ks[i]]
+        if at != end:  # a gap: padding only if no fragment of the group starts inside it
+            if bisect_left(held, end) != bisect_left(held, at):
+                return None
+            picks.append(len(ks) + len(gaps))
+            gaps.append(at - end)
+        picks.append(i)
+        end = at + plan.frag_len[ks[i]]
+    return _Run(start, end - start, _picker(picks), tuple(gaps))
+
+
+_FILLERS: weakref.WeakKeyDictionary[_Run, dict[tuple[torch.dtype, torch.device], list[torch.Tensor]]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _fillers(run: _Run, buffer: torch.Tensor) -> list[torch.Tensor]:
+    """Zero views for ``run``'s padding gaps, of ``buffer``'s dtype and device (one zero tensor of the largest gap,
+    made once per run, dtype and device)."""
+    if not run.gaps:
+        return []
+    per_run = _FILLERS.setdefault(run, {})
+    key = (buffer.dtype, buffer.device)
+    found = per_run.get(key)
+    if found is None:
+        zeros = buffer.new_zeros(max(run.gaps))
+        found = per_run[key] = [zeros[:n] for n in run.gaps]
     return found
 
 
@@ -90,7 +149,29 @@ def write_direct(state: FlatState, plan: GroupPlan, names: tuple[str, ...], valu
             flat = torch.cat([s.reshape(-1) for s in sources]).to(torch.float32).mul_(scale)
             sources = list(flat.split_with_sizes([d.numel() for d in dests]))
             dests = [d.view(-1) for d in dests]
+    elif direct.run is not None and _concatenable(sources, state.view_caches[plan.index].buffer):
+        run, buffer = direct.run, state.view_caches[plan.index].buffer
+        pieces = run.pick([*map(torch.flatten, sources), *_fillers(run, buffer)])
+        torch.cat(pieces, out=buffer.narrow(0, run.start, run.length))
+        return
     torch._foreach_copy_(dests, sources)
+
+
+def _concatenable(sources: list[torch.Tensor], buffer: torch.Tensor) -> bool:
+    """Whether one ``torch.cat(..., out=)`` can write ``sources`` into their run of ``buffer``: every source
+    contiguous (``flatten`` is then a view) on the buffer's device, and none in the buffer's own memory (``cat``
+    refuses an input overlapping its output; ``copy_`` of a fragment onto itself is allowed). Three C-level passes
+    over the sources (and a sort of their addresses), no device operation."""
+    if not all(map(torch.Tensor.is_contiguous, sources)):
+        return False
+    device = buffer.device
+    if not all(map(operator.eq, map(_DEVICE, sources), repeat(device))):
+        return False
+    lo = buffer.data_ptr() - buffer.storage_offset() * buffer.element_size()
+    hi = lo + buffer.untyped_storage().nbytes()
+    starts = sorted(map(torch.Tensor.data_ptr, sources))
+    first_inside = bisect_left(starts, lo)
+    return first_inside == len(starts) or starts[first_inside] >= hi
 
 
 def _direct_views(state: FlatState, plan: GroupPlan, direct: _DirectWrite) -> list[torch.Tensor]:

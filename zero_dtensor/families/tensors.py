@@ -280,7 +280,8 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
 
         Each rank copies its own fragment of each value (rescaled by ``loss_scale`` under fp16) into DeepSpeed's
         storage: per flat group, small values staged with one ``cat`` per trailing shape and moved with one row
-        copy, large ones with one ``_foreach_copy_`` (see :mod:`zero_dtensor.ops.writes`); values of parameters a rank
+        copy, large ones straight into their fragments with one ``cat`` (or one ``_foreach_copy_``; see
+        :mod:`zero_dtensor.ops.writes`); values of parameters a rank
         holds nothing of are not read there, only their shapes and devices checked. Values must be equal on every
         rank (for replicated groups each rank writes the whole value). Everything is validated on every rank before
         the first write: a bad entry anywhere raises on every rank and nothing is changed. Values may be any

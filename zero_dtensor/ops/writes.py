@@ -24,8 +24,8 @@ value alone). The staging buffers (one per flat group) are kept between calls
 of (ZeRO-1/2: about the bytes a rank keeps; ZeRO-3: every value, ``N`` times them), so it serves requests of small
 parameters (under :data:`STAGE_BELOW` elements on average), where a dispatch per parameter costs more than the
 bytes. Otherwise (large parameters, rows too narrow, values on several devices, over :data:`MAX_SHAPE_CLASSES`
-trailing shapes) one ``_foreach_copy_`` copies each value into a cached view of its fragment (whole local
-parameters) or a view of its part (:mod:`.direct_write`). Writes never record autograd history.
+trailing shapes) each value goes straight into its fragment (:mod:`.direct_write`): one ``torch.cat(..., out=)``
+into the run of the partition the fragments form, else one ``_foreach_copy_`` into cached views of them. Writes never record autograd history.
 """
 
 from __future__ import annotations

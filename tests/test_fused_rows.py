@@ -120,12 +120,22 @@ def test_fused_counts_are_exact_where_eager_misses_some(fused) -> None:
     assert torch.equal(got[:, 3:5], _counts(bufs)) and not bool(got[:, 5].any())
 
 
+def _misaligned(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s values in a view starting one element past an aligned address (a partition at an odd offset)."""
+    out = torch.empty(x.numel() + 1, dtype=x.dtype)[1:]
+    assert out.data_ptr() % fused_rows.ALIGN
+    return out.copy_(x)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_fused_dots_equal_eager(fused, dtype: torch.dtype) -> None:
+    """The second pair's ``b`` starts misaligned: a compiled function of its own (no copy on a GPU)."""
     a, b, segs = _buffers(dtype, 3), [x.flip(0) for x in _buffers(dtype, 4)], _plans()
+    b[1] = _misaligned(b[1])
     want = _eager(joint_dots, a, b, segs)
     got = joint_dots(a, b, segs)
     assert len(fused["row_dots"]) == 2 and not fused["row_moments"]  # one fused pass per pair of row views
+    assert {(fused_rows._dots, (True, True)), (fused_rows._dots, (True, False))} <= set(fused_rows._COMPILED)
     pieces = [(p.double() * q.double()).abs().nan_to_num(posinf=0.0).sum() for x, y, sizes in zip(a, b, SIZES)
               for p, q in zip(x.split(sizes), y.split(sizes))]
     assert got.dtype == torch.float64 and bool(torch.isnan(got).any())
@@ -155,7 +165,6 @@ def test_eager_path_where_the_fused_one_must_not_run(fused, monkeypatch: pytest.
     assert not fused_rows.applies([])
     with _Passthrough():  # the tests' op counters, device tags, FakeTensorMode
         assert not fused_rows.applies(rows)
-    assert not fused_rows.applies([torch.zeros(300)[1:257].view(4, 64)])  # misaligned: compiled code would copy it
     assert not fused_rows.applies([torch.empty(4, 64, device="meta")])
     with monkeypatch.context() as m:
         m.setattr(torch.compiler, "is_compiling", lambda: True)

@@ -15,6 +15,10 @@ environment variable               what it sets                                v
 ``ZERO_DTENSOR_DEBUG``             debug mode at import (:func:`set_debug`):   ``0``, ``1`` (also ``true``/``on``)
                                    a rank-agreement checkpoint at the entry
                                    of ``engine.step()``
+``ZERO_DTENSOR_FUSED_REDUCTIONS``  fused reductions at import                  ``0``, ``1`` (also ``true``/``on``)
+                                   (:func:`set_fused_reductions`): ``stats``
+                                   and ``dots`` read accelerator rows once,
+                                   through ``torch.compile``
 =================================  ==========================================  ==================================
 
 Nothing here communicates.

@@ -16,18 +16,18 @@ Everything above the rows (the bits gathered by :mod:`.segments`, the float64 ``
 
 **When it runs** (:func:`applies`): only where :func:`zero_dtensor.settings.set_fused_reductions` (or
 ``ZERO_DTENSOR_FUSED_REDUCTIONS``) turned it on, for rows on an accelerator (offloaded CPU buffers keep the CPU
-recipe), each starting 16-byte aligned (Inductor would copy a misaligned input), and never while the caller is
-itself compiling (``torch.compiler.is_compiling()``), while a CUDA graph is captured, or under an active
-``TorchDispatchMode`` (the tests' op counters and device tags included): then the eager path runs. On CUDA it
-needs Triton (``RuntimeError`` saying to install it, before anything is read). One compile per (dtype, device,
-W): the row count is dynamic (a single row runs the same function uncompiled, so no graph is built for R = 1);
-the first call of each compiles for seconds. No communication; results live on the rows' device; temporaries are
-per row ((R, 5) float32, then float64) and per bit, never the size of the data.
+recipe), and never while the caller is itself compiling (``torch.compiler.is_compiling()``), while a CUDA graph is
+captured, or under an active ``TorchDispatchMode`` (the tests' op counters and device tags included): then the
+eager path runs. On CUDA it needs Triton (``RuntimeError`` saying to install it, before anything is read). One
+compile per (dtype, device, W, which inputs start 16-byte aligned): the row count is dynamic (a single row runs the
+same function uncompiled, so no graph is built for R = 1); the first call of each compiles for seconds. No
+communication; results live on the rows' device; temporaries are per row ((R, 5) float32, then float64) and per
+bit, never the size of the data.
 """
 
 from __future__ import annotations
 
-import functools
+import types
 from collections.abc import Callable, Sequence
 
 import torch
@@ -40,8 +40,8 @@ __all__ = ["ALIGN", "MOMENTS", "applies", "joint_dots", "joint_stats", "row_dots
 
 #: the columns of :func:`row_moments`, in order
 MOMENTS = ("sum of squares", "sum", "max |x|", "nan count", "inf count")
-#: rows whose first element is not aligned to this many bytes take the eager path (a compiled function given a
-#: misaligned input copies it whole first)
+#: inputs starting at an address aligned to this many bytes and those that do not get compiled functions of their
+#: own (:func:`_compiled`)
 ALIGN = 16
 #: tests only: let :func:`applies` take CPU rows too (Inductor's C++ backend compiles them)
 _FORCE_CPU = False
@@ -66,10 +66,21 @@ def _dots(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (x.to(acc) * y.to(acc)).sum(1)
 
 
-@functools.cache
-def _compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``fn`` compiled (lazily, once per process; Dynamo keeps one graph per dtype, device and row width)."""
-    return torch.compile(fn, fullgraph=True)
+#: the compiled functions, per (function, which inputs start :data:`ALIGN`-byte aligned)
+_COMPILED: dict[tuple[Callable[..., torch.Tensor], tuple[bool, ...]], Callable[..., torch.Tensor]] = {}
+
+
+def _compiled(fn: Callable[..., torch.Tensor], aligned: tuple[bool, ...]) -> Callable[..., torch.Tensor]:
+    """``fn`` compiled, lazily, once per process and alignment pattern (Dynamo then keeps one graph per dtype,
+    device and row width). Inductor builds GPU kernels assuming an input is aligned when its first example was,
+    without a guard, and copies a misaligned input whole before such a kernel: so each pattern of aligned inputs
+    (a partition often starts at an element offset that is not) gets a code object of its own, first traced with
+    that pattern."""
+    key = (fn, aligned)
+    if key not in _COMPILED:
+        code = fn.__code__.replace(co_name=f"{fn.__name__}_{''.join('a' if a else 'u' for a in aligned)}")
+        _COMPILED[key] = torch.compile(types.FunctionType(code, fn.__globals__, code.co_name), fullgraph=True)
+    return _COMPILED[key]
 
 
 def _run(fn: Callable[..., torch.Tensor], *rows: torch.Tensor) -> torch.Tensor:
@@ -83,7 +94,7 @@ def _run(fn: Callable[..., torch.Tensor], *rows: torch.Tensor) -> torch.Tensor:
         torch._dynamo.maybe_mark_dynamic(r, 0)
         torch._dynamo.mark_static(r, 1)
     with torch.no_grad():
-        return _compiled(fn)(*rows)
+        return _compiled(fn, tuple(r.data_ptr() % ALIGN == 0 for r in rows))(*rows)
 
 
 def row_moments(rows: torch.Tensor) -> torch.Tensor:
@@ -100,8 +111,8 @@ def row_dots(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def applies(rows: Sequence[torch.Tensor]) -> bool:
     """Whether ``rows`` (every buffer's row view, one device) take the fused path: the setting is on, the rows are
-    on an accelerator (or CPU rows under the tests' ``_FORCE_CPU``), every view starts :data:`ALIGN`-byte aligned,
-    and no compile, CUDA graph capture or ``TorchDispatchMode`` is active. ``RuntimeError`` (install Triton) for
+    on an accelerator (or CPU rows under the tests' ``_FORCE_CPU``), and no compile, CUDA graph capture or
+    ``TorchDispatchMode`` is active. ``RuntimeError`` (install Triton) for
     CUDA rows where Triton is missing. Host checks only: no device work, no sync."""
     if not rows or not settings.fused_reductions():
         return False
@@ -114,7 +125,7 @@ def applies(rows: Sequence[torch.Tensor]) -> bool:
         if torch.cuda.is_current_stream_capturing():
             return False
         settings.check_fused_available()
-    return all(r.data_ptr() % ALIGN == 0 for r in rows)
+    return True
 
 
 def _cat(values: Sequence[torch.Tensor]) -> torch.Tensor:

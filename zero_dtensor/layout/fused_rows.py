@@ -21,8 +21,8 @@ captured, or under an active ``TorchDispatchMode`` (the tests' op counters and d
 eager path runs. On CUDA it needs Triton (``RuntimeError`` saying to install it, before anything is read). One
 compile per (dtype, device, W, which inputs start 16-byte aligned): the row count is dynamic (a single row runs the
 same function uncompiled, so no graph is built for R = 1); the first call of each compiles for seconds. No
-communication; results live on the rows' device; temporaries are per row ((R, 5) float32, then float64) and per
-bit, never the size of the data.
+communication; results live on the rows' device; temporaries are per row ((R, 5) float32, then (5, R) float64) and
+per bit, never the size of the data.
 """
 
 from __future__ import annotations
@@ -133,11 +133,11 @@ def _cat(values: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def _per_piece(values: torch.Tensor, j: JointPlan, how: str) -> torch.Tensor:
-    """Per piece (first dimension), from float64 ``values`` laid out as every plan's rows then every plan's bits:
-    its body rows' and its bits' values reduced (``how``: "sum" or "max") by one ``segment_reduce`` and one add
-    (max), as :mod:`.segments` does for one column."""
-    seg = torch.segment_reduce(values, how, offsets=j.all_offsets, axis=0, unsafe=True,
-                               initial=0.0 if how == "max" else None)
+    """Per piece, from 1-D float64 ``values`` laid out as every plan's rows then every plan's bits: its body rows'
+    and its bits' values reduced (``how``: "sum" or "max") by one ``segment_reduce`` and one add (max), as
+    :mod:`.segments` does. 1-D on purpose: CUDA reduces 1-D data by CUB's segmented reduction, while a 2-D
+    ``segment_reduce`` runs one thread per output element looping over its whole segment."""
+    seg = torch.segment_reduce(values, how, offsets=j.all_offsets, unsafe=True, initial=0.0 if how == "max" else None)
     body, bits = seg[: 2 * j.pieces][1::2], seg[2 * j.pieces:]
     return bits + body if how == "sum" else torch.maximum(bits, body)
 
@@ -147,16 +147,15 @@ def joint_stats(rows: Sequence[torch.Tensor], bits: Sequence[torch.Tensor], j: J
     """:func:`~zero_dtensor.layout.segments.joint_stats` from every buffer's row view (:func:`row_moments`: one
     read each) and its bits (the raw elements :mod:`.segments` gathered, in float64 here): (pieces, 3), or (pieces,
     6) with ``counts`` (nan count, inf count, and ``missed``, always 0: every count is exact), columns in ``order``
-    if given. One ``segment_reduce`` sums all five columns (the max column's sum unused), one maxes the max."""
-    moments = _cat([row_moments(r) for r in rows]).to(torch.float64)
+    if given. The rows' and bits' values go column by column into one (5, rows + bits) float64 tensor (one
+    concatenation), then one ``segment_reduce`` per column wanted."""
     raw = _cat(bits).to(torch.float64)
     per_bit = torch.stack([raw.square(), raw, raw.abs(), torch.isnan(raw).to(raw.dtype),
-                           torch.isinf(raw).to(raw.dtype)], dim=1)
-    values = torch.cat([moments, per_bit])
-    sums = _per_piece(values, j, "sum")
-    columns = [sums[:, 0], sums[:, 1], _per_piece(values[:, 2], j, "max")]
+                           torch.isinf(raw).to(raw.dtype)])
+    values = torch.cat([*(row_moments(r).t() for r in rows), per_bit], dim=1)  # float64, each column contiguous
+    columns = [_per_piece(values[c], j, "max" if c == 2 else "sum") for c in range(5 if counts else 3)]
     if counts:
-        columns += [sums[:, 3], sums[:, 4], torch.zeros_like(sums[:, 0])]
+        columns.append(torch.zeros_like(columns[0]))
     return torch.stack(columns if order is None else [columns[i] for i in order], dim=1)
 
 

@@ -112,8 +112,8 @@ def row_dots(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def applies(rows: Sequence[torch.Tensor]) -> bool:
     """Whether ``rows`` (every buffer's row view, one device) take the fused path: the setting is on, the rows are
     on an accelerator (or CPU rows under the tests' ``_FORCE_CPU``), and no compile, CUDA graph capture or
-    ``TorchDispatchMode`` is active. ``RuntimeError`` (install Triton) for
-    CUDA rows where Triton is missing. Host checks only: no device work, no sync."""
+    ``TorchDispatchMode`` is active. ``RuntimeError`` (install Triton) for CUDA rows where Triton is missing. Host
+    checks only: no device work, no sync."""
     if not rows or not settings.fused_reductions():
         return False
     kind = rows[0].device.type

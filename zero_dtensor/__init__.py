@@ -38,7 +38,7 @@ from .core.param_values import ParamValues
 from .ops.reductions import GradStats
 from .families.replicate import FullGradsHandle, KeepFullGradsHandle, keep_full_grads
 from .families.master import ShardedMasterParams, ShardedOptimizerState
-from .settings import set_debug, set_gather_strategy
+from .settings import set_debug, set_fused_reductions, set_gather_strategy
 from .families.sharded import ParamGrad, ShardedGrads
 from .integrations.stats_logger import GradStatsLogger
 from .families.tensors import ParamView, ShardedTensors
@@ -96,6 +96,7 @@ __all__ = [
     "set_full_fp32_params",
     "set_full_model_grads",
     "set_full_optimizer_state",
+    "set_fused_reductions",
     "set_gather_strategy",
     "set_state_dict",
     "sharded_grads",

@@ -15,6 +15,10 @@ environment variable               what it sets                                v
 ``ZERO_DTENSOR_DEBUG``             debug mode at import (:func:`set_debug`):   ``0``, ``1`` (also ``true``/``on``)
                                    a rank-agreement checkpoint at the entry
                                    of ``engine.step()``
+``ZERO_DTENSOR_FUSED_REDUCTIONS``  fused reductions at import                  ``0``, ``1`` (also ``true``/``on``)
+                                   (:func:`set_fused_reductions`): ``stats``
+                                   and ``dots`` read accelerator rows once,
+                                   through ``torch.compile``
 =================================  ==========================================  ==================================
 
 Nothing here communicates.
@@ -23,24 +27,32 @@ Nothing here communicates.
 from __future__ import annotations
 
 import datetime
+import functools
+import importlib.util
 import os
 
 __all__ = [
     "ENV_DEBUG",
+    "ENV_FUSED",
     "ENV_STRATEGY",
     "STRATEGIES",
     "check_strategy",
     "debug_timeout",
+    "check_fused_available",
     "fingerprint",
+    "fused_reductions",
+    "fused_unavailable",
     "gather_strategy",
     "is_debug",
     "pinned",
     "set_debug",
+    "set_fused_reductions",
     "set_gather_strategy",
 ]
 
 ENV_STRATEGY = "ZERO_DTENSOR_GATHER_STRATEGY"
 ENV_DEBUG = "ZERO_DTENSOR_DEBUG"
+ENV_FUSED = "ZERO_DTENSOR_FUSED_REDUCTIONS"
 STRATEGIES = ("auto", "all_gather", "all_to_all", "all_reduce", "send_recv")
 
 
@@ -52,6 +64,7 @@ def _env_flag(name: str, default: bool) -> bool:
 
 
 _DEBUG = _env_flag(ENV_DEBUG, False)
+_FUSED = _env_flag(ENV_FUSED, False)
 _TIMEOUT: datetime.timedelta | None = None
 _PINNED: str | None = None
 
@@ -114,7 +127,55 @@ def debug_timeout() -> datetime.timedelta | None:
     return _TIMEOUT
 
 
+def set_fused_reductions(on: bool) -> None:
+    """Turn the fused reductions on or off in this process (default off; ``ZERO_DTENSOR_FUSED_REDUCTIONS=1`` at
+    import turns them on). Set it identically on every rank: it is part of every rank agreement. No communication.
+
+    On: ``stats`` reads each buffer's full rows once (sum of squares, sum, max ``|x|``, nan and inf counts in one
+    fused reduction; the counts always exact) and ``dots`` each operand once, through functions
+    ``torch.compile`` builds on first use (:mod:`zero_dtensor.layout.fused_rows`: seconds per dtype and row
+    width, once per process). Only for buffers on an accelerator: offloaded (CPU) buffers, calls made while
+    ``torch.compile`` traces, while a CUDA graph is captured or under a ``TorchDispatchMode`` keep the eager
+    reductions. Values are those of the eager path within float32 rounding per row (float64 above); off, nothing
+    changes. ``TypeError`` unless ``on`` is a bool; ``RuntimeError`` when turning it on where CUDA is available but
+    Triton is not installed (``pip install triton``), nothing changed."""
+    global _FUSED
+    if not isinstance(on, bool):
+        raise TypeError(f"set_fused_reductions: on must be True or False, got {on!r}")
+    if on:
+        check_fused_available()
+    _FUSED = on
+
+
+def fused_reductions() -> bool:
+    """Whether the fused reductions are on in this process (:func:`set_fused_reductions`,
+    ``ZERO_DTENSOR_FUSED_REDUCTIONS``)."""
+    return _FUSED
+
+
+@functools.cache
+def fused_unavailable() -> str | None:
+    """Why the fused reductions cannot run on this machine's accelerator, or ``None``: CUDA is available but
+    Triton (the code generator ``torch.compile`` uses on GPUs) cannot be imported. Checked once per process."""
+    import torch  # only here: the settings are a leaf module
+
+    if torch.cuda.is_available() and importlib.util.find_spec("triton") is None:
+        return ("the fused reductions need Triton on CUDA (torch.compile generates their kernels with it): "
+                f"pip install triton, or turn them off (zd.set_fused_reductions(False), unset {ENV_FUSED})")
+    return None
+
+
+def check_fused_available() -> None:
+    """``RuntimeError`` saying what to do where :func:`fused_unavailable` gives a reason."""
+    reason = fused_unavailable()
+    if reason is not None:
+        raise RuntimeError(reason)
+
+
 def fingerprint() -> tuple[str, ...]:
     """The settings that change what a collective call does, as plain strings (the environment variable's raw
-    value: an invalid one differs too). Part of every rank agreement."""
-    return (f"strategy={_PINNED or os.environ.get(ENV_STRATEGY, '').strip() or 'auto'}", f"debug={int(_DEBUG)}")
+    value: an invalid one differs too). Part of every rank agreement. With the fused reductions on, whether they
+    can run here too (a rank without Triton differs instead of raising alone)."""
+    fused = f"fused={int(_FUSED)}" + (",unavailable" if _FUSED and fused_unavailable() else "")
+    return (f"strategy={_PINNED or os.environ.get(ENV_STRATEGY, '').strip() or 'auto'}", f"debug={int(_DEBUG)}",
+            fused)

@@ -59,6 +59,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         f"{DEFAULT_BUDGET_S:g}")
     p.add_argument("--profile", metavar="DIR",
                    help="profile one call of each timing row (torch.profiler): DIR/profile.json and profile.txt")
+    p.add_argument("--fused-cpu", action="store_true",
+                   help="on --device cpu, also time the fused reductions' rows, forced onto CPU tensors (they run on "
+                        "accelerators only; Inductor's C++ backend compiles them: a smoke test of the wiring)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = p.parse_args(argv)
     hidden, layers = SIZES["tiny" if args.tiny else "full"]
@@ -144,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"tiny": args.tiny, "quick": args.quick, "ranks": args.ranks, "steps_per_case": STEPS,
                    "hidden": args.hidden, "layers": args.layers, "repeat": args.repeat, "ds_repeat": args.ds_repeat,
                    "timing_stages": args.timing_stages, "checkpoint_stages": args.checkpoint_stages,
-                   "budget_s": budget.total_s, "profile": args.profile},
+                   "budget_s": budget.total_s, "profile": args.profile,
+                   "fused_cpu": args.fused_cpu},
         "checks": [], "multi_rank": None, "timings": [], "checkpoint_timings": [], "timing_model": None,
         "summary": None, "partial": True,
     }

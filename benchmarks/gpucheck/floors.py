@@ -17,6 +17,8 @@ FLOOR_OF = {
     "norms()": "vector_norm",
     "global_norm()": "vector_norm",
     "dots()": "2 x vector_norm",  # it reads two sets
+    "stats() fused": "vector_norm",  # zd.set_fused_reductions(True): one read
+    "dots() fused": "2 x vector_norm",
     "masters full_tensors()": "fp32 copy (read)",
     "exp_avg full_tensors()": "fp32 copy (read)",
     "masters set_full_()": "fp32 copy_ (write)",

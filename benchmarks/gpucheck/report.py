@@ -35,8 +35,8 @@ def timing_cell(r: dict[str, Any] | None) -> str:
         return "-"
     if "error" in r:
         return "[red]error[/red]"
-    if r.get("status") == SKIPPED:
-        return f"[yellow]{SKIPPED}[/yellow]"
+    if str(r.get("status", "")).startswith("skipped"):  # the budget, or why the row cannot run here
+        return f"[yellow]{SKIPPED if r['status'] == SKIPPED else 'skipped'}[/yellow]"
     text = f"{r['median_ms']:.2f} ms"
     if r.get("ratio") is not None:
         text += f" [bold]{r['ratio']:.2f}x[/bold] floor"
@@ -109,6 +109,10 @@ def _failures(results: dict[str, Any], console: Any) -> None:
     for r in results["timings"] + results.get("checkpoint_timings", []):
         if "error" in r:
             console.print(f"[red]timing ZeRO-{r['stage']} {escape(r['row'])} failed[/red]: {escape(r['error'])}")
+    reasons = sorted({f"{r['row']}: {r['status']}" for r in results["timings"]
+                      if str(r.get("status", "")).startswith("skipped") and r["status"] != SKIPPED})
+    for reason in reasons:
+        console.print(f"[yellow]{escape(reason)}[/yellow]")
     skipped = results["summary"].get("skipped_parts") or []
     if skipped:
         console.print(f"[yellow]{SKIPPED}[/yellow]: {escape(', '.join(skipped))}")

@@ -11,6 +11,7 @@ from typing import Any
 from .budget import Budget
 from .checkpoint_timing import time_checkpoints
 from .floors import attach_ratios, time_floors
+from .fused import fused_rows
 from .measure import Timer, sample, summarize
 from .profiling import Profiles
 from .runtime import device_of
@@ -56,8 +57,8 @@ def build(stage: int, hidden: int, layers: int, device: Any) -> tuple[Any, Calla
 
 
 def grad_rows(engine: Any, backward: Callable[[], None], timer: Timer, ds_repeat: int,
-              progress: Callable[[str], None]) -> list[dict[str, Any]]:
-    """The gradient rows, between a backward and the step."""
+              progress: Callable[[str], None], fused_cpu: bool, facts: dict[str, Any]) -> list[dict[str, Any]]:
+    """The gradient rows, between a backward and the step (the fused reductions' rows last: :mod:`.fused`)."""
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
 
@@ -103,6 +104,8 @@ def grad_rows(engine: Any, backward: Callable[[], None], timer: Timer, ds_repeat
     rows.append(timer.measure("norms()", grads.norms))
     rows.append(timer.measure("global_norm()", grads.global_norm))
     rows.append(dots_row(grads, timer))
+    progress(f"timing ZeRO-{stage}: fused reductions")
+    rows += fused_rows(grads, timer, timer.budget, fused_cpu, facts)
     engine.step()
     return rows
 
@@ -171,7 +174,7 @@ def time_stage(stage: int, args: Any, device_type: str, budget: Budget, profiles
     floor_timer = Timer(stage, device, args.repeat, budget, Profiles(None))
     floors = time_floors(numel, stored, facts["params"], device,
                          lambda name, fn: floor_timer.measure(name, fn, count_collectives=False))
-    rows = grad_rows(engine, backward, timer, args.ds_repeat, progress)
+    rows = grad_rows(engine, backward, timer, args.ds_repeat, progress, args.fused_cpu, facts)
     rows += master_rows(engine, timer, args.ds_repeat, progress)
     attach_ratios(rows, floors)
     by = {r["row"]: r for r in rows}

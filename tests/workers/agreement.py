@@ -95,6 +95,8 @@ SETTINGS: dict[str, Callable[[], Any]] = {
     "set_gather_strategy all_to_all": lambda: _pin_on_last("all_to_all"),
     "clear_calibration": _cleared_on_last,
     "set_debug": _debug_on_last,
+    "set_fused_reductions": lambda: _on_last_rank(lambda: settings.set_fused_reductions(True),
+                                                  lambda: settings.set_fused_reductions(False)),
 }
 SETTING_ROWS = list(SETTINGS)
 

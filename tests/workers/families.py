@@ -8,6 +8,7 @@ still be identical), then the rows that only use ``ours`` (writes, the guard, cr
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -71,6 +72,46 @@ def data_collectives(front: Any, strategy: str) -> int:
 
 def full_reference(front: Any) -> dict[str, torch.Tensor]:
     return front.full_tensors(strategy="all_reduce")
+
+
+def fused_like_eager(master: zd.ShardedMasterParams, state: zd.ShardedOptimizerState) -> None:
+    """Issue 42: ``dots()`` and ``stats()`` (nan/inf written into a clone, counted exactly) with
+    ``zd.set_fused_reductions(True)``, forced onto CPU tensors, equal the eager calls; the fused path ran."""
+    from zero_dtensor.layout import fused_rows
+
+    bad = state.clone()
+    first = bad.full_tensors(strategy="all_reduce")
+    name = max(first, key=lambda n: first[n].numel())  # the longest: full rows of the plan
+    value = first[name].reshape(-1).clone()
+    value[[0, 5, value.numel() - 1]] = float("nan")
+    value[[7, 200]] = torch.tensor([float("inf"), -float("inf")])
+    bad.set_full_({name: value.view(first[name].shape)})
+    calls = {"dots": lambda: master.dots(state), "stats": bad.stats, "master stats": master.stats}
+    eager = {k: call() for k, call in calls.items()}
+    used: list[str] = []
+    wrapped = {k: getattr(fused_rows, k) for k in ("joint_stats", "joint_dots")}
+    try:
+        fused_rows._FORCE_CPU = True
+        zd.set_fused_reductions(True)
+        for k, fn in wrapped.items():
+            setattr(fused_rows, k, lambda *a, _k=k, _fn=fn, **kw: used.append(_k) or _fn(*a, **kw))
+        fused = {k: call() for k, call in calls.items()}
+    finally:
+        zd.set_fused_reductions(False)
+        fused_rows._FORCE_CPU = False
+        for k, fn in wrapped.items():
+            setattr(fused_rows, k, fn)
+    assert sorted(set(used)) == ["joint_dots", "joint_stats"], used
+    for n in eager["dots"]:
+        torch.testing.assert_close(fused["dots"][n], eager["dots"][n], rtol=1e-6, atol=1e-9)
+    for k in ("stats", "master stats"):
+        for n, e in eager[k].items():
+            f = fused[k][n]
+            assert (f.nan_count, f.inf_count, f.numel) == (e.nan_count, e.inf_count, e.numel), (k, n, f, e)
+            assert f.max_abs == e.max_abs or math.isnan(f.max_abs) and math.isnan(e.max_abs), (k, n, f, e)
+            for a, b in ((f.norm, e.norm), (f.mean, e.mean)):
+                assert math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9) or math.isnan(a) and math.isnan(b), (k, n)
+    assert (fused["stats"][name].nan_count, fused["stats"][name].inf_count) == (3, 2)
 
 
 def check_front(case: EngineCase) -> dict[str, Any]:
@@ -299,6 +340,8 @@ def check_front(case: EngineCase) -> dict[str, Any]:
         for n in names:
             assert stats[n].numel == fm[n].numel() and stats[n].nan_count == 0
             assert abs(stats[n].max_abs - fs[n].abs().max().item()) <= 1e-7, n
+        if dist.get_world_size() == 1:  # one rank: the fused row pass, forced onto these CPU tensors (compiles)
+            fused_like_eager(master, state)
 
     rows.run("reductions", reductions)
 

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import fused_rows
 from .segment_plan import (BLOCK, COUNT_ROWS, COUNT_SHARE, DEVICE_BLOCK, JointPlan, SegmentPlan, block_for,
                            count_budget, joint_plan, offsets_of, param_index, segment_plan, sizes_plan)
 
@@ -214,6 +215,8 @@ def joint_stats(bufs: Sequence[torch.Tensor], segs: Sequence[SegmentPlan], devic
     j = _prepare(bufs, segs, device)
     rows = _row_views(bufs, segs)
     bits = _bit_parts(bufs, segs, j)
+    if fused_rows.applies(rows):  # one read of the rows, exact counts (settings.set_fused_reductions)
+        return fused_rows.joint_stats(rows, bits, j, counts=counts, order=order)
     squares = torch.cat([*map(_row_norms, rows), *bits]).to(torch.float64).square_()
     columns = [_joined(squares, j, "sum"),
                _joined(torch.cat([*map(_row_sums, rows), *bits]).to(torch.float64), j, "sum"),
@@ -295,6 +298,8 @@ def joint_dots(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], segs: Seque
     j = _prepare(a, segs, device)
     _prepare(b, segs, device)
     rows_a, rows_b = _row_views(a, segs), _row_views(b, segs)
+    if fused_rows.applies(rows_a + rows_b):  # each operand read once (settings.set_fused_reductions)
+        return fused_rows.joint_dots(rows_a, rows_b, _bit_parts(a, segs, j), _bit_parts(b, segs, j), j)
     step = max(1, DOT_CHUNK // segs[0].block, j.rows // DOT_PARTS)
     sums = [_dot_rows(x, y) for ra, rb in zip(rows_a, rows_b) for x, y in zip(ra.split(step), rb.split(step))]
     bits = torch.cat(_bit_parts(a, segs, j)).to(torch.float64)

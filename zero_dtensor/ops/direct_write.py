@@ -132,20 +132,28 @@ def _picker(indices: list[int]) -> Callable[[list[torch.Tensor]], list[torch.Ten
 
 
 def write_direct(state: FlatState, plan: GroupPlan, names: tuple[str, ...], values: list[torch.Tensor]) -> None:
-    """Whole local parameters: the value itself into a cached view of its fragment in the parameter's shape (no
-    view per call); parameters this rank holds only part of: a view of the value's part. What goes where is planned
-    once per request (:class:`_DirectWrite`): a call makes no pass over the parameters in Python, only one view per
-    partly held parameter (ZeRO-1/2: at most two per rank and group; ZeRO-3 over several ranks: every one)."""
+    """The values straight into this rank's fragments, planned once per request (:class:`_DirectWrite`): a call
+    makes no pass over the parameters in Python, only one view per partly held parameter (ZeRO-1/2: at most two per
+    rank and group; ZeRO-3 over several ranks: every one). Where the fragments form one run (:class:`_Run`) and
+    the values allow it (:func:`_concatenable`), one ``cat`` into the run and no view of the partition at all (a
+    buffer DeepSpeed allocates anew every step, ZeRO-1's, costs no view per parameter and step); otherwise, and
+    under fp16 loss scaling, one ``_foreach_copy_`` into cached views of the fragments (whole local parameters in
+    their shape)."""
     direct = _direct_write(plan, names)
-    dests = list(state.view_caches[plan.index].get(("direct", plan, names),
-                                                   lambda _: _direct_views(state, plan, direct)))
     sources = values if direct.whole_pick is None else direct.whole_pick(values)
     if direct.partial:
         sources = [*sources, *(values[i].reshape(-1).narrow(0, start, length)
                                for i, _, start, length in direct.partial)]
-    if not dests:
+    if not sources:
         return
+    cache = state.view_caches[plan.index]
     scale = state.loss_scale
+    if scale == 1.0 and direct.run is not None and _concatenable(sources, cache.buffer):
+        run = direct.run
+        pieces = run.pick([*map(torch.flatten, sources), *_fillers(run, cache.buffer)])
+        torch.cat(pieces, out=cache.buffer.narrow(0, run.start, run.length))
+        return
+    dests = list(cache.get(("direct", plan, names), lambda _: _direct_views(state, plan, direct)))
     if scale != 1.0:  # value × scale in float32 (bit-identical to scaling each value alone), cast on copy
         if all(s.dtype == torch.float32 for s in sources):
             sources = torch._foreach_mul(sources, scale)
@@ -153,11 +161,6 @@ def write_direct(state: FlatState, plan: GroupPlan, names: tuple[str, ...], valu
             flat = torch.cat([s.reshape(-1) for s in sources]).to(torch.float32).mul_(scale)
             sources = list(flat.split_with_sizes([d.numel() for d in dests]))
             dests = [d.view(-1) for d in dests]
-    elif direct.run is not None and _concatenable(sources, state.view_caches[plan.index].buffer):
-        run, buffer = direct.run, state.view_caches[plan.index].buffer
-        pieces = run.pick([*map(torch.flatten, sources), *_fillers(run, buffer)])
-        torch.cat(pieces, out=buffer.narrow(0, run.start, run.length))
-        return
     torch._foreach_copy_(dests, sources)
 
 

@@ -609,7 +609,7 @@ def check_set_full_copies(stages: tuple[int, ...] = (1, 2, 3)) -> dict:
     allocated: one ``_foreach_copy_``."""
     from unittest import mock
 
-    from zero_dtensor.ops import writes
+    from zero_dtensor.ops import direct_write, writes
 
     report: dict[str, Any] = {}
     for stage in stages:
@@ -623,7 +623,8 @@ def check_set_full_copies(stages: tuple[int, ...] = (1, 2, 3)) -> dict:
             values = dict(family.full_tensors(strategy="all_gather"))
             held = sum(p.numel() * p.element_size() for p in family.local_partitions)
             for path, below in (("default", writes.STAGE_BELOW), ("direct", 0)):
-                with mock.patch.object(writes, "STAGE_BELOW", below):
+                with mock.patch.object(writes, "STAGE_BELOW", below), \
+                        mock.patch.object(direct_write, "FOREACH_DEVICES", frozenset()):  # as on an accelerator
                     family.set_full_(values)  # warm: kept staging buffers, cached plans
                     with DispatchProbe() as probe:
                         probe.watch(family.local_partitions)
@@ -637,7 +638,10 @@ def check_set_full_copies(stages: tuple[int, ...] = (1, 2, 3)) -> dict:
                 if path == "direct":
                     assert probe.written == probe.data_written and probe.largest == 0, row
                     # the fragments are one run of the partition: one concatenation into it (one kernel on CUDA)
-                    assert row["by_op"] == {"aten.cat.out.default": 1} or row["by_op"] == {"aten.cat.out": 1}, row
+                    assert row["by_op"] == {"aten.cat.out": 1}, row
+            with mock.patch.object(writes, "STAGE_BELOW", 0), DispatchProbe() as probe:  # the CPU's own recipe
+                family.set_full_(values)
+            assert dict(probe.by_op) == {"aten._foreach_copy_.default": 1}, dict(probe.by_op)
             report[f"z{stage} {name} fallbacks"] = _check_direct_write_fallbacks(family, values, stage)
     return report
 
@@ -650,7 +654,7 @@ def _check_direct_write_fallbacks(family: Any, values: dict[str, torch.Tensor], 
     the parts then concatenated, the last rank's padding gaps included (zeros)."""
     from unittest import mock
 
-    from zero_dtensor.ops import writes
+    from zero_dtensor.ops import direct_write, writes
 
     cases = {"non-contiguous": {n: (v.t().contiguous().t() if v.dim() == 2 else v) for n, v in values.items()}}
     assert any(not v.is_contiguous() for v in cases["non-contiguous"].values())
@@ -667,7 +671,8 @@ def _check_direct_write_fallbacks(family: Any, values: dict[str, torch.Tensor], 
     out = {}
     for case, mapping in cases.items():
         family.set_full_(values)
-        with mock.patch.object(writes, "STAGE_BELOW", 0), DispatchProbe() as probe:
+        with mock.patch.object(writes, "STAGE_BELOW", 0), DispatchProbe() as probe, \
+                mock.patch.object(direct_write, "FOREACH_DEVICES", frozenset()):
             family.set_full_(mapping)
         _equal(dict(family.full_tensors(strategy="all_gather")), values, f"z{stage} {case}")
         ops = {k.split(".")[1]: n for k, n in probe.by_op.items()}

@@ -1,6 +1,6 @@
 """``set_full_``'s per-parameter path: each value copied straight into its fragment, planned once per request and
-flat group, so that a call makes no Python pass over the parameters. Where the fragments form one run of the
-partition (padding gaps aside) and every value is contiguous, on the partition's device and outside its memory, one
+flat group, so that a call makes no Python pass over the parameters. On an accelerator (not in :data:`FOREACH_DEVICES`),
+where the fragments form one run of the partition (padding gaps aside) and every value is contiguous, on the partition's device and outside its memory, one
 ``torch.cat(..., out=)`` writes the run (one vectorized kernel per 128 inputs on CUDA; ``_foreach_copy_`` launches
 once per 320 chunks of 64Ki elements); otherwise one ``_foreach_copy_`` into cached views of the fragments.
 **No communication**; writes DeepSpeed's partition in place (no allocation beyond a zero filler of the largest
@@ -25,6 +25,11 @@ from ..layout.plan import GroupPlan
 __all__ = ["write_direct"]
 
 _DEVICE = operator.attrgetter("device")
+#: the device types whose partitions keep ``_foreach_copy_`` where one ``cat`` could write the run
+#: (:func:`write_direct`): the CPU, where ``_foreach_copy_`` is a loop of vectorized copies with no launches and
+#: ``cat`` made the per-parameter path 20-30% slower in CPU time on 198 bf16 tensors
+#: (``benchmarks/host_time_ab.py``; offloaded partitions live there). Tests empty it to run the ``cat`` path.
+FOREACH_DEVICES: frozenset[str] = frozenset({"cpu"})
 
 
 @dataclass(frozen=True, eq=False)
@@ -148,7 +153,8 @@ def write_direct(state: FlatState, plan: GroupPlan, names: tuple[str, ...], valu
         return
     cache = state.view_caches[plan.index]
     scale = state.loss_scale
-    if scale == 1.0 and direct.run is not None and _concatenable(sources, cache.buffer):
+    if (scale == 1.0 and direct.run is not None and cache.buffer.device.type not in FOREACH_DEVICES
+            and _concatenable(sources, cache.buffer)):
         run = direct.run
         pieces = run.pick([*map(torch.flatten, sources), *_fillers(run, cache.buffer)])
         torch.cat(pieces, out=cache.buffer.narrow(0, run.start, run.length))

@@ -1,11 +1,11 @@
 """``set_full_``'s per-parameter path: each value copied straight into its fragment, planned once per request and
-flat group, so that a call makes no Python pass over the parameters. On an accelerator (not in :data:`FOREACH_DEVICES`),
-where the fragments form one run of the partition (padding gaps aside) and every value is contiguous, on the partition's device and outside its memory, one
-``torch.cat(..., out=)`` writes the run (one vectorized kernel per 128 inputs on CUDA; ``_foreach_copy_`` launches
-once per 320 chunks of 64Ki elements); otherwise one ``_foreach_copy_`` into cached views of the fragments.
-**No communication**; writes DeepSpeed's partition in place (no allocation beyond a zero filler of the largest
-padding gap, made once per request, dtype and device) and never records autograd history (the caller runs it under
-``torch.no_grad``)."""
+flat group, so that a call makes no Python pass over the parameters. On an accelerator (a device type not in
+:data:`FOREACH_DEVICES`), where the fragments form one run of the partition (padding gaps aside) and every value is
+contiguous, on the partition's device and outside its memory, one ``torch.cat(..., out=)`` writes the run (one
+vectorized kernel per 128 inputs on CUDA; ``_foreach_copy_`` launches once per 320 chunks of 64Ki elements);
+otherwise one ``_foreach_copy_`` into cached views of the fragments. **No communication**; writes DeepSpeed's
+partition in place (no allocation beyond a zero filler of the largest padding gap, made once per request, dtype and
+device) and never records autograd history (the caller runs it under ``torch.no_grad``)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import operator
 import weakref
 from bisect import bisect_left
 from collections.abc import Callable
-from itertools import repeat
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import torch

@@ -39,7 +39,7 @@ def test_a_start_stuck_on_a_stale_build_lock_is_reported(tmp_path, monkeypatch) 
     lock.touch()
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # the spawned rank inherits it
     with pytest.raises(RankFailure, match="1 of 1 ranks failed to start") as failure:
-        RankPool(1, start_timeout=15.0)
+        RankPool(1, start_timeout=6.0)
     message = failure.value.tracebacks[0]
-    assert "no answer at start within 15 s" in message and str(lock) in message and "Delete it" in message
+    assert "no answer at start within 6 s" in message and str(lock) in message and "Delete it" in message
     assert lock.exists()  # reported, not removed: a build may be running

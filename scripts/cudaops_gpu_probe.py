@@ -1,7 +1,8 @@
 """Device check of issue 42 (branch cudaops2), to run right after benchmarks/gpu_check.py (which times the public
 calls on engines): the per-group kernels those calls run, on a 1.03B-element bf16 buffer in 198 pieces (the
 gpu_check model) at the accelerator row width, against the flat floors; values against float64 references; nan/inf
-counts on the device; the per-fragment clip multiply; and no host sync (``torch.cuda.set_sync_debug_mode("error")``).
+counts on the device; the per-fragment clip multiply; ``dots`` at four chunk sizes; ``set_full_``'s two ways of writing
+198 values into one run (``_foreach_copy_``, one ``cat``); and no host sync (``torch.cuda.set_sync_debug_mode("error")``).
 One line per figure: ``name value [xN floor]``. About 1 minute on an H200; torch with CUDA, no DeepSpeed:
 
     PYTHONPATH=$PWD timeout 200 python scripts/cudaops_gpu_probe.py
@@ -70,6 +71,19 @@ try:  # a candidate for dots at the floor: cuBLAS batched dot products, float32 
                                                           out_dtype=torch.float32), 5), 2 * norm_f)
 except Exception as e:  # noqa: BLE001
     line("alt_bmm_out_fp32_dots_ms", f"n/a {type(e).__name__}")
+# dots' eager chunk size: products of a chunk small enough for L2 are re-read from it (more chunks, more launches)
+chunk_kept, parts_kept = S.DOT_CHUNK, S.DOT_PARTS
+for log2 in (21, 22, 23, 24):
+    S.DOT_CHUNK, S.DOT_PARTS = 1 << log2, 1 << 30  # exactly 2**log2 elements per chunk
+    line(f"piece_dots_ms (chunks of 2^{log2} elements)", tm(lambda: S.piece_dots(flat, other, seg), 5), 2 * norm_f)
+S.DOT_CHUNK, S.DOT_PARTS = chunk_kept, parts_kept
+# set_full_'s write of 198 values into one run: _foreach_copy_ into views (the CPU's) against one cat (accelerators)
+values = [torch.empty_like(v).copy_(v) for v in views]
+copy_f = tm(lambda: flat.copy_(other))
+line("floor_copy_ms", copy_f)
+line("write_foreach_copy_ms (198 values)", tm(lambda: torch._foreach_copy_(views, values)), copy_f)
+line("write_cat_out_ms (198 values)", tm(lambda: torch.cat(values, out=flat)), copy_f)
+del values
 coef = torch.full((), 0.999, device=dev)
 line("clip_whole_ms (norm + scale_op)", tm(lambda: (S.piece_pow_sums(flat, seg), _scale_op("mul")(flat, coef))),
      norm_f + mul_f)

@@ -89,7 +89,7 @@ def fused_like_eager(master: zd.ShardedMasterParams, state: zd.ShardedOptimizerS
     calls = {"dots": lambda: master.dots(state), "stats": bad.stats, "master stats": master.stats}
     eager = {k: call() for k, call in calls.items()}
     used: list[str] = []
-    wrapped = {k: getattr(fused_rows, k) for k in ("joint_stats", "joint_dots")}
+    wrapped = {k: getattr(fused_rows, k) for k in ("row_moments", "row_dots")}
     try:
         fused_rows._FORCE_CPU = True
         zd.set_fused_reductions(True)
@@ -101,7 +101,7 @@ def fused_like_eager(master: zd.ShardedMasterParams, state: zd.ShardedOptimizerS
         fused_rows._FORCE_CPU = False
         for k, fn in wrapped.items():
             setattr(fused_rows, k, fn)
-    assert sorted(set(used)) == ["joint_dots", "joint_stats"], used
+    assert sorted(set(used)) == ["row_dots", "row_moments"], used
     for n in eager["dots"]:
         torch.testing.assert_close(fused["dots"][n], eager["dots"][n], rtol=1e-6, atol=1e-9)
     for k in ("stats", "master stats"):

@@ -34,9 +34,9 @@ import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from .. import settings
-from .segment_plan import JointPlan
+from .segment_plan import acc_dtype
 
-__all__ = ["ALIGN", "MOMENTS", "applies", "joint_dots", "joint_stats", "row_dots", "row_moments"]
+__all__ = ["ALIGN", "MOMENTS", "applies", "row_dots", "row_moments"]
 
 #: the columns of :func:`row_moments`, in order
 MOMENTS = ("sum of squares", "sum", "max |x|", "nan count", "inf count")
@@ -47,14 +47,9 @@ ALIGN = 16
 _FORCE_CPU = False
 
 
-def _acc(*dtypes: torch.dtype) -> torch.dtype:
-    """Accumulation dtype: float64 if any input is float64, else float32 (the eager rows' model)."""
-    return torch.float64 if torch.float64 in dtypes else torch.float32
-
-
 def _moments(rows: torch.Tensor) -> torch.Tensor:
     """(R, 5) of :data:`MOMENTS`; traced by ``torch.compile`` (one fused reduction), or run as is for one row."""
-    acc = _acc(rows.dtype)
+    acc = acc_dtype(rows.dtype)
     x = rows.to(acc)
     return torch.stack([(x * x).sum(1), x.sum(1), x.abs().amax(1), torch.isnan(rows).sum(1, dtype=acc),
                         torch.isinf(rows).sum(1, dtype=acc)], dim=1)
@@ -62,7 +57,7 @@ def _moments(rows: torch.Tensor) -> torch.Tensor:
 
 def _dots(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """(R,) per row ``sum x·y`` in the accumulation dtype (exact products for bf16/fp16)."""
-    acc = _acc(x.dtype, y.dtype)
+    acc = acc_dtype(x.dtype, y.dtype)
     return (x.to(acc) * y.to(acc)).sum(1)
 
 
@@ -126,43 +121,3 @@ def applies(rows: Sequence[torch.Tensor]) -> bool:
             return False
         settings.check_fused_available()
     return True
-
-
-def _cat(values: Sequence[torch.Tensor]) -> torch.Tensor:
-    return values[0] if len(values) == 1 else torch.cat(list(values))
-
-
-def _per_piece(values: torch.Tensor, j: JointPlan, how: str) -> torch.Tensor:
-    """Per piece, from 1-D float64 ``values`` laid out as every plan's rows then every plan's bits: its body rows'
-    and its bits' values reduced (``how``: "sum" or "max") by one ``segment_reduce`` and one add (max), as
-    :mod:`.segments` does. 1-D on purpose: CUDA reduces 1-D data by CUB's segmented reduction, while a 2-D
-    ``segment_reduce`` runs one thread per output element looping over its whole segment."""
-    seg = torch.segment_reduce(values, how, offsets=j.all_offsets, unsafe=True, initial=0.0 if how == "max" else None)
-    body, bits = seg[: 2 * j.pieces][1::2], seg[2 * j.pieces:]
-    return bits + body if how == "sum" else torch.maximum(bits, body)
-
-
-def joint_stats(rows: Sequence[torch.Tensor], bits: Sequence[torch.Tensor], j: JointPlan, *, counts: bool,
-                order: Sequence[int] | None) -> torch.Tensor:
-    """:func:`~zero_dtensor.layout.segments.joint_stats` from every buffer's row view (:func:`row_moments`: one
-    read each) and its bits (the raw elements :mod:`.segments` gathered, in float64 here): (pieces, 3), or (pieces,
-    6) with ``counts`` (nan count, inf count, and ``missed``, always 0: every count is exact), columns in ``order``
-    if given. The rows' and bits' values go column by column into one (5, rows + bits) float64 tensor (one
-    concatenation), then one ``segment_reduce`` per column wanted."""
-    raw = _cat(bits).to(torch.float64)
-    per_bit = torch.stack([raw.square(), raw, raw.abs(), torch.isnan(raw).to(raw.dtype),
-                           torch.isinf(raw).to(raw.dtype)])
-    values = torch.cat([*(row_moments(r).t() for r in rows), per_bit], dim=1)  # float64, each column contiguous
-    columns = [_per_piece(values[c], j, "max" if c == 2 else "sum") for c in range(5 if counts else 3)]
-    if counts:
-        columns.append(torch.zeros_like(columns[0]))
-    return torch.stack(columns if order is None else [columns[i] for i in order], dim=1)
-
-
-def joint_dots(rows_a: Sequence[torch.Tensor], rows_b: Sequence[torch.Tensor], bits_a: Sequence[torch.Tensor],
-               bits_b: Sequence[torch.Tensor], j: JointPlan) -> torch.Tensor:
-    """:func:`~zero_dtensor.layout.segments.joint_dots` from both operands' row views (:func:`row_dots`: each read
-    once) and bits (multiplied in float64): (pieces,) float64 on the rows' device."""
-    bits = _cat(bits_a).to(torch.float64).mul_(_cat(bits_b).to(torch.float64))
-    sums = _cat([row_dots(x, y) for x, y in zip(rows_a, rows_b)]).to(torch.float64)
-    return _per_piece(torch.cat([sums, bits]), j, "sum")

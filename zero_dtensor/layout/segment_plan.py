@@ -17,7 +17,7 @@ import torch
 from .devices import to_device
 from .tiling import Tiling
 
-__all__ = ["BLOCK", "COUNT_ROWS", "COUNT_SHARE", "DEVICE_BLOCK", "JointPlan", "SegmentPlan", "block_for",
+__all__ = ["BLOCK", "COUNT_ROWS", "COUNT_SHARE", "DEVICE_BLOCK", "JointPlan", "SegmentPlan", "acc_dtype", "block_for",
            "count_budget", "joint_plan", "offsets_of", "param_index", "segment_plan", "sizes_plan"]
 
 
@@ -25,6 +25,12 @@ BLOCK = 64  #: row width on the CPU: a row lying inside one piece is reduced by 
 #: row width on accelerators: PyTorch's CUDA reduction vectorizes its loads only along rows over 128 elements; rows
 #: of 2048 reach 1.09x a flat ``vector_norm`` on an H200 (64: 6.8x; 512: 1.5x; 8192: 1.55x; 1.03B bf16 elements)
 DEVICE_BLOCK = 2048
+
+
+def acc_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The dtype row reductions accumulate in: float64 if any input is float64, else float32 (bf16/fp16/fp32,
+    bool)."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
 def block_for(device: torch.device) -> int:

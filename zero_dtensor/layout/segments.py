@@ -38,7 +38,7 @@ from collections.abc import Sequence
 import torch
 
 from . import fused_rows
-from .segment_plan import (BLOCK, COUNT_ROWS, COUNT_SHARE, DEVICE_BLOCK, JointPlan, SegmentPlan, block_for,
+from .segment_plan import (BLOCK, COUNT_ROWS, COUNT_SHARE, DEVICE_BLOCK, JointPlan, SegmentPlan, acc_dtype, block_for,
                            count_budget, joint_plan, offsets_of, param_index, segment_plan, sizes_plan)
 
 __all__ = [
@@ -62,11 +62,6 @@ __all__ = [
     "segment_plan",
     "sizes_plan",
 ]
-
-def _acc(*dtypes: torch.dtype) -> torch.dtype:
-    """Row accumulation dtype: float64 for float64 input, else float32 (bf16/fp16/fp32, bool)."""
-    return torch.float64 if torch.float64 in dtypes else torch.float32
-
 
 def _check(buf: torch.Tensor, seg: SegmentPlan) -> None:
     if buf.dim() != 1 or buf.numel() != seg.numel:
@@ -128,7 +123,7 @@ def _joined(values: torch.Tensor, j: JointPlan, how: str) -> torch.Tensor:
 def _row_norms(rows: torch.Tensor) -> torch.Tensor:
     """Per row the 2-norm, accumulated inside the reduction in float32 (float64 for float64 rows): no upcast copy
     of the rows. Squared in float64 by the caller."""
-    return torch.linalg.vector_norm(rows, 2, dim=1, dtype=_acc(rows.dtype))
+    return torch.linalg.vector_norm(rows, 2, dim=1, dtype=acc_dtype(rows.dtype))
 
 
 def _row_max_abs(rows: torch.Tensor) -> torch.Tensor:
@@ -140,7 +135,7 @@ def _row_max_abs(rows: torch.Tensor) -> torch.Tensor:
 
 def _row_sums(rows: torch.Tensor) -> torch.Tensor:
     """Per row ``sum x`` in float32 (float64 for float64 rows; bool rows count)."""
-    return rows.sum(1, dtype=_acc(rows.dtype))
+    return rows.sum(1, dtype=acc_dtype(rows.dtype))
 
 
 # --- the reductions ------------------------------------------------------------------------------------------------
@@ -158,7 +153,7 @@ def joint_pow_sums(bufs: Sequence[torch.Tensor], segs: Sequence[SegmentPlan], p:
     if p == 2.0:  # row norms and raw bits squared together
         values = torch.cat([*map(_row_norms, rows), *_bit_parts(bufs, segs, j)]).to(torch.float64).square_()
         return _joined(values, j, "sum")
-    acc = [torch.linalg._powsum(r, p, dim=1, dtype=_acc(r.dtype)) for r in rows]
+    acc = [torch.linalg._powsum(r, p, dim=1, dtype=acc_dtype(r.dtype)) for r in rows]
     bits = torch.cat(_bit_parts(bufs, segs, j)).to(torch.float64).abs_().pow_(p)
     values = torch.cat([_cat(acc).to(torch.float64), bits]) if acc else bits
     return _joined(values, j, "sum")
@@ -216,7 +211,7 @@ def joint_stats(bufs: Sequence[torch.Tensor], segs: Sequence[SegmentPlan], devic
     rows = _row_views(bufs, segs)
     bits = _bit_parts(bufs, segs, j)
     if fused_rows.applies(rows):  # one read of the rows, exact counts (settings.set_fused_reductions)
-        return fused_rows.joint_stats(rows, bits, j, counts=counts, order=order)
+        return _fused_stats(rows, bits, j, counts=counts, order=order)
     squares = torch.cat([*map(_row_norms, rows), *bits]).to(torch.float64).square_()
     columns = [_joined(squares, j, "sum"),
                _joined(torch.cat([*map(_row_sums, rows), *bits]).to(torch.float64), j, "sum"),
@@ -232,6 +227,24 @@ def joint_stats(bufs: Sequence[torch.Tensor], segs: Sequence[SegmentPlan], devic
             missed = torch.zeros((j.pieces, 1), dtype=torch.float64, device=squares.device)
         columns += [found[:, :1], found[:, 1:], missed]
     return torch.cat(columns if order is None else [columns[i] for i in order], dim=1)
+
+
+def _fused_stats(rows: Sequence[torch.Tensor], bits: Sequence[torch.Tensor], j: JointPlan, *, counts: bool,
+                 order: Sequence[int] | None) -> torch.Tensor:
+    """:func:`joint_stats` through the fused row pass (:func:`~.fused_rows.row_moments`: one read of each buffer's
+    rows) and the raw bits in float64: (pieces, 3), or (pieces, 6) with ``counts`` (nan count, inf count, and
+    ``missed``, always 0: every count is exact), columns in ``order`` if given. The rows' and bits' values go column
+    by column into one (5, rows + bits) float64 tensor (one concatenation), then one 1-D ``segment_reduce`` per
+    column wanted (:func:`_joined`; CUDA reduces 1-D data with CUB's segmented reduction, a 2-D ``segment_reduce``
+    with one thread per output looping over its segment)."""
+    raw = _cat(bits).to(torch.float64)
+    per_bit = torch.stack([raw.square(), raw, raw.abs(), torch.isnan(raw).to(raw.dtype),
+                           torch.isinf(raw).to(raw.dtype)])
+    values = torch.cat([*(fused_rows.row_moments(r).t() for r in rows), per_bit], dim=1)  # float64 columns
+    columns = [_joined(values[c], j, "max" if c == 2 else "sum") for c in range(5 if counts else 3)]
+    if counts:
+        columns.append(torch.zeros_like(columns[0]))
+    return torch.stack(columns if order is None else [columns[i] for i in order], dim=1)
 
 
 def _count_bad_rows(rows: list[torch.Tensor], row_sq: torch.Tensor, j: JointPlan, found: torch.Tensor) -> torch.Tensor:
@@ -277,7 +290,7 @@ def _dot_rows(x: torch.Tensor, y: torch.Tensor, *, in_kernel_cast: bool | None =
       dispatcher, so the CPU keeps one visible float32 copy of ``x`` multiplied in place by ``y``.
 
     Both give bitwise the same float32 products and sums."""
-    acc = _acc(x.dtype, y.dtype)
+    acc = acc_dtype(x.dtype, y.dtype)
     if x.dtype == acc and y.dtype == acc:
         return torch.linalg.vecdot(x, y)
     if x.device.type != "cpu" if in_kernel_cast is None else in_kernel_cast:
@@ -299,13 +312,22 @@ def joint_dots(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], segs: Seque
     _prepare(b, segs, device)
     rows_a, rows_b = _row_views(a, segs), _row_views(b, segs)
     if fused_rows.applies(rows_a + rows_b):  # each operand read once (settings.set_fused_reductions)
-        return fused_rows.joint_dots(rows_a, rows_b, _bit_parts(a, segs, j), _bit_parts(b, segs, j), j)
+        return _fused_dots(rows_a, rows_b, _bit_parts(a, segs, j), _bit_parts(b, segs, j), j)
     step = max(1, DOT_CHUNK // segs[0].block, j.rows // DOT_PARTS)
     sums = [_dot_rows(x, y) for ra, rb in zip(rows_a, rows_b) for x, y in zip(ra.split(step), rb.split(step))]
     bits = torch.cat(_bit_parts(a, segs, j)).to(torch.float64)
     bits.mul_(torch.cat(_bit_parts(b, segs, j)).to(torch.float64))
     values = torch.cat([_cat(sums).to(torch.float64), bits]) if sums else bits
     return _joined(values, j, "sum")
+
+
+def _fused_dots(rows_a: Sequence[torch.Tensor], rows_b: Sequence[torch.Tensor], bits_a: Sequence[torch.Tensor],
+                bits_b: Sequence[torch.Tensor], j: JointPlan) -> torch.Tensor:
+    """:func:`joint_dots` through the fused row pass (:func:`~.fused_rows.row_dots`: each operand's rows read once)
+    and the bits multiplied in float64: (pieces,) float64 on the rows' device."""
+    bits = _cat(bits_a).to(torch.float64).mul_(_cat(bits_b).to(torch.float64))
+    sums = _cat([fused_rows.row_dots(x, y) for x, y in zip(rows_a, rows_b)]).to(torch.float64)
+    return _joined(torch.cat([sums, bits]), j, "sum")
 
 
 def piece_stats(buf: torch.Tensor, seg: SegmentPlan, device: torch.device | None = None, *,

@@ -11,11 +11,19 @@ CASES = [EngineCase(1), EngineCase(2), EngineCase(3), EngineCase(2, "bf16"), Eng
          EngineCase(1, "bf16", bf16_optimizer=True), EngineCase(3, world=3)]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+#: ZeRO-2 with separate gradient tensors (no grads_in_partition): the pieces are copied into a kept flat partition
+#: every step (the other ZeRO-1/2 cases are used in place from the second step on)
+SEPARATE_PIECES = EngineCase(2, zero={"contiguous_gradients": False})
+
+
+@pytest.mark.parametrize("case", [*CASES, SEPARATE_PIECES], ids=lambda c: c.id)
 def test_partition_memory_reused_only_when_free(ranks, case: EngineCase) -> None:
     results = ranks(case.world).run(view_reuse.check_partition_reuse, case)
     # a partition used in place is DeepSpeed's own memory (a new buffer every backward): nothing of ours to reuse
-    assert all(r["reused"] or all(f["in_place"] for f in r["firsts"]) for r in results)
+    assert all(r["reused"] or all(f["in_place"] for f in r["firsts"][1:]) for r in results)
+    if case is SEPARATE_PIECES:
+        # rank 1's partition spans several parameters (rank 0's is part of the first one, a view used in place)
+        assert not any(f["in_place"] for f in results[1]["firsts"]) and results[1]["reused"], results[1]
     # issue 42: the first sharded_grads of a step allocates nothing once its flat partition exists (steps 1 and 3:
     # step 2 follows a step whose views the caller still holds, the one case for a second flat partition); a
     # partition used in place costs no operation, write or allocation at all
@@ -29,6 +37,12 @@ def test_partition_memory_reused_only_when_free(ranks, case: EngineCase) -> None
     # has no zero padding of its own (rank 0 here) reads them in place, every step, not as a copy
     if case.stage == 1 and not case.offload and not case.bf16_optimizer:
         assert all(f["in_place"] for f in results[0]["firsts"]), results[0]["firsts"]
+    # from the backward after the first sharded_grads on, ZeRO-1/2 lay that buffer in flat order with each group's
+    # zero padding after its pieces (grad_order): every rank, ZeRO-2 (pieces that arrive out of order) and a last
+    # rank's padding included, reads its partition in place
+    if case.stage in (1, 2) and not case.offload and not case.bf16_optimizer and case is not SEPARATE_PIECES:
+        for rank, r in enumerate(results):
+            assert all(f["in_place"] for f in r["firsts"][1:]), (rank, r["firsts"])
 
 
 @pytest.mark.parametrize("case", CASES[:4], ids=lambda c: c.id)
@@ -67,3 +81,12 @@ def test_zero3_row_reorder_matches_deepspeed(ranks, case: EngineCase) -> None:
 @pytest.mark.parametrize("case", [EngineCase(1), EngineCase(1, "bf16"), EngineCase(2, world=3)], ids=lambda c: c.id)
 def test_replaced_pieces_are_freed_by_the_step(ranks, case: EngineCase) -> None:
     ranks(case.world).run(view_reuse.check_replaced_pieces_freed_by_the_step, case)
+
+
+@pytest.mark.parametrize("case", [EngineCase(2, gas=2), EngineCase(2, "fp16", world=3)],
+                         ids=lambda c: c.id)
+def test_flat_order_buffer_trains_like_deepspeed_alone(ranks, case: EngineCase) -> None:
+    """Four steps read through zero_dtensor give bitwise the parameters of a twin that DeepSpeed trains alone,
+    while every rank (a last rank's zero padding included) reads its partition in place from the second step."""
+    for rank, in_place in enumerate(ranks(case.world).run(view_reuse.check_ordered_buffer_trains_alike, case)):
+        assert in_place[1:] == [True, True, True], (rank, in_place)

@@ -42,10 +42,12 @@ def sharded_grads(engine: Any) -> ShardedGrads:
     Valid after ``engine.backward()`` at a gradient-accumulation boundary, until ``engine.step()``. Calling it again
     in the same window returns the same object. Memory: none where DeepSpeed's partition already is one tensor
     (ZeRO-3, offload, the compact fp32 buffer, ``BF16_Optimizer``) or its ZeRO-1/2 pieces lie in order in one buffer
-    (ZeRO-1: used in place, no copy). Otherwise (ZeRO-2's pieces in the order gradients arrived, a zero-padded last
-    partition) the first call of a step copies them once into a flat partition allocated once per param group and
-    reused across steps (a second one only while a caller still holds views of the first); that copy replaces the
-    flattening DeepSpeed's step would do.
+    (``contiguous_gradients``, the default: used in place, no copy; the first call makes DeepSpeed lay ZeRO-2's
+    buffer in flat order, with a last rank's zero padding after the pieces, from the next backward on). Otherwise
+    (ZeRO-2's first step, whose pieces lie in the order gradients arrived; ``contiguous_gradients: false``;
+    ``parameter_alignment`` padding) the first call of a step copies them once into a flat partition allocated once
+    per param group and reused across steps (a second one only while a caller still holds views of the first);
+    that copy replaces the flattening DeepSpeed's step would do.
     Raises :class:`~zero_dtensor.errors.GradientsNotReadyError` outside the window and
     :class:`~zero_dtensor.errors.UnsupportedDeepSpeedError` for an unknown DeepSpeed version or optimizer (ZeRO
     stage 0 included), ``TypeError`` for anything that is not a DeepSpeed engine. It also installs the

@@ -17,7 +17,7 @@ from zero_dtensor.materialize import BUFFERS, release_workspace
 from zero_dtensor.materialize.placements import assembly_of
 from zero_dtensor.layout.views import storage_refs
 
-from .common import EngineCase, build_engine, fill_value, forward_backward
+from .common import EngineCase, build_engine, fill_value, forward_backward, params_snapshot
 from .dispatch_probe import DispatchProbe
 
 
@@ -271,3 +271,33 @@ def check_row_reorder(case: EngineCase) -> dict[str, bool]:
     esize = grads.local_partitions[0].element_size()
     return {"rows": all(p.column_rows(esize) is not None and p.own_column_rows(esize) is not None for p in plans),
             "peer_rows": all(assembly_of(p.group).peer_rows(p, esize) is not None for p in plans)}
+
+
+def check_ordered_buffer_trains_alike(case: EngineCase) -> list[bool]:
+    """Issue 42: DeepSpeed's gradient buffer laid out in flat order (``_deepspeed/grad_order.py``, from the first
+    ``sharded_grads`` on) changes where the values lie, not what DeepSpeed computes. Over four steps (of
+    ``case.gas`` micro-steps), an engine read through zero_dtensor every step (each read equal to
+    ``safe_get_full_grad``) has bitwise the parameters of a twin engine that DeepSpeed trains alone. Returns, per
+    step, whether the partition was DeepSpeed's own memory (used in place)."""
+    ours, theirs = build_engine(case), build_engine(case)
+    in_place = []
+    for step in range(4):
+        for engine in (ours, theirs):
+            for micro in range(case.gas):
+                forward_backward(engine, step * case.gas + micro)
+                if micro < case.gas - 1:
+                    engine.step()
+        pieces = ours.optimizer.averaged_gradients.get(0)
+        grads = zd.sharded_grads(ours)
+        in_place.append(grads.local_partitions[0].untyped_storage().data_ptr()
+                        == pieces[0].untyped_storage().data_ptr())
+        full = grads.full_tensors()
+        for name, value in _reference(ours).items():  # DeepSpeed's values are scaled under fp16 (by 2^k: exact)
+            assert torch.equal(full[name].float(), value.float() / grads.loss_scale), (step, name)
+        del grads, full, pieces
+        ours.step()
+        theirs.step()
+        mine, reference = params_snapshot(ours), params_snapshot(theirs)
+        for name in mine:
+            assert torch.equal(mine[name], reference[name]), (step, name)
+    return in_place

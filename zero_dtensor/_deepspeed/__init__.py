@@ -15,6 +15,7 @@ included) are refused with :class:`~zero_dtensor.errors.UnsupportedDeepSpeedErro
 detected (e.g. ``round_robin_bit16_offsets``, the compact fp32 partition buffer) rather than inferred from the version.
 
 Beside the optimizer adapters: :mod:`.capture` (``keep_full_grads``' capture of the ZeRO-1/2 reduction),
+:mod:`.grad_order` (ZeRO-1/2's contiguous gradient buffer laid out in flat order, so that it is used in place),
 :mod:`.engine_step` (the engine's ``step()`` internals that :mod:`zero_dtensor.integrations.hooks` wraps), :mod:`.version`,
 :mod:`.families` (the fp32 master weights and the optimizer state as storages with the gradient's geometry, and the
 optimizer's per-group ``step``) and :mod:`.sync` (the working weights refreshed from the masters after a write);

@@ -43,6 +43,7 @@ from ._common import (
     wait_for_stream,
 )
 from .capture import active_capture
+from .grad_order import order_gradient_buffer, placed
 
 
 class _FlatViews(list):
@@ -125,9 +126,11 @@ def _contiguous_partition(opt: Any, group: int) -> ViewCache:
     """This rank's partition of group ``group`` as one tensor that the optimizer step reads, with its view cache.
 
     The compact buffer and the offload buffer already are one tensor. The default list of views is used in place
-    where its pieces lie one after the other in one buffer and fill the partition (ZeRO-1's ``grads_in_partition``:
-    :func:`_in_place`, no allocation, no copy). Otherwise (ZeRO-2 stores them in the order gradients arrived, a
-    last rank's zero padding is a tensor of its own) it is copied (:func:`_copy_pieces`) into a flat tensor of
+    where its pieces lie one after the other in one buffer and fill the partition, a last rank's zero padding
+    included (``grads_in_partition``: ZeRO-1's, and from the backward after the first call ZeRO-2's and the
+    padding too, laid out by :mod:`.grad_order`; :func:`~.grad_order.placed`; no allocation, no copy). Otherwise
+    (the first step's ZeRO-2 pieces, in the order gradients arrived; separate gradient tensors; alignment padding
+    between parameters) it is copied (:func:`_copy_pieces`) into a flat tensor of
     ``partition_size`` elements allocated once and kept across steps (:class:`_FlatSlot`; a second one only while a
     caller still holds views of the first). ``averaged_gradients[group]`` is rebound either way to a
     ``GradPartitionBufferGroup`` over the partition where DeepSpeed has that class, so its step reads the flat
@@ -153,8 +156,9 @@ def _contiguous_partition(opt: Any, group: int) -> ViewCache:
     key = piece_key(pieces)
     numels = key[0] if key is not None else tuple(map(torch.Tensor.numel, pieces))
     partition_numel = int(opt.partition_size[group])
-    start = _in_place_start(key, pieces[0].element_size(), partition_numel) if key is not None else None
-    if start is not None:
+    in_place = placed(pieces, key, partition_numel) if key is not None else None
+    if in_place is not None:
+        start, key = in_place
         # through a detached alias: a view's ``_base`` would keep DeepSpeed's first piece alive past the step
         cache = ViewCache(pieces[0].detach().as_strided((partition_numel,), (1,), start))
         opt.averaged_gradients[group] = _in_place(pieces, key, cache)
@@ -165,27 +169,15 @@ def _contiguous_partition(opt: Any, group: int) -> ViewCache:
     return slot.cache
 
 
-def _in_place_start(key: PieceKey, element_size: int, partition_numel: int) -> int | None:
-    """Where (in elements of the first piece's storage) the partition starts when DeepSpeed's ``pieces`` (of
-    :func:`piece_key` ``key``) already lie one after the other in one buffer and fill the partition (ZeRO-1's
-    ``grads_in_partition``, in flat order; no zero-padding tensor of its own), else ``None``. A few C-level passes
-    over the key, no tensor operation."""
-    numels, offsets, nbytes = key
-    first = offsets[0]
-    if first % element_size or sum(numels) != partition_numel or first + partition_numel * element_size > nbytes:
-        return None
-    ends = itertools.accumulate(numels[:-1], lambda at, n: at + n * element_size, initial=first)
-    return first // element_size if all(map(operator.eq, ends, offsets)) else None
-
-
 def _in_place(pieces: Sequence[torch.Tensor], key: PieceKey, cache: ViewCache) -> list:
-    """DeepSpeed's own ``pieces`` (lying as :func:`_in_place_start` found) in a new list over the partition
+    """DeepSpeed's own ``pieces`` (lying as :func:`~.grad_order.placed` found) in a new list over the partition
     ``cache.buffer``, a 1-D view of their buffer: no allocation, no copy and no new view per piece. A
     ``GradPartitionBufferGroup`` where DeepSpeed has that class (its step then reads the partition without
     flattening it again), else a :class:`_FlatViews` (DeepSpeed 0.18.9 flattens the list as it does without
-    zero_dtensor). DeepSpeed's step drops the list; it also holds ``cache``, so that a second call of this step finds
-    it, and nothing of zero_dtensor's keeps it (:func:`grad_storage` refers to it weakly) or DeepSpeed's buffer (a
-    new one every backward) past the step."""
+    zero_dtensor). Where ``key`` leaves out a trailing zero-padding tensor (:func:`~.grad_order.placed`), the list
+    holds a view of the zeroed memory after the pieces in its place (one view). DeepSpeed's step drops the list;
+    it also holds ``cache``, so that a second call of this step finds it, and nothing of zero_dtensor's keeps it
+    (:func:`grad_storage` refers to it weakly) or DeepSpeed's buffer (a new one every backward) past the step."""
     from deepspeed.runtime.zero import stage_1_and_2
 
     buffer_group = getattr(stage_1_and_2, "GradPartitionBufferGroup", None)
@@ -193,12 +185,21 @@ def _in_place(pieces: Sequence[torch.Tensor], key: PieceKey, cache: ViewCache) -
     rebound = _FlatViews() if buffer_group is None else buffer_group.__new__(buffer_group)
     list.extend(rebound, pieces)
     rebound.flat_partition = flat
+    padded = len(key[0]) < len(pieces)
+    if padded:
+        numel = pieces[-1].numel()
+        padding = flat.narrow(0, flat.numel() - numel, numel)
+        padding._zero_padding = True
+        rebound[-1] = padding
     if buffer_group is not None:
         # what GradPartitionBufferGroup.__init__ computes piece by piece (offset in the partition, shape,
-        # padding), from the key's byte offsets: the pieces lie in one block, none is a zero-padding tensor
+        # padding), from the key's byte offsets: the pieces lie in one block, the padding (if any) right after them
         element, first = flat.element_size(), key[1][0]
         starts = [(offset - first) // element for offset in key[1]]
-        rebound._view_specs = list(zip(starts, map(_SHAPE, pieces), itertools.repeat(False)))
+        specs = list(zip(starts, map(_SHAPE, pieces), itertools.repeat(False)))
+        if padded:
+            specs.append((flat.numel() - numel, padding.shape, True))
+        rebound._view_specs = specs
     rebound._zero_dtensor_cache = cache
     return rebound
 
@@ -305,6 +306,7 @@ def grad_storage(engine: Any, opt: Any) -> FlatStorage:
         if opt.cpu_offload:
             what = "a stale offload buffer"
         raise GradientsNotReadyError(f"ZeRO-{stage} holds {what} mid-accumulation; {WINDOW}")
+    order_gradient_buffer(opt)  # from the next backward on, the pieces lie in place (no copy here)
     caches = tuple(_contiguous_partition(opt, i) for i in range(len(opt.round_robin_bit16_groups)))
     partitions = tuple(c.buffer for c in caches)
     if opt.cpu_offload and _offload_consumed(opt, partitions):

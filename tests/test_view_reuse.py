@@ -83,8 +83,8 @@ def test_replaced_pieces_are_freed_by_the_step(ranks, case: EngineCase) -> None:
     ranks(case.world).run(view_reuse.check_replaced_pieces_freed_by_the_step, case)
 
 
-@pytest.mark.parametrize("case", [EngineCase(2, gas=2), EngineCase(2, "fp16", world=3)],
-                         ids=lambda c: c.id)
+@pytest.mark.parametrize("case", [EngineCase(2, gas=2, zero={"round_robin_gradients": True}),
+                                  EngineCase(2, "fp16", world=3, zero={"overlap_comm": True})], ids=lambda c: c.id)
 def test_flat_order_buffer_trains_like_deepspeed_alone(ranks, case: EngineCase) -> None:
     """Four steps read through zero_dtensor give bitwise the parameters of a twin that DeepSpeed trains alone,
     while every rank (a last rank's zero padding included) reads its partition in place from the second step."""

@@ -292,7 +292,10 @@ def check_ordered_buffer_trains_alike(case: EngineCase) -> list[bool]:
         in_place.append(grads.local_partitions[0].untyped_storage().data_ptr()
                         == pieces[0].untyped_storage().data_ptr())
         full = grads.full_tensors()
-        for name, value in _reference(ours).items():  # DeepSpeed's values are scaled under fp16 (by 2^k: exact)
+        # DeepSpeed's safe_get_full_grad is wrong under round_robin_gradients (its _hp_mapping; test_configs checks
+        # those reads against a single-process reference); its values are scaled under fp16 (by 2^k: exact)
+        refs = {} if dict(case.zero).get("round_robin_gradients") else _reference(ours)
+        for name, value in refs.items():
             assert torch.equal(full[name].float(), value.float() / grads.loss_scale), (step, name)
         del grads, full, pieces
         ours.step()

@@ -162,6 +162,7 @@ def _contiguous_partition(opt: Any, group: int) -> ViewCache:
         # through a detached alias: a view's ``_base`` would keep DeepSpeed's first piece alive past the step
         cache = ViewCache(pieces[0].detach().as_strided((partition_numel,), (1,), start))
         opt.averaged_gradients[group] = _in_place(pieces, key, cache)
+        _SLOTS.get(opt, {}).pop(group, None)  # a flat copy of an earlier step (ZeRO-2's first) is not kept for nothing
         return cache
     slot = _slot_for(opt, group, pieces, numels)
     _copy_pieces(slot, pieces, key)

@@ -46,8 +46,8 @@ def sharded_grads(engine: Any) -> ShardedGrads:
     buffer in flat order, with a last rank's zero padding after the pieces, from the next backward on). Otherwise
     (ZeRO-2's first step, whose pieces lie in the order gradients arrived; ``contiguous_gradients: false``;
     ``parameter_alignment`` padding) the first call of a step copies them once into a flat partition allocated once
-    per param group and reused across steps (a second one only while a caller still holds views of the first);
-    that copy replaces the flattening DeepSpeed's step would do.
+    per param group and reused across steps (a second one only while a caller still holds views of the first;
+    dropped once the pieces are used in place); that copy replaces the flattening DeepSpeed's step would do.
     Raises :class:`~zero_dtensor.errors.GradientsNotReadyError` outside the window and
     :class:`~zero_dtensor.errors.UnsupportedDeepSpeedError` for an unknown DeepSpeed version or optimizer (ZeRO
     stage 0 included), ``TypeError`` for anything that is not a DeepSpeed engine. It also installs the

@@ -73,7 +73,12 @@ def grad_rows(engine: Any, backward: Callable[[], None], timer: Timer, ds_repeat
         engine.step()
     rows = [summarize("first sharded_grads() of a step", stage, firsts[0], firsts[1:], 0)]
     backward()
+    pieces = engine.optimizer.averaged_gradients.get(0) if stage in (1, 2) else None
     grads = zd.sharded_grads(engine)
+    if pieces is not None and not engine.optimizer.cpu_offload:  # DeepSpeed's own memory, or the library's copy
+        facts["first sharded_grads in place"] = (
+            grads.local_partitions[0].untyped_storage().data_ptr() == pieces[0].untyped_storage().data_ptr())
+    del pieces
     named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
     world = dist.get_world_size()
     progress(f"timing ZeRO-{stage}: full reads and writes")

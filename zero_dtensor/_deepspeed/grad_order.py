@@ -57,13 +57,17 @@ class FlatOrder:
 
 
 def _flat_order(opt: Any) -> FlatOrder:
+    """Flat order over every group (the buffer's size is DeepSpeed's, plus the paddings); ``place`` only for the
+    parameters of groups whose gradients go through the buffer (not 0.19.x's compact fp32 buffer)."""
+    compact = getattr(opt, "_use_compact_grad_partition_buffer", None)
     place: dict[int, int] = {}
     padding: list[tuple[int, int]] = []
     at = 0
     for group, params in enumerate(opt.params_in_partition):
-        start = at
+        start, buffered = at, compact is None or not compact(group)
         for param in params:
-            place[opt.get_param_id(param)] = at
+            if buffered:
+                place[opt.get_param_id(param)] = at
             at += param.numel()
         # the partition starts first_offset into the group's first parameter; what it lacks at its end is padding
         tail = int(opt.partition_size[group]) - (at - start - int(opt.first_offset[group])) if params else 0
@@ -71,12 +75,6 @@ def _flat_order(opt: Any) -> FlatOrder:
             padding.append((at, tail))
             at += tail
     return FlatOrder(place, tuple(padding), at)
-
-
-def _uses_buffer(opt: Any) -> Callable[[int], bool]:
-    """Whether group ``g``'s gradients go through ``grads_in_partition`` (not the compact fp32 buffer of 0.19.x)."""
-    compact = getattr(opt, "_use_compact_grad_partition_buffer", None)
-    return (lambda group: True) if compact is None else (lambda group: not compact(group))
 
 
 _ORDERS: weakref.WeakKeyDictionary[Any, FlatOrder] = weakref.WeakKeyDictionary()
@@ -94,17 +92,16 @@ def order_gradient_buffer(opt: Any) -> None:
     if "copy_grads_in_partition" in vars(opt):  # wrapped by someone else: leave their wrapper alone
         return
     order = _ORDERS[opt] = _flat_order(opt)
-    uses_buffer = _uses_buffer(opt)
-    groups = {opt.get_param_id(p): g for g, params in enumerate(opt.params_in_partition) for p in params}
+    if not order.place:  # every group accumulates in the compact fp32 buffer
+        return
     original = opt.copy_grads_in_partition
     opt_ref = weakref.ref(opt)
     ours: list[Callable[[], Any]] = [lambda: None]  # a weak reference to the buffer allocated here last
 
     def copy_grads_in_partition(param: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         o = opt_ref()
-        pid = o.get_param_id(param)
-        at = order.place.get(pid)
-        if at is not None and not o.cpu_offload and uses_buffer(groups[pid]):
+        at = order.place.get(o.get_param_id(param))
+        if at is not None:
             if o.grads_in_partition is None:
                 o.grads_in_partition = _allocate(order, o.dtype)
                 ours[0] = weakref.ref(o.grads_in_partition)

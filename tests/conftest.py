@@ -3,6 +3,9 @@
 A test calls ``ranks(world_size).run(fn, *args)``; ``fn`` must be a module-level function in ``tests/workers/``
 (importable in the spawned workers as ``workers.<module>``). Any rank's exception fails the test with every rank's
 traceback; a hang becomes a failure after ``timeout`` and the pool is restarted for the next test.
+
+The slow subprocess runs (examples, notebooks, smoke runs) start at collection and run in the background meanwhile:
+``background.py``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ if TESTS_DIR not in sys.path:
 # spawned workers import test code as ``workers.*``
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_DIR, os.environ.get("PYTHONPATH", "")) if p)
 
+from background import Done, Runner  # noqa: E402
 from zero_dtensor.launch import RankPool  # noqa: E402
 
 _POOLS: dict[int, RankPool] = {}
@@ -38,3 +42,27 @@ def ranks() -> Callable[[int], RankPool]:
     for pool in _POOLS.values():
         pool.close()
     _POOLS.clear()
+
+
+_BACKGROUND = Runner()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "background(spec): the test's subprocess runs in the background "
+                                       "(tests/background.py)")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if not session.config.option.collectonly:
+        _BACKGROUND.plan(session.items)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _BACKGROUND.close()
+
+
+@pytest.fixture
+def background_run(request: pytest.FixtureRequest) -> Callable[[], Done]:
+    """``background_run()``: this test's background run, once it ended (tests/background.py). Called in the test,
+    after its own skips."""
+    return lambda: _BACKGROUND.result(request.node.nodeid)

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
+
+import background
 
 ROWS = {
     "ds get loop", "ds set loop", "full_tensors out=prev", "full_tensors all_gather", "full_tensors all_to_all",
@@ -29,14 +33,23 @@ def test_help_documents_flags(capsys) -> None:
         assert flag in out, flag
 
 
-def test_cli_tiny_run_writes_complete_json(tmp_path) -> None:
-    path = tmp_path / "bench.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run(
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+
+
+def _tiny_run(params: dict[str, Any], tmp_path: Path) -> background.Run:
+    return background.Run(
         [sys.executable, "-m", "zero_dtensor.bench", "--tiny", "--nproc", "2", "--stages", "1,3", "--repeat", "2",
-         "--no-progress", "--json", str(path)],
-        capture_output=True, text=True, timeout=240, env=env,
+         "--no-progress", "--json", str(tmp_path / "bench.json")],
+        timeout=240, env=_env(),
     )
+
+
+@background.job(_tiny_run)
+def test_cli_tiny_run_writes_complete_json(background_run: Callable[[], background.Done]) -> None:
+    """The bench runs of this file start at collection and run in the background (tests/background.py)."""
+    done = background_run()
+    proc, path = done.proc, done.workdir / "bench.json"
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "ZeRO-1" in proc.stdout and "ZeRO-3" in proc.stdout
     data = json.loads(path.read_text())
@@ -90,17 +103,21 @@ def test_cli_tiny_run_writes_complete_json(tmp_path) -> None:
         assert rows[NS]["relative"]["to"] == FULL_NS and rows[NS]["relative_ds"]["to"] == DS_NS
 
 
-def test_tensor_sweep_writes_every_row_per_k(tmp_path) -> None:
+def _sweep(params: dict[str, Any], tmp_path: Path) -> background.Run:
+    return background.Run(
+        [sys.executable, "-m", "zero_dtensor.bench", "--tensors", "20,40", "--tiny", "--nproc", "2", "--stages",
+         "1,3", "--repeat", "2", "--no-progress", "--json", str(tmp_path / "sweep.json")],
+        timeout=240, env=_env(),
+    )
+
+
+@background.job(_sweep)
+def test_tensor_sweep_writes_every_row_per_k(background_run: Callable[[], background.Done]) -> None:
     """Issue 11: ``--tensors`` sweeps the tensor count; every row for every K and stage, with sane figures."""
     from zero_dtensor.bench.sweep import FLOOR, ROWS as SWEEP_ROWS
 
-    path = tmp_path / "sweep.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "zero_dtensor.bench", "--tensors", "20,40", "--tiny", "--nproc", "2", "--stages",
-         "1,3", "--repeat", "2", "--no-progress", "--json", str(path)],
-        capture_output=True, text=True, timeout=240, env=env,
-    )
+    done = background_run()
+    proc, path = done.proc, done.workdir / "sweep.json"
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "ZeRO-1" in proc.stdout and "ZeRO-3" in proc.stdout and "K=40" in proc.stdout
     data = json.loads(path.read_text())
@@ -135,18 +152,22 @@ def test_tensor_sweep_writes_every_row_per_k(tmp_path) -> None:
             assert 2 <= rows["stats()"]["collectives"] <= 3
 
 
-def test_families_rows_run_and_count(tmp_path) -> None:
+def _families(params: dict[str, Any], tmp_path: Path) -> background.Run:
+    return background.Run(
+        [sys.executable, "-m", "zero_dtensor.bench", "--tiny", "--nproc", "2", "--stages", "3", "--rows", "families",
+         "--repeat", "2", "--no-progress", "--json", str(tmp_path / "families.json")],
+        timeout=240, env=_env(),
+    )
+
+
+@background.job(_families)
+def test_families_rows_run_and_count(background_run: Callable[[], background.Done]) -> None:
     """Issue 27: ``--rows families`` measures the masters' and the optimizer state's rows, each with its reference:
     bulk reads one collective plus the agreement where DeepSpeed's loops take one per parameter, the EMA none."""
     from zero_dtensor.bench.families import ROWS as FAMILY_ROWS
 
-    path = tmp_path / "families.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "zero_dtensor.bench", "--tiny", "--nproc", "2", "--stages", "3", "--rows", "families",
-         "--repeat", "2", "--no-progress", "--json", str(path)],
-        capture_output=True, text=True, timeout=240, env=env,
-    )
+    done = background_run()
+    proc, path = done.proc, done.workdir / "families.json"
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["row"]: r for r in json.loads(path.read_text())["rows"]}
     assert set(FAMILY_ROWS) <= set(rows), set(FAMILY_ROWS) - set(rows)

@@ -7,11 +7,14 @@ row (``tests/workers/rows.py``); the example ``examples/ema.py`` runs as its own
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+import background
 from test_families_ds import needs_step
 from workers import families
 from workers.common import EngineCase
@@ -42,12 +45,17 @@ def test_front(ranks, case: EngineCase, row: str) -> None:
     assert_row(results, row)
 
 
-def test_ema_example() -> None:
+def _ema_example(params: dict[str, Any], workdir: Path) -> background.Run:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    done = subprocess.run([sys.executable, os.path.join(root, "examples", "ema.py")], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=300)
+    return background.Run([sys.executable, os.path.join(root, "examples", "ema.py")], env=env, cwd=root, timeout=300)
+
+
+@background.job(_ema_example)
+def test_ema_example(background_run: Callable[[], background.Done]) -> None:
+    """The example starts at collection and runs in the background (tests/background.py)."""
+    done = background_run().proc
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "restored exactly" in done.stdout, done.stdout[-2000:]
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+import background
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
 sys.path.insert(0, str(SCRIPT.parent))  # the script's package by role, benchmarks/gpucheck (imports nothing heavy)
@@ -64,16 +66,23 @@ def test_stack_limitations_are_told_apart_from_failures() -> None:
     assert gc_run.classify(case, wrong)["status"] == "failed"
 
 
-@pytest.mark.timeout(300)
-def test_cpu_tiny_run_passes_and_writes_complete_json(tmp_path: Path) -> None:
-    path = tmp_path / "gpu.json"
+def _tiny_run(params: dict[str, Any], tmp_path: Path) -> background.Run:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run(
+    return background.Run(
         [sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--quick", "--repeat", "2", "--ds-repeat", "2",
-         "--quiet", "--json", str(path), "--profile", str(tmp_path / "profile")],
-        capture_output=True, text=True, timeout=280, env=env, cwd=SCRIPT.parent.parent,
+         "--quiet", "--json", str(tmp_path / "gpu.json"), "--profile", str(tmp_path / "profile")],
+        timeout=280, env=env, cwd=str(SCRIPT.parent.parent),
     )
+
+
+@pytest.mark.timeout(300)
+@background.job(_tiny_run)
+def test_cpu_tiny_run_passes_and_writes_complete_json(background_run: Callable[[], background.Done]) -> None:
+    """The run starts at collection and runs in the background (tests/background.py)."""
+    done = background_run()
+    proc, tmp_path = done.proc, done.workdir
+    path = tmp_path / "gpu.json"
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "ZeRO-3" in proc.stdout and "checks:" in proc.stdout
     data = json.loads(path.read_text())

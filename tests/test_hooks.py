@@ -3,15 +3,18 @@ plain DeepSpeed loop and under Accelerate's DeepSpeed plugin; removal restores D
 
 from __future__ import annotations
 
+import importlib.util
 import os
-import subprocess
 import sys
-
+from collections.abc import Callable
 from importlib.metadata import version
+from pathlib import Path
+from typing import Any
 
 import pytest
 from packaging.version import Version
 
+import background
 from workers import hooks
 from workers.common import EngineCase
 
@@ -130,14 +133,23 @@ def test_accelerate_error_on_one_rank(ranks) -> None:
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 
+def _example(params: dict[str, Any], workdir: Path) -> background.Run | None:
+    if DS_018 or (params["needs"] and importlib.util.find_spec(params["needs"]) is None):
+        return None  # the test skips
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    return background.Run([sys.executable, os.path.join(EXAMPLES, params["script"])], timeout=300, env=env,
+                          cwd=os.path.dirname(EXAMPLES))
+
+
 @pytest.mark.parametrize("script,needs", [("plain_deepspeed.py", None), ("accelerate_loop.py", "accelerate"),
                                           ("hf_trainer.py", "transformers")])
-def test_example_runs_on_two_cpu_ranks(script: str, needs: str | None) -> None:
-    """Each example forks 2 gloo ranks itself (``python examples/<script>``) and asserts its own results."""
+@background.job(_example)
+def test_example_runs_on_two_cpu_ranks(script: str, needs: str | None,
+                                       background_run: Callable[[], background.Done]) -> None:
+    """Each example forks 2 gloo ranks itself (``python examples/<script>``) and asserts its own results. The runs
+    start at collection and run in the background (tests/background.py)."""
     needs_step(2)  # the examples use ZeRO-2
     if needs:
         pytest.importorskip(needs)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, script)], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=os.path.dirname(EXAMPLES))
+    proc = background_run().proc
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

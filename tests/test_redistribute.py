@@ -26,6 +26,7 @@ from zero_dtensor import redistribute as rd
 from zero_dtensor.redistribute import assignment, exchange, plan as rd_plan
 from zero_dtensor.layout.flat import FlatLayout, GroupLayout, Packing, ParamLayout
 
+import background
 from workers import redistribute as worker
 from workers.common import EngineCase
 
@@ -376,15 +377,20 @@ def test_calls_copy_each_byte_at_most_once(ranks, world: int) -> None:
     assert not problems, "\n".join(problems)
 
 
-def test_orthogonalize_example_matches_its_single_process_replay() -> None:
-    """``python examples/orthogonalize.py`` forks 2 gloo ranks itself and asserts the replay agrees (ZeRO-1, 3)."""
+def _orthogonalize(params: dict, workdir: object) -> background.Run:
     import os
-    import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, os.path.join(root, "examples", "orthogonalize.py"), "--stage", "1",
-                           "--stage", "3"], capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    return background.Run([sys.executable, os.path.join(root, "examples", "orthogonalize.py"), "--stage", "1",
+                           "--stage", "3"], timeout=300, env=env, cwd=root)
+
+
+@background.job(_orthogonalize)
+def test_orthogonalize_example_matches_its_single_process_replay(background_run) -> None:
+    """``python examples/orthogonalize.py`` forks 2 gloo ranks itself and asserts the replay agrees (ZeRO-1, 3). It
+    starts at collection and runs in the background (tests/background.py)."""
+    proc = background_run().proc
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "ZeRO-1:" in proc.stdout and "ZeRO-3:" in proc.stdout and "vs single-process replay" in proc.stdout

@@ -21,6 +21,11 @@ from .common import EngineCase, build_engine, fill_value, forward_backward, para
 from .dispatch_probe import DispatchProbe
 
 
+def _in_place(grads: zd.ShardedGrads, pieces) -> bool:
+    """Whether the first group's partition is the memory of DeepSpeed's ``pieces`` (used in place, not copied)."""
+    return grads.local_partitions[0].untyped_storage().data_ptr() == pieces[0].untyped_storage().data_ptr()
+
+
 def _reference(engine) -> dict[str, torch.Tensor]:
     return {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters() if p.requires_grad}
 
@@ -38,8 +43,7 @@ def check_partition_reuse(case: EngineCase) -> dict[str, bool]:
         with DispatchProbe() as probe:
             grads = zd.sharded_grads(engine)
         counts = probe.summary()
-        in_place = pieces is not None and (grads.local_partitions[0].untyped_storage().data_ptr()
-                                           == pieces[0].untyped_storage().data_ptr())
+        in_place = pieces is not None and _in_place(grads, pieces)
         firsts.append({"ops": counts["ops"], "written": counts["written"], "allocated": counts["allocated"],
                        "in_place": in_place})
         expected = _reference(engine)
@@ -290,8 +294,7 @@ def check_ordered_buffer_trains_alike(case: EngineCase) -> list[bool]:
                     engine.step()
         pieces = ours.optimizer.averaged_gradients.get(0)
         grads = zd.sharded_grads(ours)
-        in_place.append(grads.local_partitions[0].untyped_storage().data_ptr()
-                        == pieces[0].untyped_storage().data_ptr())
+        in_place.append(_in_place(grads, pieces))
         if not in_place[-1]:  # the library's flat copy (the first step): not kept once the pieces are used in place
             copies.append(weakref.ref(grads.local_partitions[0].untyped_storage()))
         elif copies:

@@ -49,6 +49,7 @@ from ..errors import (
 )
 from ..families.master import clear_write_mark
 from ..comm.process_groups import cpu_group_for, group_ranks, rank_in, world_size_of
+from .binding import FileBindings, bind
 from .boxes import storage_exact_entry
 from .metadata import METADATA, check_metadata, collector_paused, identity, read_metadata
 from .planners import CachingLoadPlanner, CachingSavePlanner, PlansNotCachedError, forget_plans, plan_key
@@ -145,6 +146,7 @@ def save(engine: Any, path: str | os.PathLike, *, async_: bool = False, client_s
                              for k, d in (("model", model), ("optim", optim))}
     if first:  # the engine's counters, scheduler, scaler and the client state: as rank 0 has them
         state["zero_dtensor"] = _engine_extras(engine, client_state)
+    bind(state, rank)  # this rank's file holds the checkpoint's save_id (:mod:`.binding`)
     if first and os.path.exists(os.path.join(path, METADATA)):
         os.remove(os.path.join(path, METADATA))
     if async_:
@@ -204,11 +206,12 @@ def _read(staged: dict[str, Any], path: str, metadata: Metadata, in_engine: set[
                   if index.offset is None and index.fqn.startswith("optim.param_groups.")}
         bulk = {k: info for k in optim if (info := stored.get(k)) is not None and not info.transform_descriptors}
         planner = CachingLoadPlanner(allow_partial_load=False)
-        for key, data in read_bytes_entries(path, bulk).items():
+        bindings = FileBindings.of(metadata)  # each file read must hold this checkpoint's save_id
+        for key, data in read_bytes_entries(path, bulk, bindings).items():
             optim[key] = planner.objects.load(data)
         rest = {**staged, "optim": {k: v for k, v in optim.items() if k not in bulk}}
         reader = _CheckedReader(path, metadata, defer=lambda t: t.untyped_storage().data_ptr() in in_engine,
-                                between=between)
+                                between=between, bindings=bindings)
         with warnings.catch_warnings():  # no_dist warns that it assumes a single process: here it is each rank's
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(rest, storage_reader=reader, no_dist=True, planner=planner)

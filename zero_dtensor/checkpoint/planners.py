@@ -20,6 +20,7 @@ runtime-protocol check per tensor. Nothing here communicates.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 from collections.abc import Mapping, Sequence
@@ -41,6 +42,8 @@ from torch.distributed.checkpoint.planner_helpers import (
     create_read_items_for_chunk_list,
 )
 from torch.distributed.tensor import DTensor
+
+from .binding import is_binding
 
 __all__ = ["CachingLoadPlanner", "CachingSavePlanner", "PlansNotCachedError", "SmallObjects", "forget_plans",
            "plan_key"]
@@ -116,6 +119,26 @@ class CachingSavePlanner(DefaultSavePlanner):
             raise PlansNotCachedError(f"the coordinator holds no cached plans for {self._cached_plans_key} but "
                                       "other ranks sent empty plans: every rank drops its cache and plans again")
         return super().create_global_plan(all_plans)
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        """DCP's, keeping the storage data of the plan this save was sent (where a cached plan is reused, DCP's
+        keeps the cached plan's): it carries this save's ``save_id`` (:class:`~.binding.BoundPrefix`)."""
+        plan = super().finish_plan(new_plan)
+        if new_plan.storage_data is not None and plan.storage_data is not new_plan.storage_data:
+            plan = self.plan = dataclasses.replace(plan, storage_data=new_plan.storage_data)
+        self._save_id = getattr(new_plan.storage_data, "save_id", None)
+        return plan
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        """DCP's, but a ``save_id`` entry (:func:`~.binding.bind`) holds this save's ``save_id``: the one the
+        coordinator's writer records in ``.metadata``, sent with the plan (:class:`~.binding.BoundPrefix`)."""
+        if write_item.type == WriteItemType.BYTE_IO and is_binding(write_item.index.fqn):
+            save_id = getattr(self, "_save_id", None)
+            if save_id is None:
+                raise AssertionError("a save_id entry is written only with zero_dtensor's DirectWriter (its plan "
+                                     "carries the save_id)")
+            return self.transform_object(write_item, save_id)
+        return super().resolve_data(write_item)
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:  # noqa: A002 - torch's signature
         key = _key(object) if write_item.type == WriteItemType.BYTE_IO else None

@@ -19,15 +19,16 @@ entry is one contiguous little-endian storage of the destination's dtype and the
 another device, into a host buffer and one copy); otherwise, and for transformed entries, DCP's own path. A file
 shorter than its entries raises before any of them is read, a short read too. Every tensor entry's data is
 checked against the CRC-32 its archive records (torch's zip reader does not: a flipped bit loaded silently): bytes
-read straight into place are CRC-ed there (``zlib.crc32``), an entry ``torch.load``ed over its loaded storage, and a
-record read only in part, or bound for a deferred destination, is read whole in the first pass and CRC-ed there
-(a deferred one is read again, into place, in the second pass): one of 256 KiB or more by one of a few threads
-while the reader reads on (:class:`Checksums`). Bytes are CRC-ed 1 MiB at a time right after each read (in
-cache: :data:`_CHUNK`); the CRC-32 is the data
-record's zip data descriptor's (torch's writer puts one after the data) or its local header's. A mismatch raises
-``OSError`` naming the file and the entry, in the first pass (before ``between``). A recorded 0 is none
-(``torch.serialization.set_crc32_options(False)``): not checked. Bytes entries carry no CRC-32 here. Entries are read
-in file order. With
+read straight into place are CRC-ed there (:func:`~.crc.crc32`: zlib-ng's, else ``zlib.crc32``), an entry
+``torch.load``ed over its loaded storage, and a record read only in part, or bound for a deferred destination, is
+read whole in the first pass and CRC-ed there (a deferred one is read again, into place, in the second pass): one
+of 256 KiB or more by one of a few threads while the reader reads on (:class:`Checksums`). Bytes are CRC-ed 1 MiB at
+a time right after each read (in cache: :data:`_CHUNK`); the CRC-32 is the data record's zip data descriptor's
+(torch's writer puts one after the data, with its signature, which is required) or its local header's. A mismatch
+raises ``OSError`` naming the file and the entry, in the first pass (before ``between``). A recorded 0 is "none"
+only in an archive that records no CRC-32 for any record (``torch.serialization.set_crc32_options(False)``, see
+:func:`~.crc.archive_records_crcs`): not checked. Each file's ``save_id`` entry is checked before its other entries
+are read (:mod:`.binding`). Bytes entries carry no CRC-32 here. Entries are read in file order. With
 ``defer`` the reads into some destinations wait for a second pass (:class:`DirectReader`). Memory: no more than
 DCP's path (one entry at a time, and only for destinations off the CPU), except that entries taking DCP's path into
 deferred destinations are held until the second pass, and, for the first pass, 1 MiB buffers for the CRC-32 of
@@ -43,7 +44,6 @@ import os
 import struct
 import sys
 import zipfile
-import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import IO, Any, cast
@@ -51,10 +51,12 @@ from typing import IO, Any, cast
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from .crc import HAS_DESCRIPTOR, Checksums, check_loaded, compare, crc_read, descriptor_crc
+from .binding import FileBindings
+from .crc import HAS_DESCRIPTOR, Checksums, archive_records_crcs, check_loaded, compare, crc32, crc_read, descriptor_crc
 
 __all__ = ["DirectReader", "read_bytes_entries"]
 
@@ -117,11 +119,15 @@ class _Layout:
     stored: _Stored
     #: the data record's CRC-32 follows its data (a data descriptor) rather than sitting in its local header
     descriptor: bool
+    #: the archive records CRC-32s (its records before the data do, :func:`~.crc.archive_records_crcs`): a recorded
+    #: 0 is then compared, not taken for "none"
+    crcs: bool
 
     @classmethod
-    def of(cls, head: bytes, stored: _Stored) -> _Layout | None:
+    def of(cls, head: bytes, stored: _Stored, crcs: bool) -> _Layout | None:
         """The layout of an entry whose first bytes up to its data are ``head``; ``None`` where the data record's
-        zip header is not found right before it (as the zip format and torch's writer lay it out)."""
+        zip header is not found right before it (as the zip format and torch's writer lay it out). ``crcs``: whether
+        the archive records CRC-32s."""
         start = head.rfind(zipfile.stringFileHeader)
         if start < 0 or len(head) - start < zipfile.sizeFileHeader:
             return None
@@ -133,7 +139,7 @@ class _Layout:
             return None
         crc = start + 14  # the local file header's CRC-32: 4 bytes, after signature, versions, flags, method, time
         descriptor = bool(fields[zipfile._FH_GENERAL_PURPOSE_FLAG_BITS] & HAS_DESCRIPTOR)
-        return cls(head[:crc], head[crc + 4:], len(head), stored, descriptor)
+        return cls(head[:crc], head[crc + 4:], len(head), stored, descriptor, crcs)
 
     def header_crc(self, head: bytes) -> int:
         """The CRC-32 in the data record's local header of an entry that :meth:`fits` (0 with a descriptor)."""
@@ -166,14 +172,22 @@ class DirectReader(FileSystemReader):
     until then)."""
 
     def __init__(self, path: str, *args: Any, defer: Callable[[torch.Tensor], bool] | None = None,
-                 between: Callable[[], None] | None = None, **kwargs: Any) -> None:
+                 between: Callable[[], None] | None = None, bindings: FileBindings | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(path, *args, **kwargs)
+        #: the files' ``save_id`` check (:mod:`.binding`): given, or made from the metadata DCP hands over
+        self._bindings, self._given_bindings = bindings, bindings is not None
         self._headers: dict[tuple[bytes, bytes], _Stored] = {}
         self._layouts: dict[int, list[_Layout]] = {}  # per entry length, the layouts seen (:meth:`_located`)
         self._defer, self._between = defer, between
         self._deferred: list[_Deferred] = []
         self._checksums: Checksums | None = None  # :meth:`_check_record`'s threads (one load's)
         self._scratch = bytearray()  # :meth:`_check_record`'s buffer for short records
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        if not self._given_bindings:
+            self._bindings = FileBindings.of(metadata)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         try:
@@ -191,6 +205,8 @@ class DirectReader(FileSystemReader):
             items.sort(key=lambda it: self.storage_data[it.storage_index].offset)
             with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
                 _check_size(cast(IO[bytes], stream), relative_path, items, self.storage_data)
+                if self._bindings is not None:  # the file is this checkpoint's, before any of its entries is read
+                    self._bindings.check(cast(IO[bytes], stream), relative_path)
                 for item in items:
                     self._read_item(cast(IO[bytes], stream), item, planner)
         if self._checksums is not None:  # every record's CRC-32 compared before anything deferred is written
@@ -254,7 +270,7 @@ class DirectReader(FileSystemReader):
         stream.seek(info.offset + data + run[0] * size)
         crc = _read_to(stream, target, item, crc=whole)
         if whole:
-            compare(self._recorded(stream, where), cast(int, crc), self._entry(item))
+            compare(self._recorded(stream, where, item), cast(int, crc), self._entry(item), required=where.required)
         planner.commit_tensor(item, target)
         return None
 
@@ -264,9 +280,9 @@ class DirectReader(FileSystemReader):
         piece = f" (the piece at {tuple(index.offset)})" if index.offset is not None and any(index.offset) else ""
         return f"checkpoint file {self.storage_data[index].relative_path!r}, entry {index.fqn!r}{piece}"
 
-    def _recorded(self, stream: IO[bytes], where: _Where) -> int:
+    def _recorded(self, stream: IO[bytes], where: _Where, item: ReadItem) -> int:
         """The CRC-32 the archive records for the data record just read (``stream`` right after its data)."""
-        return where.crc if where.crc is not None else descriptor_crc(stream.read(8))
+        return where.crc if where.crc is not None else descriptor_crc(stream.read(8), self._entry(item))
 
     def _check_record(self, stream: IO[bytes], item: ReadItem, where: _Where, start: int, record: int) -> None:
         """Read the data record at ``start`` (``record`` bytes) and compare its CRC-32 with the archive's: a short
@@ -275,18 +291,19 @@ class DirectReader(FileSystemReader):
         entry = self._entry(item)
         if where.crc is None:  # the data descriptor's, right after the data
             stream.seek(start + record)
-            recorded = descriptor_crc(stream.read(8))
+            recorded = descriptor_crc(stream.read(8), entry)
         else:
             recorded = where.crc
         if record < _THREADED:
             if len(self._scratch) < min(record, _CHUNK):
                 self._scratch = bytearray(min(record, _CHUNK))
-            compare(recorded, crc_read(stream.fileno(), start, record, self._scratch, entry), entry)
+            compare(recorded, crc_read(stream.fileno(), start, record, self._scratch, entry), entry,
+                    required=where.required)
             return
         if self._checksums is None:
             self._checksums = Checksums(_THREADS, _CHUNK)
         self._checksums.check(self.storage_data[item.storage_index].relative_path, stream, start, record, recorded,
-                              entry)
+                              entry, required=where.required)
 
     def _located(self, stream: IO[bytes], info: Any) -> _Where | None:
         """What the entry holds, where its data starts and its CRC-32 lies, where its bytes before the data are
@@ -299,7 +316,8 @@ class DirectReader(FileSystemReader):
         head = stream.read(max(layout.data for layout in layouts))
         for layout in layouts:
             if layout.fits(head):
-                return _Where(layout.stored, layout.data, None if layout.descriptor else layout.header_crc(head))
+                return _Where(layout.stored, layout.data, None if layout.descriptor else layout.header_crc(head),
+                              layout.crcs)
         return None
 
     def _opened(self, stream: IO[bytes], info: Any, item: ReadItem, planner: LoadPlanner) -> _Where | None:
@@ -318,16 +336,16 @@ class DirectReader(FileSystemReader):
         layout = None
         if stored.direct and archive.get_record_offset(_BYTE_ORDER) < data:  # the byte order before the data
             stream.seek(info.offset)
-            layout = _Layout.of(stream.read(data), stored)
+            head = stream.read(data)
+            layout = _Layout.of(head, stored, archive_records_crcs(head, archive))
             if layout is not None:
                 self._layouts.setdefault(info.length, []).append(layout)
         if first:
             self._copy(loaded, item, planner)
             return None
         if layout is None:  # where its CRC-32 lies is not known here: DCP's path
-            return _Where(replace(stored, direct=False), -1, None)
-        stream.seek(info.offset)
-        return _Where(stored, data, None if layout.descriptor else layout.header_crc(stream.read(data)))
+            return _Where(replace(stored, direct=False), -1, None, True)
+        return _Where(stored, data, None if layout.descriptor else layout.header_crc(head), layout.crcs)
 
     def _load(self, stream: IO[bytes], info: Any, item: ReadItem) -> torch.Tensor:
         archive = self._slice_file(stream, info)
@@ -365,11 +383,13 @@ class DirectReader(FileSystemReader):
 @dataclass(frozen=True)
 class _Where:
     """Where a direct entry's data lies (``data`` bytes after the entry's start) and its CRC-32: ``crc`` from the
-    data record's local header, or ``None`` where a data descriptor right after the data holds it."""
+    data record's local header, or ``None`` where a data descriptor right after the data holds it; ``required``:
+    the archive records CRC-32s (a recorded 0 is compared, not taken for "none")."""
 
     stored: _Stored
     data: int
     crc: int | None
+    required: bool
 
 
 def _check_loaded(archive: IO[bytes], loaded: torch.Tensor, entry: str) -> None:
@@ -416,17 +436,18 @@ def _read_into(stream: IO[bytes], host: torch.Tensor, item: ReadItem, *, crc: bo
             raise OSError(f"checkpoint entry {item.storage_index.fqn!r}: {got} of {len(view)} bytes in the file "
                           "(a truncated file?)")
         if crc:
-            checksum = zlib.crc32(view[got:got + n], checksum)
+            checksum = crc32(view[got:got + n], checksum)
         got += n
     return checksum if crc else None
 
 
-def read_bytes_entries(path: str, infos: Mapping[str, Any]) -> dict[str, bytes]:
+def read_bytes_entries(path: str, infos: Mapping[str, Any], bindings: FileBindings | None = None) -> dict[str, bytes]:
     """The stored bytes of untransformed bytes entries, ``infos`` mapping a name to the entry's storage info
     (``_StorageInfo`` from the checkpoint's metadata), by one read per run of entries less than 64 KiB apart in a
     file (DCP writes a file's bytes entries first, one after another: thousands of hyperparameter entries in a few
-    reads, instead of a planned read item, a seek and a read each); by the same names. ``OSError`` on a short read.
-    Memory: the runs read. No communication."""
+    reads, instead of a planned read item, a seek and a read each); by the same names. ``OSError`` on a short read,
+    and, with ``bindings``, for a file that does not hold the checkpoint's ``save_id`` (checked before anything else
+    of it is read, :class:`~.binding.FileBindings`). Memory: the runs read. No communication."""
     per_file: dict[str, list[tuple[int, int, str]]] = {}
     for key, info in infos.items():
         per_file.setdefault(info.relative_path, []).append((info.offset, info.length, key))
@@ -434,6 +455,8 @@ def read_bytes_entries(path: str, infos: Mapping[str, Any]) -> dict[str, bytes]:
     for relative_path, entries in per_file.items():
         entries.sort()
         with open(os.path.join(path, relative_path), "rb") as stream:
+            if bindings is not None:  # the file is this checkpoint's (:mod:`.binding`), before anything is read
+                bindings.check(stream, relative_path)
             for run in _runs(entries):
                 first, end = run[0][0], max(offset + length for offset, length, _ in run)
                 stream.seek(first)

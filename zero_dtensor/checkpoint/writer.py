@@ -30,6 +30,7 @@ disk, and when the save returns, are DCP's; where there is no such call, or the 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import io
 import os
 import queue
@@ -45,11 +46,14 @@ from torch.distributed.checkpoint.filesystem import (
     _OverlappingCpuLoader,
     _SerialCpuLoader,
     _StorageInfo,
+    _StoragePrefix,
 )
-from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from torch.serialization import _get_storage_alignment, get_crc32_options
+
+from .binding import BoundPrefix
 
 __all__ = ["DirectWriter"]
 
@@ -144,6 +148,13 @@ class _Archives:
 class DirectWriter(FileSystemWriter):
     """:class:`~torch.distributed.checkpoint.FileSystemWriter` writing tensor entries through :class:`_Archives`
     (module docstring): the same files, less Python per entry."""
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """DCP's (each rank's file prefix), each prefix with this save's ``save_id``, the one this (the
+        coordinator's) writer records in ``.metadata``: every rank writes it into its file (:mod:`.binding`)."""
+        return [dataclasses.replace(plan, storage_data=BoundPrefix(plan.storage_data.prefix, self.save_id))
+                if type(plan.storage_data) is _StoragePrefix else plan
+                for plan in super().prepare_global_plan(plans)]
 
     def _write_data(self, planner: SavePlanner, file_queue: queue.Queue) -> Future[list[WriteResult]]:
         if (self.thread_count != 1 or self.transforms.extensions

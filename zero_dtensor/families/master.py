@@ -32,7 +32,9 @@ the module's state dict), so a save while the mark is set would write stale work
 on the engine instance by :func:`_install_guard`) starts with one agreement (an ``all_gather`` of 3 int64 per rank,
 carrying each rank's mark) and, where any rank's mark is set, runs :func:`sync_model_params` on every rank before
 DeepSpeed's save. :func:`zero_dtensor.load` and :func:`zero_dtensor.set_state_dict` refresh the working weights
-themselves and clear the mark (:func:`clear_write_mark`).
+themselves and clear the mark (:func:`clear_write_mark`); so does DeepSpeed's own ``engine.load_checkpoint`` (wrapped
+too: where it returns a load path, it made the masters and the working weights one from the other, and a write
+before it is gone; where it loaded nothing, ``(None, None)``, the mark stays). No collective is added to either.
 
 **The guard sees ``engine.module``'s forward only.** A submodule called directly (``engine.module.fc1(x)``) runs no
 hook of ``engine.module`` and is not refused: a pre-hook on every submodule would put Python on every module call
@@ -163,22 +165,45 @@ def _sync_before_save(engine: Any) -> None:
         sync_model_params(engine)
 
 
-def _guard_save_checkpoint(engine: Any) -> None:
-    """Wrap ``engine.save_checkpoint`` on the instance so that it runs :func:`_sync_before_save` first (the engine
-    held weakly: the wrapper keeps no engine alive)."""
-    original = engine.__dict__.get("save_checkpoint")
-    unbound = type(engine).save_checkpoint if original is None else None
+def _wrap_method(engine: Any, name: str, before: Callable[[Any], None] | None = None,
+                 after: Callable[[Any, Any], None] | None = None) -> None:
+    """Wrap ``engine.<name>`` on the instance: ``before(engine)`` first, ``after(engine, result)`` once it returned
+    (the engine held weakly: the wrapper keeps no engine alive)."""
+    original = engine.__dict__.get(name)
+    unbound = getattr(type(engine), name) if original is None else None
     engine_ref = weakref.ref(engine)
 
-    @functools.wraps(type(engine).save_checkpoint)
-    def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+    @functools.wraps(getattr(type(engine), name))
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
         current = engine_ref()
         if current is None:
             raise ReferenceError("the engine was freed")
-        _sync_before_save(current)
-        return original(*args, **kwargs) if original is not None else unbound(current, *args, **kwargs)
+        if before is not None:
+            before(current)
+        result = original(*args, **kwargs) if original is not None else unbound(current, *args, **kwargs)
+        if after is not None:
+            after(current, result)
+        return result
 
-    engine.save_checkpoint = save_checkpoint
+    setattr(engine, name, wrapped)
+
+
+def _clear_after_load(engine: Any, result: Any) -> None:
+    """What ``engine.load_checkpoint`` runs after DeepSpeed's load: where it loaded a checkpoint (a load path
+    returned), the working weights and the masters are made one from the other (ZeRO-1/2 and ZeRO-3: the masters
+    from the checkpoint, the working weights from them or from the same checkpoint; ``load_module_only`` or
+    without optimizer state: the masters from the loaded working weights), so the write mark is cleared. Where
+    nothing was loaded (``(None, None)``: no ``latest`` file, no checkpoint) the mark stays. No communication."""
+    loaded = result[0] if isinstance(result, tuple) and result else result
+    if loaded is not None:
+        clear_write_mark(engine)
+
+
+def _guard_checkpointing(engine: Any) -> None:
+    """Wrap ``engine.save_checkpoint`` so that it runs :func:`_sync_before_save` first, and
+    ``engine.load_checkpoint`` so that a load clears the write mark (:func:`_clear_after_load`)."""
+    _wrap_method(engine, "save_checkpoint", before=_sync_before_save)
+    _wrap_method(engine, "load_checkpoint", after=_clear_after_load)
 
 
 class _ForwardGuard:
@@ -212,12 +237,12 @@ def _nothing() -> None:
 
 def _install_guard(engine: Any) -> None:
     """Install :class:`_ForwardGuard` on ``engine.module`` once per engine (prepended, so it runs before DeepSpeed's
-    own ZeRO-3 gather hooks and a refused forward gathers nothing), and make ``engine.save_checkpoint`` sync first
-    (:func:`_guard_save_checkpoint`)."""
+    own ZeRO-3 gather hooks and a refused forward gathers nothing), make ``engine.save_checkpoint`` sync first and
+    ``engine.load_checkpoint`` clear the mark (:func:`_guard_checkpointing`)."""
     mark = _MARKS.setdefault(engine, _SyncMark())
     if mark.hook is None:
         mark.hook = engine.module.register_forward_pre_hook(_ForwardGuard(engine), prepend=True)
-        _guard_save_checkpoint(engine)
+        _guard_checkpointing(engine)
 
 
 def sync_model_params(engine: Any) -> None:

@@ -247,9 +247,10 @@ def test_bytes_entries_read_in_runs(tmp_path, monkeypatch) -> None:
         direct.read_bytes_entries(str(tmp_path), entries)
 
 
-def _flip_bit(path: str, name: str, at: float = 0.5) -> str:
+def _flip_bit(path: str, name: str, at: float = 0.5, hide: str | None = None) -> str:
     """Flip one bit of entry ``name``'s tensor data (``at``: where in its data), as a damaged disk would; the
-    ``.distcp`` file's name."""
+    ``.distcp`` file's name. ``hide``: also zero the ``"signature"`` of the data descriptor after the data (read as
+    a CRC-32 it was 0, "none": issue 51) or its ``"crc"`` field."""
     md = FileSystemReader(path).read_metadata()
     info = next(info for index, info in md.storage_data.items() if index.fqn == name)
     with open(os.path.join(path, info.relative_path), "r+b") as f:
@@ -261,6 +262,12 @@ def _flip_bit(path: str, name: str, at: float = 0.5) -> str:
         byte = f.read(1)[0]
         f.seek(where)
         f.write(bytes([byte ^ 0x10]))
+        if hide is not None:
+            end = info.offset + archive.get_record_offset("data/0") + size
+            f.seek(end)
+            assert f.read(4) == b"PK\x07\x08"
+            f.seek(end if hide == "signature" else end + 4)
+            f.write(b"\0\0\0\0")
     return info.relative_path
 
 
@@ -274,9 +281,13 @@ def _flip_bit(path: str, name: str, at: float = 0.5) -> str:
 ])
 @pytest.mark.parametrize("deferred", [False, True], ids=["new-memory", "deferred"])
 @pytest.mark.parametrize("threaded", [False, True], ids=["inline", "threaded"])
-def test_flipped_bit_is_refused_naming_file_and_entry(saved, name, box, deferred, threaded, monkeypatch) -> None:
+@pytest.mark.parametrize("hide", [None, "signature", "crc"], ids=["bit", "bit+signature0", "bit+crc0"])
+def test_flipped_bit_is_refused_naming_file_and_entry(saved, name, box, deferred, threaded, hide,
+                                                      monkeypatch) -> None:
     """One flipped bit in an entry's tensor data: ``OSError`` naming the file and the entry, on every path the
     reader takes, before ``between`` runs (nothing deferred is written); the bits before and after the box too.
+    ``hide``: with the data descriptor's signature or CRC-32 field zeroed too (issue 51: loaded silently, a
+    zeroed signature read as a CRC-32 of 0, "none"; a zeroed CRC-32 in an archive that records CRC-32s is damage).
     ``threaded``: records checked apart are read and CRC-ed by ``_Checksums``' threads in 128-byte pieces (as
     records of 256 KiB and more are, in 1 MiB pieces); its threads and file descriptors end with the read, failed
     or not."""
@@ -284,7 +295,7 @@ def test_flipped_bit_is_refused_naming_file_and_entry(saved, name, box, deferred
         monkeypatch.setattr(direct, "_THREADED", 0)
         monkeypatch.setattr(direct, "_CHUNK", 128)
     path, values = saved
-    file = _flip_bit(path, name, at=0.1 if box[0][0] else 0.5)  # row boxes from row 3 on: flip before the box
+    file = _flip_bit(path, name, at=0.1 if box[0][0] else 0.5, hide=hide)  # row boxes from row 3: before the box
     boxes = {"matrix": ((0, 0), (12, 8)), name: box} if name != "matrix" else {name: box}
     reader = direct.DirectReader(path, defer=(lambda t: True) if deferred else None,
                                  between=lambda: pytest.fail("between ran after a damaged entry"))
@@ -294,7 +305,7 @@ def test_flipped_bit_is_refused_naming_file_and_entry(saved, name, box, deferred
     planner = _Planner(targets)
     items = [_item(n, offsets, lengths) for n, (offsets, lengths) in boxes.items()]
     threads, fds = threading.active_count(), len(os.listdir("/proc/self/fd"))
-    with pytest.raises(OSError, match="CRC-32") as raised:
+    with pytest.raises(OSError, match="descriptor signature" if hide == "signature" else "CRC-32") as raised:
         reader.read_data(type("Plan", (), {"items": items})(), planner)
     assert repr(file) in str(raised.value) and repr(name) in str(raised.value), raised.value
     assert (threading.active_count(), len(os.listdir("/proc/self/fd"))) == (threads, fds)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import os
 import shutil
-from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -22,8 +22,9 @@ checked against the CRC-32 its archive records (torch's zip reader does not: a f
 read straight into place are CRC-ed there (:func:`~.crc.crc32`: zlib-ng's, else ``zlib.crc32``), an entry
 ``torch.load``ed over its loaded storage, and a record read only in part, or bound for a deferred destination, is
 read whole in the first pass and CRC-ed there (a deferred one is read again, into place, in the second pass): one
-of 256 KiB or more by one of a few threads while the reader reads on (:class:`Checksums`). Bytes are CRC-ed 1 MiB at
-a time right after each read (in cache: :data:`_CHUNK`); the CRC-32 is the data record's zip data descriptor's
+of 256 KiB or more by one of a few threads while the reader reads on (:class:`Checksums`: over a read-only map of
+the file, the page cache's pages, not copied). Bytes read into place are CRC-ed 1 MiB at a time right after each
+read (in cache: :data:`_CHUNK`); the CRC-32 is the data record's zip data descriptor's
 (torch's writer puts one after the data, with its signature, which is required) or its local header's. A mismatch
 raises ``OSError`` naming the file and the entry, in the first pass (before ``between``). A recorded 0 is "none"
 only in an archive that records no CRC-32 for any record (``torch.serialization.set_crc32_options(False)``, see
@@ -31,8 +32,8 @@ only in an archive that records no CRC-32 for any record (``torch.serialization.
 are read (:mod:`.binding`). Bytes entries carry no CRC-32 here. Entries are read in file order. With
 ``defer`` the reads into some destinations wait for a second pass (:class:`DirectReader`). Memory: no more than
 DCP's path (one entry at a time, and only for destinations off the CPU), except that entries taking DCP's path into
-deferred destinations are held until the second pass, and, for the first pass, 1 MiB buffers for the CRC-32 of
-records checked apart: the reader's and one per thread of :class:`Checksums` (up to 4). No communication
+deferred destinations are held until the second pass, and, for the first pass, read-only maps of the files whose
+records are checked apart (:class:`Checksums`: the page cache's pages, up to 4 threads). No communication
 (``between`` may communicate).
 """
 
@@ -41,9 +42,6 @@ from __future__ import annotations
 import io
 import math
 import os
-import struct
-import sys
-import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import IO, Any, cast
@@ -56,97 +54,24 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from .binding import FileBindings
-from .crc import HAS_DESCRIPTOR, Checksums, archive_records_crcs, check_loaded, compare, crc32, crc_read, descriptor_crc
+from .layouts import DATA, Layout, Stored, Where, describe, run_of
+from .crc import Checksums, archive_records_crcs, check_loaded, compare, crc32, descriptor_crc
 
 __all__ = ["DirectReader", "read_bytes_entries"]
 
 #: the zip records of a ``torch.save``d tensor that :class:`DirectReader` reads
-_HEADER, _BYTE_ORDER, _DATA = "data.pkl", "byteorder", "data/0"
+_HEADER, _BYTE_ORDER = "data.pkl", "byteorder"
 #: :func:`read_bytes_entries` reads entries less than this many bytes apart with one read (the bytes between too)
 _GAP = 1 << 16
-#: bytes read at a time where a record's data is CRC-ed as it is read: each piece is CRC-ed right after its read,
-#: while it is in the core's cache (64 MB from the page cache, 2-core Xeon: read in 0.5-1 MiB pieces, each CRC-ed,
-#: 22-23 ms of CPU; in 4 MiB pieces 28 ms; read whole, then CRC-ed, 43 ms)
+#: bytes read at a time where a record's data is CRC-ed as it is read into place: each piece is CRC-ed right after
+#: its read, while it is in the core's cache (64 MB from the page cache, 2-core Xeon, ``zlib.crc32``: read in 0.5-1
+#: MiB pieces, each CRC-ed, 22-23 ms of CPU; in 4 MiB pieces 28 ms; read whole, then CRC-ed, 43 ms)
 _CHUNK = 1 << 20
-#: records at least this long, checked apart (deferred, or read in part), are read and CRC-ed by :class:`Checksums`'
-#: threads while the reader reads on; shorter ones inline
+#: records at least this long, checked apart (deferred, or read in part), are CRC-ed by :class:`Checksums`' threads
+#: (over a map of the file) while the reader reads on; shorter ones at once
 _THREADED = 1 << 18
-#: :class:`Checksums`' threads (records are independent: each is read and CRC-ed by one thread)
+#: :class:`Checksums`' threads (records are independent: each is CRC-ed by one thread)
 _THREADS = min(4, os.cpu_count() or 1)
-
-
-@dataclass(frozen=True)
-class _Stored:
-    """What a ``torch.save``d tensor entry holds, from its pickled header: ``direct`` when it is one contiguous
-    little-endian storage of exactly its elements (then ``readinto`` may take any run of whole rows)."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    direct: bool
-
-
-def _describe(tensor: torch.Tensor, byte_order: bytes, records: list[str]) -> _Stored:
-    """What an entry whose header loaded as ``tensor`` holds; ``records``: its archive's records."""
-    contiguous = tensor.is_contiguous() and tensor.storage_offset() == 0
-    exact = tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
-    one_storage = [r for r in records if r.startswith("data/")] == [_DATA]
-    little = byte_order == b"little" and sys.byteorder == "little"
-    return _Stored(tensor.dtype, tuple(tensor.shape), contiguous and exact and one_storage and little)
-
-
-def _run(stored: _Stored, item: ReadItem) -> tuple[int, int] | None:
-    """``(first element, elements)`` of the box ``item`` wants from the entry where it is one run of its storage
-    (whole rows: every dimension after the first taken whole), else ``None``."""
-    shape = stored.shape
-    if not shape:
-        return 0, 1
-    offsets, lengths = item.storage_offsets, item.lengths
-    if any(o != 0 or n != s for o, n, s in zip(offsets[1:], lengths[1:], shape[1:])):
-        return None
-    row = math.prod(shape[1:])
-    return offsets[0] * row, lengths[0] * row
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """The bytes of a direct entry before its data (``data`` of them: the header, byte order and other records, and
-    the data record's zip header): an entry of the same length whose bytes there are equal, but for the data's
-    CRC-32 (``before`` the checksum, ``after`` it), holds the same (``stored``) with its data at the same place."""
-
-    before: bytes
-    after: bytes
-    data: int
-    stored: _Stored
-    #: the data record's CRC-32 follows its data (a data descriptor) rather than sitting in its local header
-    descriptor: bool
-    #: the archive records CRC-32s (its records before the data do, :func:`~.crc.archive_records_crcs`): a recorded
-    #: 0 is then compared, not taken for "none"
-    crcs: bool
-
-    @classmethod
-    def of(cls, head: bytes, stored: _Stored, crcs: bool) -> _Layout | None:
-        """The layout of an entry whose first bytes up to its data are ``head``; ``None`` where the data record's
-        zip header is not found right before it (as the zip format and torch's writer lay it out). ``crcs``: whether
-        the archive records CRC-32s."""
-        start = head.rfind(zipfile.stringFileHeader)
-        if start < 0 or len(head) - start < zipfile.sizeFileHeader:
-            return None
-        fields = struct.unpack(zipfile.structFileHeader, head[start:start + zipfile.sizeFileHeader])
-        name_end = start + zipfile.sizeFileHeader + fields[zipfile._FH_FILENAME_LENGTH]
-        stored_whole = fields[zipfile._FH_COMPRESSION_METHOD] == zipfile.ZIP_STORED
-        if (not stored_whole or name_end + fields[zipfile._FH_EXTRA_FIELD_LENGTH] != len(head)
-                or not head[start + zipfile.sizeFileHeader:name_end].endswith(_DATA.encode())):
-            return None
-        crc = start + 14  # the local file header's CRC-32: 4 bytes, after signature, versions, flags, method, time
-        descriptor = bool(fields[zipfile._FH_GENERAL_PURPOSE_FLAG_BITS] & HAS_DESCRIPTOR)
-        return cls(head[:crc], head[crc + 4:], len(head), stored, descriptor, crcs)
-
-    def header_crc(self, head: bytes) -> int:
-        """The CRC-32 in the data record's local header of an entry that :meth:`fits` (0 with a descriptor)."""
-        return int.from_bytes(head[len(self.before):len(self.before) + 4], "little")
-
-    def fits(self, head: bytes) -> bool:
-        return head.startswith(self.before) and head[len(self.before) + 4:self.data] == self.after
 
 
 @dataclass(frozen=True)
@@ -177,12 +102,11 @@ class DirectReader(FileSystemReader):
         super().__init__(path, *args, **kwargs)
         #: the files' ``save_id`` check (:mod:`.binding`): given, or made from the metadata DCP hands over
         self._bindings, self._given_bindings = bindings, bindings is not None
-        self._headers: dict[tuple[bytes, bytes], _Stored] = {}
-        self._layouts: dict[int, list[_Layout]] = {}  # per entry length, the layouts seen (:meth:`_located`)
+        self._headers: dict[tuple[bytes, bytes], Stored] = {}
+        self._layouts: dict[int, list[Layout]] = {}  # per entry length, the layouts seen (:meth:`_located`)
         self._defer, self._between = defer, between
         self._deferred: list[_Deferred] = []
         self._checksums: Checksums | None = None  # :meth:`_check_record`'s threads (one load's)
-        self._scratch = bytearray()  # :meth:`_check_record`'s buffer for short records
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -252,7 +176,7 @@ class DirectReader(FileSystemReader):
             if where is None:  # the first entry of its header: read (and checked) by torch.load
                 return None
         stored, data = where.stored, where.data
-        run = _run(stored, item) if stored.direct else None
+        run = run_of(stored, item) if stored.direct else None
         target = planner.resolve_tensor(item).detach()
         if run is None or target.dtype != stored.dtype or not target.is_contiguous() \
                 or target.numel() != run[1]:
@@ -280,32 +204,26 @@ class DirectReader(FileSystemReader):
         piece = f" (the piece at {tuple(index.offset)})" if index.offset is not None and any(index.offset) else ""
         return f"checkpoint file {self.storage_data[index].relative_path!r}, entry {index.fqn!r}{piece}"
 
-    def _recorded(self, stream: IO[bytes], where: _Where, item: ReadItem) -> int:
+    def _recorded(self, stream: IO[bytes], where: Where, item: ReadItem) -> int:
         """The CRC-32 the archive records for the data record just read (``stream`` right after its data)."""
         return where.crc if where.crc is not None else descriptor_crc(stream.read(8), self._entry(item))
 
-    def _check_record(self, stream: IO[bytes], item: ReadItem, where: _Where, start: int, record: int) -> None:
-        """Read the data record at ``start`` (``record`` bytes) and compare its CRC-32 with the archive's: a short
-        record inline, a long one by a thread of :class:`Checksums` (its mismatch raised by :meth:`read_data`
-        before ``between``); ``OSError`` on a mismatch or a short read."""
+    def _check_record(self, stream: IO[bytes], item: ReadItem, where: Where, start: int, record: int) -> None:
+        """Compare the CRC-32 of the data record at ``start`` (``record`` bytes) with the archive's, over a map of
+        the file (:class:`Checksums`: a long record by a thread, its mismatch raised by :meth:`read_data` before
+        ``between``); ``OSError`` on a mismatch or a short file."""
         entry = self._entry(item)
         if where.crc is None:  # the data descriptor's, right after the data
             stream.seek(start + record)
             recorded = descriptor_crc(stream.read(8), entry)
         else:
             recorded = where.crc
-        if record < _THREADED:
-            if len(self._scratch) < min(record, _CHUNK):
-                self._scratch = bytearray(min(record, _CHUNK))
-            compare(recorded, crc_read(stream.fileno(), start, record, self._scratch, entry), entry,
-                    required=where.required)
-            return
         if self._checksums is None:
-            self._checksums = Checksums(_THREADS, _CHUNK)
+            self._checksums = Checksums(_THREADS, _THREADED)
         self._checksums.check(self.storage_data[item.storage_index].relative_path, stream, start, record, recorded,
                               entry, required=where.required)
 
-    def _located(self, stream: IO[bytes], info: Any) -> _Where | None:
+    def _located(self, stream: IO[bytes], info: Any) -> Where | None:
         """What the entry holds, where its data starts and its CRC-32 lies, where its bytes before the data are
         those of an entry of the same length read before (but for the data's checksum): one read of those bytes,
         no zip reader."""
@@ -316,11 +234,11 @@ class DirectReader(FileSystemReader):
         head = stream.read(max(layout.data for layout in layouts))
         for layout in layouts:
             if layout.fits(head):
-                return _Where(layout.stored, layout.data, None if layout.descriptor else layout.header_crc(head),
+                return Where(layout.stored, layout.data, None if layout.descriptor else layout.header_crc(head),
                               layout.crcs)
         return None
 
-    def _opened(self, stream: IO[bytes], info: Any, item: ReadItem, planner: LoadPlanner) -> _Where | None:
+    def _opened(self, stream: IO[bytes], info: Any, item: ReadItem, planner: LoadPlanner) -> Where | None:
         """The entry read by torch's zip reader: what it holds and where its data and CRC-32 lie (learning its
         layout for :meth:`_located`). The first entry of each header is read here, by ``torch.load`` and checked
         (then ``None``); an entry whose data record's zip header is not found takes DCP's path (checked there)."""
@@ -331,21 +249,21 @@ class DirectReader(FileSystemReader):
         first = stored is None
         if first:
             loaded = self._load(stream, info, item)
-            stored = self._headers[key] = _describe(loaded, key[1], archive.get_all_records())
-        data = archive.get_record_offset(_DATA) if stored.direct else -1
+            stored = self._headers[key] = describe(loaded, key[1], archive.get_all_records())
+        data = archive.get_record_offset(DATA) if stored.direct else -1
         layout = None
         if stored.direct and archive.get_record_offset(_BYTE_ORDER) < data:  # the byte order before the data
             stream.seek(info.offset)
             head = stream.read(data)
-            layout = _Layout.of(head, stored, archive_records_crcs(head, archive))
+            layout = Layout.of(head, stored, archive_records_crcs(head, archive))
             if layout is not None:
                 self._layouts.setdefault(info.length, []).append(layout)
         if first:
             self._copy(loaded, item, planner)
             return None
         if layout is None:  # where its CRC-32 lies is not known here: DCP's path
-            return _Where(replace(stored, direct=False), -1, None, True)
-        return _Where(stored, data, None if layout.descriptor else layout.header_crc(head), layout.crcs)
+            return Where(replace(stored, direct=False), -1, None, True)
+        return Where(stored, data, None if layout.descriptor else layout.header_crc(head), layout.crcs)
 
     def _load(self, stream: IO[bytes], info: Any, item: ReadItem) -> torch.Tensor:
         archive = self._slice_file(stream, info)
@@ -380,21 +298,9 @@ class DirectReader(FileSystemReader):
         self._copy(loaded, item, planner)
 
 
-@dataclass(frozen=True)
-class _Where:
-    """Where a direct entry's data lies (``data`` bytes after the entry's start) and its CRC-32: ``crc`` from the
-    data record's local header, or ``None`` where a data descriptor right after the data holds it; ``required``:
-    the archive records CRC-32s (a recorded 0 is compared, not taken for "none")."""
-
-    stored: _Stored
-    data: int
-    crc: int | None
-    required: bool
-
-
 def _check_loaded(archive: IO[bytes], loaded: torch.Tensor, entry: str) -> None:
     """:func:`~zero_dtensor.checkpoint.crc.check_loaded` of the archive's data record."""
-    check_loaded(archive, loaded, entry, _DATA)
+    check_loaded(archive, loaded, entry, DATA)
 
 
 def _check_size(stream: IO[bytes], relative_path: str, items: list[ReadItem], storage_data: Any) -> None:

@@ -13,6 +13,7 @@ with CRC-32s, a recorded 0 is compared like any other value. No communication.
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 import zipfile
 import zlib
@@ -58,7 +59,9 @@ class Checksums:
     ``threaded`` bytes is CRC-ed by one of ``threads`` threads while the reader reads on (records are independent;
     :data:`crc32` releases the GIL), a shorter one at once. :meth:`finish` waits for every comparison and raises
     the first mismatch in reading order. Memory: no buffer (the maps are the page cache's pages, unmapped by
-    :meth:`close`). No communication."""
+    :meth:`close`). A file truncated before a record is checked raises ``OSError``; one truncated by another
+    process while its record is being CRC-ed (a checkpoint overwritten during the load) ends this process with
+    ``SIGBUS``, as any read of a mapped file does. No communication."""
 
     def __init__(self, threads: int, threaded: int) -> None:
         self._threads, self._threaded = threads, threaded
@@ -75,8 +78,9 @@ class Checksums:
             mapped = mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ)
             self._maps[file] = (mapped, memoryview(mapped))
         view = self._maps[file][1]
-        if start + record > len(view):
-            raise OSError(f"{entry}: {max(len(view) - start, 0)} of {record} bytes in the file (a truncated file?)")
+        size = min(len(view), os.fstat(stream.fileno()).st_size)  # the file now: touching a page past it is SIGBUS
+        if start + record > size:
+            raise OSError(f"{entry}: {max(size - start, 0)} of {record} bytes in the file (a truncated file?)")
         if record < self._threaded:
             _compare_at(view, start, record, recorded, entry, required)
             return

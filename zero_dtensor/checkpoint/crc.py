@@ -45,7 +45,8 @@ except ImportError:  # pragma: no cover - zlib-ng is a dependency; zlib's gives 
 #: release the GIL while they run.
 crc32 = _fast_crc32 if _fast_crc32 is not None else zlib.crc32
 
-#: the optional signature of a zip data descriptor (torch's writer puts one, with the CRC-32, after every record)
+#: the signature of a zip data descriptor (optional in the zip format; torch's writer always puts it, with the CRC-32,
+#: after every record, and :func:`descriptor_crc` requires it)
 DESCRIPTOR = b"PK\x07\x08"
 #: a local file header's general-purpose flag saying that the CRC-32 and sizes follow the data (a data descriptor)
 HAS_DESCRIPTOR = 0x08

@@ -14,6 +14,8 @@ DCP key                             value
 ``zero_dtensor.lr_scheduler``       ``engine.lr_scheduler.state_dict()`` (``None`` without a scheduler)
 ``zero_dtensor.loss_scaler``        the fp16 loss scaler's numbers (``cur_scale``, ``cur_iter``, ...) or ``None``
 ``zero_dtensor.client_state``       the ``client_state`` given to :func:`save` (as rank 0 had it)
+``zero_dtensor.save_id.<r>``        in rank ``r``'s file: the checkpoint's ``save_id`` (:mod:`.binding`), which
+                                    :func:`load` checks in every file it reads
 ==================================  ================================================================================
 
 The ``model.*`` and ``optim.*`` keys are those of FSDP2 + a torch optimizer saved with
@@ -110,7 +112,9 @@ def save(engine: Any, path: str | os.PathLike, *, async_: bool = False, client_s
     ZeRO-3 chunks of frozen parameters; values the same on every rank, such as steps and hyperparameters, once
     each, shared out among the ranks); the engine is not changed.
     ``client_state``: any picklable object, saved as rank 0 passes it. A ``.metadata`` left by an earlier checkpoint
-    in ``path`` is removed first, so a save that does not finish never looks finished.
+    in ``path`` is removed first, so a save that does not finish never looks finished. Each rank's file holds the
+    checkpoint's ``save_id`` (:mod:`.binding`: sent with DCP's plans, no collective of its own), so a file from
+    another save is refused at load.
 
     **Communication**: first the rank agreement (one small collective, :func:`~zero_dtensor.comm.agreement.agree`) on the
     normalized path (:func:`normalized`), ``async_`` and ``sync_files``: a path that differs between ranks, or
@@ -342,9 +346,11 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
     Order: each rank reads ``.metadata`` (:class:`IncompleteCheckpointError` if absent) and compares names, shapes
     and optimizer-state keys with the engine (:class:`CheckpointMismatchError` naming what differs). Then
     ``dcp.load`` with :class:`~.reader.DirectReader`, in two passes. The first reads the steps, hyperparameters
-    and extras, and checks every other entry: file sizes, each archive and header, where its bytes lie, the CRC-32
-    of its tensor data (:class:`CheckpointReadError` for a missing, truncated or damaged file, naming the file and
-    the entry; also for an unreadable ``.metadata``); then what was read is checked against
+    and extras, and checks every other entry: each file's ``save_id`` entry against ``.metadata``'s (before any
+    other entry of the file: a file from another save, :mod:`.binding`), file sizes, each archive and header, where
+    its bytes lie, the CRC-32 of its tensor data (:class:`CheckpointReadError` for a missing, foreign, truncated or
+    damaged file, naming the file and the entry; also for an unreadable ``.metadata``); then what was read is
+    checked against
     the engine (:func:`~zero_dtensor.checkpoint.state_dict.check_state`) and the ranks agree: where any rank
     failed, every rank raises and the engine is unchanged. The second pass reads the masters, optimizer state and
     frozen weights straight into the engine's memory, and a second agreement makes every rank raise where that

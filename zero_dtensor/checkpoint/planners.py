@@ -112,6 +112,7 @@ class CachingSavePlanner(DefaultSavePlanner):
         if plan_key is not None:
             self._cached_plans_key = plan_key
         self._bytes: dict[tuple[Any, ...], bytes] = {}
+        self._save_id: str | None = None  # this save's, from its plan (:meth:`finish_plan`)
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         cached = self._cached_plans_key in SavePlanner._cached_all_plans
@@ -133,7 +134,7 @@ class CachingSavePlanner(DefaultSavePlanner):
         """DCP's, but a ``save_id`` entry (:func:`~.binding.bind`) holds this save's ``save_id``: the one the
         coordinator's writer records in ``.metadata``, sent with the plan (:class:`~.binding.BoundPrefix`)."""
         if write_item.type == WriteItemType.BYTE_IO and is_binding(write_item.index.fqn):
-            save_id = getattr(self, "_save_id", None)
+            save_id = self._save_id
             if save_id is None:
                 raise AssertionError("a save_id entry is written only with zero_dtensor's DirectWriter (its plan "
                                      "carries the save_id)")

@@ -188,5 +188,8 @@ def check_loaded(archive: IO[bytes], loaded: torch.Tensor, entry: str, record: s
     else:
         recorded = fields[zipfile._FH_CRC]
     raw = torch.empty(0, dtype=torch.uint8).set_(storage)
-    compare(recorded, crc32(memoryview(raw.numpy()) if raw.numel() else b""), entry,
-            required=archive_records_crcs(head, reader))
+    try:
+        required = archive_records_crcs(head, reader)
+    except OSError as exc:  # a record before the data without its descriptor's signature: damaged
+        raise OSError(f"{entry}: {exc}") from exc
+    compare(recorded, crc32(memoryview(raw.numpy()) if raw.numel() else b""), entry, required=required)

@@ -255,7 +255,11 @@ class DirectReader(FileSystemReader):
         if stored.direct and archive.get_record_offset(_BYTE_ORDER) < data:  # the byte order before the data
             stream.seek(info.offset)
             head = stream.read(data)
-            layout = Layout.of(head, stored, archive_records_crcs(head, archive))
+            try:
+                crcs = archive_records_crcs(head, archive)
+            except OSError as exc:  # a record before the data without its descriptor's signature: damaged
+                raise OSError(f"{self._entry(item)}: {exc}") from exc
+            layout = Layout.of(head, stored, crcs)
             if layout is not None:
                 self._layouts.setdefault(info.length, []).append(layout)
         if first:

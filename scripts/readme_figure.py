@@ -1,5 +1,5 @@
-"""The README's figure from one benchmark run: ``python -m zero_dtensor.bench --json bench.json`` then
-``python scripts/readme_figure.py bench.json docs/figures/benchmark.png``.
+"""The benchmark figure of docs/benchmarks.md from one benchmark run: ``python -m zero_dtensor.bench --json
+bench.json`` then ``python scripts/readme_figure.py bench.json docs/figures/benchmark.png``.
 
 Per ZeRO stage: DeepSpeed's per-parameter ``safe_get_full_grad`` loop against one ``full_tensors()`` call and the
 bare gathers of the same

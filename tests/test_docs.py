@@ -60,8 +60,34 @@ def test_the_table_reader_counts_cells_as_a_renderer_does() -> None:
     assert _cells("| a | b | c | d |") == 4  # a row with a pasted cell is seen
 
 
-def test_readme_python_blocks_run(ranks) -> None:
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+_BLOCK = re.compile(r"(?:<!-- readme-block: (\w+) -->\n)?```python\n(.*?)```", flags=re.S)
+_RUNNERS = {"plain": docs.run_readme_block, "hook": docs.run_readme_hook_block}
+
+
+def _readme_blocks() -> list[tuple[str | None, str]]:
+    return _BLOCK.findall((ROOT / "README.md").read_text())
+
+
+def test_every_readme_python_block_says_how_it_runs() -> None:
+    blocks = _readme_blocks()
     assert blocks, "the README has no Python example"
+    kinds = [kind for kind, _ in blocks]
+    assert all(kind in (*_RUNNERS, "checkpoint", "lightning") for kind in kinds), kinds
+    assert {"plain", "hook", "checkpoint", "lightning"} <= set(kinds), "each loop of 'Pick your loop' has a block"
+
+
+def test_readme_python_blocks_run(ranks, tmp_path) -> None:
+    for kind, block in _readme_blocks():
+        if kind in _RUNNERS:
+            ranks(2).run(_RUNNERS[kind], block)
+        elif kind == "checkpoint":
+            ranks(2).run(docs.run_readme_checkpoint_block, block, str(tmp_path / f"ckpt{len(list(tmp_path.iterdir()))}"))
+
+
+def test_readme_lightning_block_runs(ranks) -> None:
+    pytest.importorskip("lightning", reason="the lightning extra (CI installs it with .[test])")
+    blocks = [block for kind, block in _readme_blocks() if kind == "lightning"]
+    assert blocks
     for block in blocks:
-        ranks(2).run(docs.run_readme_block, block)
+        counts = ranks(2).run(docs.run_readme_lightning_block, block)
+        assert all(c and set(c.values()) == {4} for c in counts), counts  # 4 boundaries: workers/lightning.STEPS

@@ -43,7 +43,7 @@ from .families.sharded import ParamGrad, ShardedGrads
 from .integrations.stats_logger import GradStatsLogger
 from .families.tensors import ParamView, ShardedTensors
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 #: The name of :class:`FlatLayout` before 0.1 (it describes every family, not only gradients).
 GradLayout = FlatLayout

@@ -101,15 +101,38 @@ def _exit_now(results: Any) -> None:
 
 
 class RankPool:
-    """``nprocs`` processes joined in one process group, reused by :meth:`run`.
+    """``nprocs`` local processes joined in one process group (gloo by default), started once and reused by ``run``.
 
-    ``start_method="spawn"`` (default) works everywhere; functions passed to :meth:`run` must then be importable
-    (picklable by reference). A ``"fork"`` pool also knows functions of ``__main__`` or a notebook, but only those
-    that existed when it started; :func:`launch` therefore forks a fresh pool per call.
+    The test suite's harness, for scripts and notebooks too. With ``start_method="spawn"`` (default), functions given
+    to ``run`` must be importable; a ``"fork"`` pool also knows functions of ``__main__`` or a notebook that existed
+    when it started (``zd.launch`` forks a fresh pool per call).
 
-    A rank that has not answered ``start_timeout`` seconds after the start fails it (:class:`RankFailure`, every
-    rank killed). The first start on a machine includes DeepSpeed's JIT build of its CPU comm op (a minute or more
-    on 2 cores), hence the generous default.
+    Args:
+        nprocs: the number of ranks.
+        start_method: ``"spawn"`` or ``"fork"``.
+        backend: the ``torch.distributed`` backend.
+        start_timeout: seconds a rank may take to answer at start (the first start includes DeepSpeed's JIT build
+            of its CPU comm op: a minute or more).
+        grace_s: seconds the other ranks get to finish after one failed.
+
+    Returns:
+        RankPool: the pool; ``close()`` stops it.
+
+    Raises:
+        RankFailure: a rank did not answer within ``start_timeout`` (every rank is killed).
+
+    Communication:
+        Joining the process group; then whatever the functions run.
+
+    Device and memory:
+        ``nprocs`` processes on this machine (CPU ranks).
+
+    Example:
+        ```python
+        pool = zd.RankPool(2)
+        print(pool.run(torch.distributed.get_rank))          # [0, 1]
+        pool.close()
+        ```
     """
 
     def __init__(self, nprocs: int, *, start_method: str = "spawn", backend: str = "gloo",
@@ -152,10 +175,31 @@ class RankPool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 600.0, **kwargs: Any) -> list[Any]:
-        """Call ``fn(*args, **kwargs)`` on every rank; return the results in rank order.
+        """Call ``fn(*args, **kwargs)`` on every rank and return the results in rank order.
 
-        Raises :class:`RankFailure` if any rank raises (after giving the others a short grace period) or if not all
-        ranks answer within ``timeout`` seconds; the pool is then restarted before the next call.
+        Args:
+            fn: the function (importable, or known to a fork pool).
+            *args: its positional arguments (picklable).
+            timeout: seconds to wait for every rank.
+            **kwargs: its keyword arguments (picklable).
+
+        Returns:
+            list: each rank's result.
+
+        Raises:
+            RankFailure: a rank raised (after the others' grace period) or did not answer within ``timeout``; its
+                message holds each rank's traceback. The pool restarts before the next call.
+
+        Communication:
+            Whatever ``fn`` runs.
+
+        Device and memory:
+            Results are pickled back to this process.
+
+        Example:
+            ```python
+            results = pool.run(my_check, 3)
+            ```
         """
         if not self.alive:
             self.close()
@@ -200,7 +244,24 @@ class RankPool:
         return answers
 
     def close(self) -> None:
-        """Stop the workers (politely, then by force)."""
+        """Stop the workers (politely, then by force).
+
+        Returns:
+            None.
+
+        Raises nothing.
+
+        Communication:
+            None.
+
+        Device and memory:
+            Frees the worker processes.
+
+        Example:
+            ```python
+            pool.close()
+            ```
+        """
         for q, p in zip(getattr(self, "_tasks", []), self._procs):
             if p.is_alive():
                 try:
@@ -224,10 +285,38 @@ class RankPool:
 
 def launch(fn: Callable[..., Any], *args: Any, nprocs: int = 2, timeout: float = 600.0,
            start_method: str = "fork", **kwargs: Any) -> Any:
-    """Run ``fn(*args, **kwargs)`` on ``nprocs`` fresh CPU ranks (gloo) and return rank 0's result.
+    """Run ``fn(*args, **kwargs)`` on ``nprocs`` fresh local CPU ranks (gloo) and return rank 0's result.
 
-    Works from a notebook: with the default ``"fork"`` start method, functions defined in notebook cells run as they
-    are. Use ``start_method="spawn"`` from code that already started threads which must not be forked (CUDA).
+    Works from a notebook: with ``"fork"`` (default) functions defined in cells run as they are. Use
+    ``start_method="spawn"`` from code that started threads which must not be forked (CUDA).
+
+    Args:
+        fn: the function every rank runs.
+        *args: its positional arguments.
+        nprocs: the number of ranks.
+        timeout: seconds to wait for every rank.
+        start_method: ``"fork"`` or ``"spawn"``.
+        **kwargs: its keyword arguments.
+
+    Returns:
+        object: rank 0's result.
+
+    Raises:
+        RankFailure: a rank raised or did not answer; the message holds each rank's traceback.
+
+    Communication:
+        Whatever ``fn`` runs.
+
+    Device and memory:
+        ``nprocs`` processes for the duration of the call.
+
+    Example:
+        ```python
+        def job():
+            engine = build_engine()
+            return zd.sharded_grads(engine).names
+        names = zd.launch(job, nprocs=2)
+        ```
     """
     with RankPool(nprocs, start_method=start_method) as pool:
         return pool.run(fn, *args, timeout=timeout, **kwargs)[0]

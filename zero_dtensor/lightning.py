@@ -60,16 +60,6 @@ class ZeroGradCallback(pl.Callback):
     ``training_step`` loss by ``g`` and DeepSpeed's ``engine.backward`` divides it again (Lightning #6170); choose
     ``clip_grad_norm`` for that scale (the logged norms show it).
 
-    Communication per boundary, on the data-parallel group (every rank takes part): ``fn``'s own; the norms, on
-    logged steps only: **one all_reduce of a (k,) float32 vector** (k = trainable parameter tensors; the total is
-    computed from it locally); clipping: **one all_reduce** of a (k,) float32 vector of partial sums, then a local
-    multiply; each of the two after the rank agreement (one small collective,
-    :mod:`zero_dtensor.comm.agreement`); and :func:`~zero_dtensor.on_grads`' error agreement, one small collective
-    after ``fn`` and one after the norms and the clip (``fn`` and this callback's own work are two hooks, so that an
-    exception from ``fn`` on some ranks raises on every rank before any rank enters the norms' or the clip's
-    collectives). An exception anywhere raises on every rank, no optimizer step runs and the step's gradients are
-    discarded. No gradient is gathered. Nothing runs between boundaries.
-
     Args:
         fn: ``fn(grads: ShardedGrads) -> Any``, called once per boundary on every rank (it may issue collectives,
             in the same order on every rank). To log values of your own from it, call ``pl_module.log`` (logging is
@@ -94,8 +84,29 @@ class ZeroGradCallback(pl.Callback):
         last_total_norm: the total norm before the last clip (0-d float32 tensor, identical on every rank), or None.
         last_logged: the last dict of logged norms (``{name: 0-d tensor}``), or None.
 
-    Raises (at ``setup``): ``TypeError`` if the trainer's strategy is not a ``DeepSpeedStrategy``. ZeRO stage 0 is
-    refused when fitting starts (:func:`zero_dtensor.on_grads` needs a ZeRO optimizer).
+    Returns:
+        ZeroGradCallback: pass it in ``Trainer(callbacks=[...])``.
+
+    Raises:
+        TypeError: a bad argument; at ``setup``, a strategy that is not a ``DeepSpeedStrategy``.
+        ValueError: a bad ``clip_grad_norm``, ``norm_type`` or ``log_every_n_steps``.
+        UnsupportedDeepSpeedError: when fitting starts, ZeRO stage 0 (``zd.on_grads`` needs a ZeRO optimizer).
+        GradHookError: in ``trainer.fit``, when ``fn`` raised on another rank (no optimizer step runs).
+
+    Communication:
+        Per boundary, on the data-parallel group: ``fn``'s own; the norms, on logged steps only, one
+        ``all_reduce`` of a ``(k,)`` float32 vector; the clip, one ``all_reduce``; each after the agreement;
+        and ``zd.on_grads``' small error agreement after ``fn`` and after the norms and clip. No gradient is
+        gathered; nothing runs between boundaries.
+
+    Device and memory:
+        As ``norms()`` and ``clip_grad_norm_()``: small per-row partials, scaling in place.
+
+    Example:
+        ```python
+        callback = ZeroGradCallback(clip_grad_norm=1.0, log_grad_norms=True)
+        trainer = lightning.Trainer(strategy="deepspeed_stage_2", callbacks=[callback])
+        ```
     """
 
     def __init__(

@@ -78,9 +78,32 @@ def check_strategy(strategy: object, *, allow_none: bool = False) -> None:
 
 
 def set_gather_strategy(strategy: str | None) -> None:
-    """Pin what ``strategy="auto"`` means in this process (``None`` or ``"auto"`` unpins; then
-    ``ZERO_DTENSOR_GATHER_STRATEGY`` applies, then calibration). Set it identically on every rank: a rank that
-    differs makes the next collective call raise on every rank. No communication."""
+    """Pin what ``strategy="auto"`` of ``full_tensors`` and ``iter_full`` means in this process.
+
+    Set it identically on every rank: every agreement includes it. ``ZERO_DTENSOR_GATHER_STRATEGY`` does the same
+    from the environment; the setter takes precedence.
+
+    Args:
+        strategy: ``"all_gather"``, ``"all_to_all"``, ``"all_reduce"``, ``"send_recv"``; ``None`` or ``"auto"``
+            unpins (then the variable applies, then calibration on gloo).
+
+    Returns:
+        None.
+
+    Raises:
+        ValueError: an unknown strategy.
+
+    Communication:
+        None (a rank that differs makes the next collective call raise on every rank).
+
+    Device and memory:
+        Nothing allocated.
+
+    Example:
+        ```python
+        zd.set_gather_strategy("all_gather")
+        ```
+    """
     global _PINNED
     check_strategy(strategy, allow_none=True)
     _PINNED = None if strategy == "auto" else strategy
@@ -103,12 +126,33 @@ def gather_strategy() -> str:
 
 
 def set_debug(enabled: bool = True, *, timeout: float | None = None) -> None:
-    """Turn debug mode on or off in this process (set it identically on every rank; the next collective call of
-    zero_dtensor agrees on it, and from then on ``engine.step()`` of every engine seen by ``sharded_grads`` starts
-    with a rank-agreement checkpoint). No communication.
+    """Turn debug mode on or off in this process: a rank that skips a collective raises instead of hanging.
 
-    ``timeout`` (seconds): how long any agreement waits for the other ranks before raising; default the world
-    process group's timeout (what ``init_process_group(timeout=...)`` was given).
+    In debug mode, ``engine.step()`` of every engine ``sharded_grads`` saw starts with a rank-agreement checkpoint: a
+    rank that skipped a zero_dtensor call and went on to the step raises ``RankDisagreementError`` on every rank
+    instead of hanging in DeepSpeed's step. ``ZERO_DTENSOR_DEBUG=1`` at import does the same. Set it identically on
+    every rank.
+
+    Args:
+        enabled: on or off.
+        timeout: seconds any agreement waits for the other ranks before raising (default: the process group's).
+
+    Returns:
+        None.
+
+    Raises:
+        ValueError: a timeout that is not a positive number.
+
+    Communication:
+        None now; then one small agreement at the first ``sharded_grads`` of a step and one per ``engine.step()``.
+
+    Device and memory:
+        Nothing allocated.
+
+    Example:
+        ```python
+        zd.set_debug(True, timeout=60)
+        ```
     """
     global _DEBUG, _TIMEOUT
     if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
@@ -128,17 +172,35 @@ def debug_timeout() -> datetime.timedelta | None:
 
 
 def set_fused_reductions(on: bool) -> None:
-    """Turn the fused reductions on or off in this process (default off; ``ZERO_DTENSOR_FUSED_REDUCTIONS=1`` at
-    import turns them on). Set it identically on every rank: it is part of every rank agreement. No communication.
+    """Turn the fused reductions on or off in this process (default off).
 
-    On: ``stats`` reads each buffer's full rows once (sum of squares, sum, max ``|x|``, nan and inf counts in one
-    fused reduction; the counts always exact) and ``dots`` each operand once, through functions
-    ``torch.compile`` builds on first use (:mod:`zero_dtensor.layout.fused_rows`: seconds per dtype and row
-    width, once per process). Only for buffers on an accelerator: offloaded (CPU) buffers, calls made while
-    ``torch.compile`` traces, while a CUDA graph is captured or under a ``TorchDispatchMode`` keep the eager
-    reductions. Values are those of the eager path within float32 rounding per row (float64 above); off, nothing
-    changes. ``TypeError`` unless ``on`` is a bool; ``RuntimeError`` when turning it on where CUDA is available but
-    Triton is not installed (``pip install triton``), nothing changed."""
+    On: ``stats()`` reads each buffer on an accelerator once (exact nan/inf counts) and ``dots()`` each operand once,
+    through functions ``torch.compile`` builds on first use (seconds, once per process; needs Triton on CUDA).
+    Offloaded (CPU) buffers keep the eager path. Values equal the eager path's within float32 rounding per row.
+    ``ZERO_DTENSOR_FUSED_REDUCTIONS=1`` at import does the same. Set it identically on every rank.
+
+    Args:
+        on: True or False.
+
+    Returns:
+        None.
+
+    Raises:
+        TypeError: ``on`` is not a bool.
+        RuntimeError: turning it on where CUDA is available but Triton is not (``pip install triton``); nothing
+            changed.
+
+    Communication:
+        None (it is part of every rank agreement).
+
+    Device and memory:
+        Compiled kernels, once per process; no extra buffers.
+
+    Example:
+        ```python
+        zd.set_fused_reductions(True)
+        ```
+    """
     global _FUSED
     if not isinstance(on, bool):
         raise TypeError(f"set_fused_reductions: on must be True or False, got {on!r}")

@@ -14,8 +14,6 @@ DCP key                             value
 ``zero_dtensor.lr_scheduler``       ``engine.lr_scheduler.state_dict()`` (``None`` without a scheduler)
 ``zero_dtensor.loss_scaler``        the fp16 loss scaler's numbers (``cur_scale``, ``cur_iter``, ...) or ``None``
 ``zero_dtensor.client_state``       the ``client_state`` given to :func:`save` (as rank 0 had it)
-``zero_dtensor.save_id.<r>``        in rank ``r``'s file: the checkpoint's ``save_id`` (:mod:`.binding`), which
-                                    :func:`load` checks in every file it reads
 ==================================  ================================================================================
 
 The ``model.*`` and ``optim.*`` keys are those of FSDP2 + a torch optimizer saved with
@@ -51,7 +49,6 @@ from ..errors import (
 )
 from ..families.master import clear_write_mark
 from ..comm.process_groups import cpu_group_for, group_ranks, rank_in, world_size_of
-from .binding import FileBindings, bind
 from .boxes import storage_exact_entry
 from .metadata import METADATA, check_metadata, collector_paused, identity, read_metadata
 from .planners import CachingLoadPlanner, CachingSavePlanner, PlansNotCachedError, forget_plans, plan_key
@@ -107,35 +104,45 @@ def _engine_extras(engine: Any, client_state: Any) -> dict[str, io.BytesIO]:
 @collector_paused()
 def save(engine: Any, path: str | os.PathLike, *, async_: bool = False, client_state: Any = None,
          sync_files: bool = True) -> Any:
-    """Write ``engine``'s state into the DCP checkpoint directory ``path`` (module docstring); every rank of the
-    data-parallel group must call it. Each rank writes only the pieces it holds (masters, optimizer state, its
-    ZeRO-3 chunks of frozen parameters; values the same on every rank, such as steps and hyperparameters, once
-    each, shared out among the ranks); the engine is not changed.
-    ``client_state``: any picklable object, saved as rank 0 passes it. A ``.metadata`` left by an earlier checkpoint
-    in ``path`` is removed first, so a save that does not finish never looks finished. Each rank's file holds the
-    checkpoint's ``save_id`` (:mod:`.binding`: sent with DCP's plans, no collective of its own), so a file from
-    another save is refused at load.
+    """Write the engine's whole training state into the DCP checkpoint directory ``path``; call on every rank.
 
-    **Communication**: first the rank agreement (one small collective, :func:`~zero_dtensor.comm.agreement.agree`) on the
-    normalized path (:func:`normalized`), ``async_`` and ``sync_files``: a path that differs between ranks, or
-    ``async_=True`` on some ranks only, raises :class:`~zero_dtensor.errors.RankDisagreementError` on every rank
-    before any other collective and before anything is written or removed. Then DCP's own small object collectives
-    (plans and metadata: about 9 at 2 ranks), none of tensor data. **Memory**: none for pieces in CPU memory (each
-    is handed to DCP as an alias of exactly its bytes, :func:`~.boxes.storage_exact`, which DCP writes without the
-    clone it makes of views); a piece on a GPU is copied to the CPU as it is written (at most one parameter's fp32
-    elements); two more copies of the first piece of each shape and dtype, briefly (:class:`~.writer.DirectWriter`
-    checks its archive against ``torch.save``'s); plus one pickle per distinct hyperparameter value; before the
-    first step, one zero-filled partition per optimizer-state key. A tied parameter is written under each of its
-    names.
-    ``async_=True``: :func:`torch.distributed.checkpoint.async_save` over a gloo group of the same ranks (made
-    once); it copies this rank's state to CPU memory before it returns and writes in a background thread: returns
-    its ``Future`` (call ``.result()`` before the next save). Else returns ``None`` once the checkpoint is complete.
-    ``sync_files``: ``fsync`` each file before ``.metadata`` is written (DCP's default: a checkpoint that looks
-    complete survives a power loss; on Linux the kernel is asked to start writing each file every 16 MiB while the
-    rest is written, so the fsync waits only for the tail); ``False`` leaves the flush to the operating system, as
-    DeepSpeed's ``save_checkpoint`` (``torch.save``) does: faster, but a crash of the machine soon after a save may
-    leave a ``.metadata`` over data that never reached the disk. Python's garbage collector is paused during the
-    call (:func:`collector_paused`)."""
+    Each rank writes only what it holds: fp32 masters, optimizer state and step, hyperparameters, frozen weights,
+    step counters, the lr scheduler, the fp16 loss scaler and ``client_state``. The engine is not changed.
+    ``zd.load`` reads it at any world size and ZeRO stage; FSDP2 reads it with torch's own functions. A ``.metadata``
+    left in ``path`` by an earlier checkpoint is removed first, so an unfinished save never looks finished.
+    Each rank's file holds the checkpoint's ``save_id``, so a file from another save is refused at load.
+
+    Args:
+        engine: a DeepSpeed ZeRO engine (between steps).
+        path: the checkpoint directory, the same on every rank.
+        async_: return once the state is staged in CPU memory; a background thread writes it.
+        client_state: any picklable object, saved as rank 0 passes it; ``zd.load`` returns it.
+        sync_files: ``fsync`` each file before ``.metadata`` is written (a checkpoint that looks complete survives
+            a power loss); ``False`` leaves the flush to the OS, as DeepSpeed's ``save_checkpoint`` does.
+
+    Returns:
+        Future | None: with ``async_``, DCP's future (call ``.result()`` before the next save); else ``None``
+            once the checkpoint is complete.
+
+    Raises:
+        RankDisagreementError: the ranks' paths, ``async_`` or ``sync_files`` differ (raised on every rank before
+            anything is written or removed).
+        UnsupportedDeepSpeedError: an engine zero_dtensor does not map.
+
+    Communication:
+        One agreement, then DCP's small planning collectives (plans and metadata; about 9 at 2 ranks); no tensor
+        data moves between ranks.
+
+    Device and memory:
+        No copy of pieces in CPU memory; a piece on a GPU is copied to the CPU as it is written (at most one
+        parameter); before the first step, one zero-filled partition per optimizer-state key. ``async_`` stages the
+        rank's whole state in CPU memory.
+
+    Example:
+        ```python
+        zd.save(engine, f"ckpt/step{engine.global_steps}", client_state={"epoch": epoch})
+        ```
+    """
     target = describe(engine)
     path = os.fspath(path)
     # before the first collective (DCP's, or async_'s process group creation) and before anything is written
@@ -150,7 +157,6 @@ def save(engine: Any, path: str | os.PathLike, *, async_: bool = False, client_s
                              for k, d in (("model", model), ("optim", optim))}
     if first:  # the engine's counters, scheduler, scaler and the client state: as rank 0 has them
         state["zero_dtensor"] = _engine_extras(engine, client_state)
-    bind(state, rank)  # this rank's file holds the checkpoint's save_id (:mod:`.binding`)
     if first and os.path.exists(os.path.join(path, METADATA)):
         os.remove(os.path.join(path, METADATA))
     if async_:
@@ -210,12 +216,11 @@ def _read(staged: dict[str, Any], path: str, metadata: Metadata, in_engine: set[
                   if index.offset is None and index.fqn.startswith("optim.param_groups.")}
         bulk = {k: info for k in optim if (info := stored.get(k)) is not None and not info.transform_descriptors}
         planner = CachingLoadPlanner(allow_partial_load=False)
-        bindings = FileBindings.of(metadata)  # each file read must hold this checkpoint's save_id
-        for key, data in read_bytes_entries(path, bulk, bindings).items():
+        for key, data in read_bytes_entries(path, bulk).items():
             optim[key] = planner.objects.load(data)
         rest = {**staged, "optim": {k: v for k, v in optim.items() if k not in bulk}}
         reader = _CheckedReader(path, metadata, defer=lambda t: t.untyped_storage().data_ptr() in in_engine,
-                                between=between, bindings=bindings)
+                                between=between)
         with warnings.catch_warnings():  # no_dist warns that it assumes a single process: here it is each rank's
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(rest, storage_reader=reader, no_dist=True, planner=planner)
@@ -339,45 +344,46 @@ def _agree(what: str, error: BaseException | None, target: Target, consequence: 
 
 @collector_paused()
 def load(engine: Any, path: str | os.PathLike) -> Any:
-    """Load the checkpoint at ``path`` (written by :func:`save` at any world size and ZeRO stage, or by FSDP2, see
-    the module docstring) into ``engine``; every rank of the data-parallel group must call it. Returns the saved
-    ``client_state`` (``None`` if there is none).
+    """Load a checkpoint written by ``zd.save`` (at any world size and ZeRO stage 1-3) or by FSDP2 into ``engine``.
 
-    Order: each rank reads ``.metadata`` (:class:`IncompleteCheckpointError` if absent) and compares names, shapes
-    and optimizer-state keys with the engine (:class:`CheckpointMismatchError` naming what differs). Then
-    ``dcp.load`` with :class:`~.reader.DirectReader`, in two passes. The first reads the steps, hyperparameters
-    and extras, and checks every other entry: each file's ``save_id`` entry against ``.metadata``'s (before any
-    other entry of the file: a file from another save, :mod:`.binding`), file sizes, each archive and header, where
-    its bytes lie, the CRC-32 of its tensor data (:class:`CheckpointReadError` for a missing, foreign, truncated or
-    damaged file, naming the file and the entry; also for an unreadable ``.metadata``); then what was read is
-    checked against
-    the engine (:func:`~zero_dtensor.checkpoint.state_dict.check_state`) and the ranks agree: where any rank
-    failed, every rank raises and the engine is unchanged. The second pass reads the masters, optimizer state and
-    frozen weights straight into the engine's memory, and a second agreement makes every rank raise where that
-    failed on any rank (an I/O error after the checks: the failing rank's state is then partly overwritten, and the
-    message says to load again). Then steps, hyperparameters, step counters, the lr scheduler and the loss scaler
-    are written, and the working weights made the cast masters (which clears the masters' write mark). Every
-    failure raises one of the three documented classes naming the checkpoint (:func:`_documented`). An engine that
-    has never stepped has no optimizer state to read into: its pieces are read into staging buffers in the first
-    pass, the state is created (a zero-learning-rate step) after the one agreement, and the buffers are copied in.
+    Call on every rank. Everything is checked on every rank before the engine's memory is written: another model
+    or optimizer, an unfinished save, a missing, truncated or damaged file (each tensor entry's CRC-32 is checked),
+    a file from another checkpoint (each file holds its checkpoint's ``save_id``)
+    all raise on every rank with the engine unchanged. Then the state is read straight into the engine's memory and
+    the working weights are made the loaded masters (which clears the write mark). Internals: ``docs/design.md``.
 
-    The first agreement also compares every rank's normalized path (:func:`normalized`) and the checkpoint's
-    identity (:func:`identity`: its ``save_id``): ranks that name different checkpoints (each picking "the latest"
-    itself) raise :class:`~zero_dtensor.errors.RankDisagreementError` on every rank, the engine unchanged.
+    Args:
+        engine: a DeepSpeed ZeRO engine built with the same model and optimizer (world size, stage and offload may
+            differ).
+        path: the checkpoint directory, the same checkpoint on every rank.
 
-    **Communication**: two agreements (one small collective each; before the first step one only), each rank
-    planning and reading its own pieces (no DCP collective), then ZeRO-1/2 one gather per param group (ZeRO-3:
-    one of the persistent parameters together) to refresh the working weights. Each rank reads the bytes its
-    pieces overlap, and, to check their CRC-32, the rest of each record they cut (at another world size); records
-    read into the engine's memory are read twice (CRC-checked in the first pass, then read into place; the second
-    time from the page cache as a rule). **Memory**: none for the pieces read in place (1 MiB buffers for the
-    checks: one, and one per thread, up to 4, computing CRC-32s while the reader reads on). An entry that cannot be
-    read straight into place (a box that cuts its rows, at another world size; another dtype) is read whole into new
-    memory in the first pass and held until the second: a few pieces where only boxes differ (each part of one
-    parameter), up to this rank's partition where the checkpoint holds another dtype. Before the first step, one
-    staging copy of this rank's partition, freed before the working-weight refresh. The hyperparameter entries are
-    read a few reads per file and unpickled once per distinct value. Python's garbage collector is paused during the
-    call (:func:`collector_paused`)."""
+    Returns:
+        object: the saved ``client_state`` (``None`` if none was saved).
+
+    Raises:
+        IncompleteCheckpointError: no finished checkpoint at ``path``.
+        CheckpointMismatchError: names, shapes or optimizer-state keys differ from the engine's (the message lists
+            them).
+        CheckpointReadError: a missing, truncated, damaged or foreign file, or a CRC-32 mismatch; names the checkpoint (and,
+            on the rank that read it, the file and entry). Only an I/O error after the checks leaves the failing
+            rank's state partly overwritten, and the message says so.
+        RankDisagreementError: ranks name different checkpoints.
+
+    Communication:
+        Two agreements (one before the engine's first step), each rank reading its own pieces (no DCP collective),
+        then the working-weight refresh: ZeRO-1/2 one gather per param group, ZeRO-3 one of the persistent
+        parameters.
+
+    Device and memory:
+        Reads in place: no staging copy, except entries that cannot land in place (another world size's boxes,
+        another dtype) and, before the first step, one copy of this rank's partition; 1 MiB buffers for the CRC
+        checks.
+
+    Example:
+        ```python
+        client_state = zd.load(engine, "ckpt/step100")
+        ```
+    """
     target = describe(engine)
     passes = _Passes(engine, target, path)
     error: BaseException | None = None

@@ -69,9 +69,33 @@ def current_steps(engine: Any, target: Target) -> tuple[float, ...]:
 
 
 def get_state_dict(engine: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(model_state_dict, optimizer_state_dict)`` of ``engine`` in FSDP2's format (module docstring). **No
-    communication**; memory: none (views of the engine's memory) but, before the first step, one zero-filled
-    partition per state key."""
+    """The engine's state in FSDP2's format: ``(model_state_dict, optimizer_state_dict)``.
+
+    Keys ``model.<fqn>``, ``optim.state.<fqn>.<key>``, ``optim.param_groups.<fqn>.<hp>`` (torch's flattened
+    optimizer form); values are DTensors that DCP reshards exactly, so ``dcp.save`` / ``dcp.load`` work on them.
+
+    Args:
+        engine: a DeepSpeed ZeRO engine.
+
+    Returns:
+        tuple[dict, dict]: the model and optimizer state dicts.
+
+    Raises:
+        UnsupportedDeepSpeedError: an engine zero_dtensor does not map.
+
+    Communication:
+        None.
+
+    Device and memory:
+        Views of the engine's memory; before the first step, one zero-filled partition per optimizer-state key.
+
+    Example:
+        ```python
+        model_sd, optim_sd = zd.get_state_dict(engine)
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id="ckpt")
+        zd.set_state_dict(engine, model_sd, optim_sd)
+        ```
+    """
     target = describe(engine)
     model = model_dict(target, target.masters.partitions, {f.name: f.local for f in target.frozen})
     optim = optim_dict(target, state_partitions(engine, target), current_steps(engine, target),
@@ -210,14 +234,35 @@ def _plan_copies(engine: Any, target: Target, model: Mapping[str, Any], optim: M
 
 
 def set_state_dict(engine: Any, model_state_dict: Mapping[str, Any], optim_state_dict: Mapping[str, Any]) -> None:
-    """Write ``get_state_dict``-format dicts into ``engine`` (module docstring), then make the working weights the
-    cast masters. **Collective**: one agreement (one small collective, :mod:`zero_dtensor.comm.agreement`) after the
-    checks, then :func:`~zero_dtensor._deepspeed.sync.sync_model_params` (ZeRO-1/2: one gather per param
-    group; ZeRO-3: one of the persistent parameters together). Memory: none beyond the engine's (before the first
-    step the optimizer's state is created by a zero-learning-rate step: one master-sized zero gradient at a time).
-    Raises :class:`~zero_dtensor.errors.CheckpointMismatchError` (or ``TypeError`` for values of another kind) on
-    every rank, before anything is written, when the dicts do not fit. Clears the masters' write mark (the refresh
-    overwrites whatever was written before)."""
+    """Write ``zd.get_state_dict``-format dicts into ``engine``, then make the working weights the cast masters.
+
+    Clears the masters' write mark.
+
+    Args:
+        engine: a DeepSpeed ZeRO engine.
+        model_state_dict: ``{"model.<fqn>": tensor or DTensor}``.
+        optim_state_dict: the flattened optimizer state dict.
+
+    Returns:
+        None.
+
+    Raises:
+        CheckpointMismatchError: the dicts do not fit the engine.
+        TypeError: values of another kind. Both raise on every rank before anything is written.
+
+    Communication:
+        One agreement after the checks, then the working-weight refresh (ZeRO-1/2: one gather per param group;
+        ZeRO-3: one of the persistent parameters).
+
+    Device and memory:
+        None beyond the engine's (before the first step, the optimizer state is created by a zero-learning-rate
+        step: one master-sized zero gradient at a time).
+
+    Example:
+        ```python
+        zd.set_state_dict(engine, model_sd, optim_sd)
+        ```
+    """
     write_state(engine, model_state_dict, optim_state_dict)
     sync_model_params(engine)
     clear_write_mark(engine)  # the refresh made the working weights from the masters: an earlier write is gone

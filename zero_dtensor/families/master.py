@@ -89,9 +89,28 @@ class ShardedMasterParams(ShardedTensors):
         )
 
     def mark_written(self) -> None:
-        """Tell zero_dtensor that the masters were changed through live views (``to_local()``,
-        ``local_partitions``, ``groups``): the next forward then needs :func:`zero_dtensor.sync_model_params`, as
-        after a write through the API. No communication."""
+        """Tell zero_dtensor that the masters were changed through live views (``to_local()``, ``groups``...).
+
+        The next forward then needs ``zd.sync_model_params(engine)``, as after a write through the API.
+
+        Returns:
+            None.
+
+        Raises nothing.
+
+        Communication:
+            None.
+
+        Device and memory:
+            Nothing allocated.
+
+        Example:
+            ```python
+            master["fc1.weight"].to_local().zero_()
+            master.mark_written()
+            zd.sync_model_params(engine)
+            ```
+        """
         self._state.storage.after_write(self.names)
 
 

@@ -74,26 +74,60 @@ class ParamView:
         return start, stop
 
     def to_local(self) -> torch.Tensor:
-        """This rank's fragment, 1-D, ``local_range`` long: a **live view** of the stored memory.
+        """This rank's fragment of the parameter, 1-D and ``local_range`` long: a live view of the stored memory.
 
-        Writes to it change what ``engine.step()`` uses; it changes when the tensor does. Under
-        ``keep_full_grads`` (gradients) the view is of the kept full buffer, whose slice DeepSpeed owns is copied into
-        DeepSpeed's partition at the start of ``engine.step()`` (and after every write through the API).
-        No communication. Under fp16 loss scaling the stored values are ``true values × loss_scale``.
+        Writes to it change what ``engine.step()`` uses (masters: call ``mark_written()`` and sync after). Under
+        fp16 the stored values are ``true values × loss_scale``. Under ``keep_full_grads`` it views the kept full
+        buffer.
+
+        Returns:
+            torch.Tensor: a view, possibly empty (this rank holds nothing of the parameter).
+
+        Raises:
+            StaleTensorsError: the values are no longer DeepSpeed's (``StaleGradientsError`` for gradients).
+
+        Communication:
+            None.
+
+        Device and memory:
+            No copy; on the storage device (the CPU under offload).
+
+        Example:
+            ```python
+            grads["fc1.weight"].to_local().mul_(0.5)
+            ```
         """
         state = self._owner._state
         state.check_current()
         return state.fragment(self._param).view(-1)  # a new view: the cached fragment object stays internal
 
     def full_tensor(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The full (true, unscaled) tensor, shape ``self.shape``: a snapshot in memory the caller owns.
-        **Collective**: call on every rank of the group.
+        """The full (true, unscaled) tensor of this one parameter, a snapshot the caller owns.
 
-        Communication (the placement's, :mod:`zero_dtensor.materialize.placements`): none for a replicated group; ZeRO-3: one
-        ``all_gather`` of the ``ceil(numel/N)`` chunks (``(N-1)/N·numel`` elements received per rank); ZeRO-1/2: one
-        sum ``all_reduce`` of a zero-padded ``numel``-element buffer in the stored dtype (exact: every element has
-        one non-zero contributor). To gather many parameters use :meth:`ShardedTensors.full_tensors` (one collective
-        per group).
+        To gather many parameters, use ``full_tensors()`` (one collective for all). Call on every rank of the group.
+
+        Args:
+            dtype: result dtype (default: the stored dtype; float32 under fp16).
+
+        Returns:
+            torch.Tensor: the parameter's shape.
+
+        Raises:
+            TypeError: a bad ``dtype``.
+            RankDisagreementError: the ranks asked for different parameters.
+            StaleTensorsError: the values are no longer DeepSpeed's.
+
+        Communication:
+            The agreement, then ZeRO-3: one ``all_gather`` of the ``ceil(numel/N)`` chunks; ZeRO-1/2: one
+            ``all_reduce`` of a zero-padded ``numel`` buffer; replicated: none.
+
+        Device and memory:
+            The result on the communication device.
+
+        Example:
+            ```python
+            w = grads["fc1.weight"].full_tensor()
+            ```
         """
         state = self._owner._state
         state.check_current()
@@ -110,11 +144,28 @@ class ParamView:
         return state.finish(full.view(param.shape), dtype)
 
     def as_dtensor(self) -> DTensor:
-        """This tensor as an exact DTensor of shape ``(numel,)`` aliasing DeepSpeed's storage (a live view). No
-        communication.
+        """This tensor as an exact 1-D DTensor of shape ``(numel,)`` aliasing DeepSpeed's memory (a live view).
 
-        ``Shard(0)`` for ZeRO-3 (``torch.chunk`` pieces), ``Replicate()`` for replicated groups. ZeRO-1/2 pieces are
-        ragged, which DTensor cannot describe: use :meth:`to_local`, :meth:`full_tensor` or ``tensors.groups``.
+        ``Shard(0)`` for ZeRO-3 (``torch.chunk`` pieces), ``Replicate()`` for replicated groups.
+
+        Returns:
+            DTensor: the view.
+
+        Raises:
+            TypeError: ZeRO-1/2, whose ragged pieces a DTensor cannot describe (use ``to_local()``, ``full_tensor()``
+                or ``groups``).
+            StaleTensorsError: the values are no longer DeepSpeed's.
+
+        Communication:
+            None.
+
+        Device and memory:
+            No copy.
+
+        Example:
+            ```python
+            dt = grads["fc1.weight"].as_dtensor()       # ZeRO-3
+            ```
         """
         group = self._owner._state.group(self._param.group)
         if not group.placement.exact_param_shards:

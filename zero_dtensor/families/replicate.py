@@ -46,7 +46,25 @@ class KeepFullGradsHandle:
         return sum(b.numel() * b.element_size() for b in self._capture.buffers if b is not None)
 
     def remove(self) -> None:
-        """Stop capturing: restore the optimizer's methods and free the kept buffers (idempotent). No communication."""
+        """Stop keeping full gradients: restore the optimizer's methods and free the kept buffers (idempotent).
+
+        Returns:
+            None.
+
+        Raises nothing.
+
+        Communication:
+            None.
+
+        Device and memory:
+            Frees ``nbytes`` on this rank.
+
+        Example:
+            ```python
+            handle = zd.keep_full_grads(engine)
+            handle.remove()
+            ```
+        """
         if self._capture is not None:
             self._capture.remove()
 
@@ -61,9 +79,32 @@ class KeepFullGradsHandle:
 
 
 def keep_full_grads(engine: Any) -> KeepFullGradsHandle:
-    """Keep the full reduced gradient that ZeRO-1/2 computes during backward. No communication, ever.
+    """Keep the full reduced gradient that ZeRO-1/2 computes in backward, so reads need no collective.
 
-    Idempotent per engine (a second call returns a handle on the same capture). See the module docstring.
+    Opt-in ``Replicate`` for ZeRO-1/2: DeepSpeed's bucket all-reduce already produces the full gradient on every
+    rank; kept, ``full_tensors()`` and the norms need no data collective. Idempotent per engine. Details and costs:
+    ``docs/configurations.md``.
+
+    Args:
+        engine: a DeepSpeed ZeRO-1/2 engine (``BF16_Optimizer`` is replicated already: the handle is inactive).
+
+    Returns:
+        KeepFullGradsHandle: ``remove()`` (or leaving a ``with`` block) stops keeping.
+
+    Raises:
+        UnsupportedDeepSpeedError: ZeRO-3, an unknown optimizer, or ``contiguous_gradients: false``.
+
+    Communication:
+        None, ever.
+
+    Device and memory:
+        The full gradient, ``S`` bytes per rank, kept from the first backward on.
+
+    Example:
+        ```python
+        with zd.keep_full_grads(engine):
+            ...                                         # train; full_tensors() moves no data
+        ```
     """
     from .._deepspeed.capture import install
 

@@ -1,8 +1,9 @@
 """``ShardedGrads``: a live, sharded view of every reduced gradient of a DeepSpeed ZeRO engine (the gradient front).
 
 Everything it offers is the generic front of :mod:`zero_dtensor.families.tensors` (:class:`~zero_dtensor.families.tensors.
-ShardedTensors`: views, materialization, writes; :mod:`~zero_dtensor.families.tensor_math`: transforms and reductions;
-:mod:`~zero_dtensor.families.tensor_owners`: DTensors and owners), with the gradient's semantics: valid from
+ShardedTensors`: views, materialization, writes; :mod:`~zero_dtensor.families.tensor_math`: transforms;
+:mod:`~zero_dtensor.families.tensor_reductions`: reductions; :mod:`~zero_dtensor.families.tensor_owners`: DTensors
+and owners), with the gradient's semantics: valid from
 ``engine.backward()`` at an accumulation boundary until ``engine.step()`` (then
 :class:`~zero_dtensor.errors.StaleGradientsError`), fp16 loss scaling, frozen parameters absent. The fp32 master
 weights and the optimizer state are the same front over other families (:mod:`zero_dtensor.families.master`).

@@ -1,9 +1,8 @@
-"""The transforms (no communication) and reductions (one collective) of every :class:`~zero_dtensor.families.tensors.
-ShardedTensors` family, as a mixin: elementwise ``mul_`` … ``add_noise_``, ``clone``, ``norms``, ``global_norm``,
-``dots``, ``stats``, ``clip_*``.
+"""The transforms (no communication) of every :class:`~zero_dtensor.families.tensors.ShardedTensors` family, as a
+mixin: elementwise ``mul_`` … ``add_noise_``, and ``clone``. The reductions are in :mod:`.tensor_reductions`.
 
 The mixin uses the host's ``_state`` (:class:`~zero_dtensor.core.state.FlatState`), ``_agreed_selection`` and
-``_check_same_layout``; the work is done by :mod:`zero_dtensor.ops.transforms` and :mod:`zero_dtensor.ops.reductions`. A
+``_check_same_layout``; the work is done by :mod:`zero_dtensor.ops.transforms`. A
 write (every in-place method here) ends with the storage's ``after_write`` (for fp32 masters: the model's working
 weights need :func:`zero_dtensor.sync_model_params` before the next forward).
 """
@@ -18,9 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..ops import reductions, transforms
-from ..core.param_values import ParamValues
-from ..ops.reductions import GradStats
+from ..ops import transforms
 from ..core.state import FlatState, ParamSelection, Selection
 from ..ops.transforms import Scalar
 
@@ -38,7 +35,7 @@ def _clone_family(source: str) -> str:
 
 
 class TensorMath:
-    """Transforms and reductions of a sharded family (see the module docstring)."""
+    """Transforms of a sharded family (see the module docstring)."""
 
     _state: FlatState
 
@@ -51,33 +48,119 @@ class TensorMath:
         def _check_current(self) -> None: ...
 
     def mul_(self, factor: Scalar | Mapping[str, Scalar], *, params: ParamSelection = None):
-        """Multiply the selected values by ``factor``: a number, a 0-d tensor, or a mapping ``name -> factor``
-        (per-parameter factors; it must cover every selected parameter). **No communication.** Returns ``self``."""
+        """Multiply the selected values by ``factor``, in place.
+
+        Args:
+            factor: a number, a 0-d tensor, or a mapping ``name -> factor`` covering every selected parameter.
+            params: the parameters to touch: names, a predicate ``name -> bool``, or ``None`` for all.
+
+        Returns:
+            ShardedTensors: ``self``, for chaining.
+
+        Raises:
+            KeyError: an unknown name in ``params`` (or in a per-parameter mapping).
+            TypeError: an operand of the wrong kind.
+            StaleTensorsError: the values are no longer DeepSpeed's.
+
+        Communication:
+            None.
+
+        Device and memory:
+            In place, on the storage device (the CPU under offload): one read and write of the selected values.
+
+        Example:
+            ```python
+            grads.mul_(0.5, params=lambda n: "embed" in n)
+            ```
+        """
         sel = self._state.pick(params)
         transforms.mul_(self._state, sel, transforms.per_param(self._state, factor, sel, "factor"))
         return self
 
     def div_(self, divisor: Scalar | Mapping[str, Scalar], *, params: ParamSelection = None):
-        """Divide the selected values by ``divisor`` (number, 0-d tensor or per-parameter mapping).
-        **No communication.** Returns ``self``."""
+        """Divide the selected values by ``divisor``, in place.
+
+        Args:
+            divisor: a number, a 0-d tensor, or a mapping ``name -> divisor``.
+            params: the parameters to touch: names, a predicate ``name -> bool``, or ``None`` for all.
+
+        Returns:
+            ShardedTensors: ``self``, for chaining.
+
+        Raises:
+            KeyError: an unknown name in ``params`` (or in a per-parameter mapping).
+            TypeError: an operand of the wrong kind.
+            StaleTensorsError: the values are no longer DeepSpeed's.
+
+        Communication:
+            None.
+
+        Device and memory:
+            In place, on the storage device (the CPU under offload): one read and write of the selected values.
+
+        Example:
+            ```python
+            grads.div_(world_size)
+            ```
+        """
         sel = self._state.pick(params)
         transforms.div_(self._state, sel, transforms.per_param(self._state, divisor, sel, "divisor"))
         return self
 
     def zero_(self, *, params: ParamSelection = None):
-        """Set the selected values to zero. **No communication.** Returns ``self``."""
+        """Set the selected values to zero.
+
+        Args:
+            params: the parameters to touch: names, a predicate ``name -> bool``, or ``None`` for all.
+
+        Returns:
+            ShardedTensors: ``self``, for chaining.
+
+        Raises:
+            KeyError: an unknown name in ``params`` (or in a per-parameter mapping).
+            TypeError: an operand of the wrong kind.
+            StaleTensorsError: the values are no longer DeepSpeed's.
+
+        Communication:
+            None.
+
+        Device and memory:
+            In place, on the storage device (the CPU under offload): one read and write of the selected values.
+
+        Example:
+            ```python
+            grads.zero_(params=lambda n: n.endswith("bias"))
+            ```
+        """
         transforms.zero_(self._state, self._state.pick(params))
         return self
 
     def add_(self, other: Any, *, alpha: Scalar | Mapping[str, Scalar] = 1.0, params: ParamSelection = None):
-        """``g += alpha * other`` in true units. **No communication.** Returns ``self``.
+        """``g += alpha * other`` in true (unscaled) units, in place.
 
-        With a ``ShardedTensors`` operand and ``alpha != 1``, ``alpha * other`` is formed in float32 and then added
-        (one rounding to the stored dtype), so results do not depend on how fragments fall on vector boundaries.
+        Args:
+            other: a number or 0-d tensor, or another family or clone with the same layout (e.g. the masters).
+            alpha: a number, 0-d tensor, or a mapping ``name -> alpha`` (per parameter, e.g. PCGrad coefficients).
+            params: the parameters to touch: names, a predicate ``name -> bool``, or ``None`` for all.
 
-        ``other``: a number or 0-d tensor (added to every element), or another ``ShardedTensors``/clone with the same
-        layout (its own loss scale is taken into account). ``alpha``: a number, 0-d tensor, or a mapping
-        ``name -> alpha`` (per-parameter, e.g. PCGrad projection coefficients).
+        Returns:
+            ShardedTensors: ``self``, for chaining.
+
+        Raises:
+            KeyError: an unknown name in ``params`` (or in a per-parameter mapping).
+            TypeError: an operand of the wrong kind.
+            StaleTensorsError: the values are no longer DeepSpeed's.
+
+        Communication:
+            None.
+
+        Device and memory:
+            In place, on the storage device (the CPU under offload): one read and write of the selected values. With another family, ``alpha * other`` is formed in float32.
+
+        Example:
+            ```python
+            master.add_(grads, alpha=-lr)
+            ```
         """
         sel = self._state.pick(params)
         per_alpha = transforms.per_param(self._state, alpha, sel, "alpha")
@@ -89,8 +172,32 @@ class TensorMath:
         return self
 
     def clamp_(self, min: Scalar | None = None, max: Scalar | None = None, *, params: ParamSelection = None):
-        """Clamp the selected true values to ``[min, max]`` (numbers or 0-d tensors; the stored values are clamped
-        to the bounds × ``loss_scale``). **No communication.** Returns ``self``."""
+        """Clamp the selected true values to ``[min, max]``, in place.
+
+        Args:
+            min: lower bound (a number, a 0-d tensor, or ``None``).
+            max: upper bound (a number, a 0-d tensor, or ``None``).
+            params: the parameters to touch: names, a predicate ``name -> bool``, or ``None`` for all.
+
+        Returns:
+            ShardedTensors: ``self``, for chaining.
+
+        Raises:
+            KeyError: an unknown name in ``params`` (or in a per-parameter mapping).
+            TypeError: an operand of the wrong kind.
+            StaleTensorsError: the values are no longer DeepSpeed's.
+
+        Communication:
+            None.
+
+        Device and memory:
+            In place, on the storage device (the CPU under offload): one read and write of the selected values.
+
+        Example:
+            ```python
+            grads.clamp_(-1.0, 1.0)
+            ```
+        """
         if min is None and max is None:
             raise ValueError("clamp_: give at least one of min, max")
         lo = None if min is None else transforms.scalar(min, "min")
@@ -99,10 +206,32 @@ class TensorMath:
         return self
 
     def lerp_(self, end: Any, weight: Scalar, *, params: ParamSelection = None):
-        """``g = g + weight * (end - g)`` (``torch.lerp``) in true units, e.g. an EMA ``ema.lerp_(master, 1 - beta)``.
+        """``g += weight * (end - g)`` in true units, in place (``torch.lerp``), e.g. an EMA.
 
-        ``end``: another ``ShardedTensors``/clone with the same layout, or a number/0-d tensor. **No communication.**
-        Returns ``self``.
+        Args:
+            end: another family or clone with the same layout, or a number / 0-d tensor.
+            weight: a number or 0-d tensor.
+            params: the parameters to touch: names, a predicate ``name -> bool``, or ``None`` for all.
+
+        Returns:
+            ShardedTensors: ``self``, for chaining.
+
+        Raises:
+            KeyError: an unknown name in ``params`` (or in a per-parameter mapping).
+            TypeError: an operand of the wrong kind.
+            StaleTensorsError: the values are no longer DeepSpeed's.
+
+        Communication:
+            None.
+
+        Device and memory:
+            In place, on the storage device (the CPU under offload): one read and write of the selected values.
+
+        Example:
+            ```python
+            ema = zd.sharded_master_params(engine).clone()
+            ema.lerp_(zd.sharded_master_params(engine), 1 - 0.999)      # after each step
+            ```
         """
         w = transforms.scalar(weight, "weight")
         sel = self._state.pick(params)
@@ -114,9 +243,32 @@ class TensorMath:
         return self
 
     def copy_(self, other: Any, *, params: ParamSelection = None):
-        """Overwrite the selected values with those of ``other`` (a ``ShardedTensors`` or clone with the same
-        layout, e.g. a snapshot from :meth:`clone`), converting between loss scales. **No communication.**
-        Returns ``self``."""
+        """Overwrite the selected values with those of ``other`` (another family or clone with the same layout).
+
+        Args:
+            other: the source, e.g. a snapshot from ``clone()``; loss scales are converted.
+            params: the parameters to touch: names, a predicate ``name -> bool``, or ``None`` for all.
+
+        Returns:
+            ShardedTensors: ``self``, for chaining.
+
+        Raises:
+            KeyError: an unknown name in ``params`` (or in a per-parameter mapping).
+            TypeError: an operand of the wrong kind.
+            StaleTensorsError: the values are no longer DeepSpeed's.
+
+        Communication:
+            None.
+
+        Device and memory:
+            In place, on the storage device (the CPU under offload): one read and write of the selected values.
+
+        Example:
+            ```python
+            saved = grads.clone()
+            grads.copy_(saved)
+            ```
+        """
         if not isinstance(other, TensorMath):
             raise TypeError(
                 f"copy_ takes another ShardedTensors or a clone with the same layout, got {type(other).__name__} "
@@ -127,19 +279,34 @@ class TensorMath:
         return self
 
     def apply_(self, fn: Callable[[torch.Tensor], torch.Tensor | None], *, params: ParamSelection = None):
-        """Apply a user function to the selected values. **No communication.**
+        """Apply an elementwise function to the selected values, in place, once per flat group.
 
-        Contract for ``fn(x)``: it must be **elementwise** (each output element depends only on the input element at
-        the same position, never on its neighbours, position, length or rank) and **shape-preserving**. ``x`` is a
-        1-D tensor holding some of this rank's elements of one flat group: when every parameter of the group is
-        selected, the whole local partition including its padding (a view of the stored tensor without loss
-        scaling; the padding is reset to zero afterwards), else the selected fragments concatenated (a copy, written
-        back afterwards). ``fn`` runs once per flat group, whatever the number of parameters. Values are in true
-        units (under fp16 loss scaling ``x`` is an unscaled float32 copy). ``fn`` may modify ``x`` in place and
-        return ``None``, or return a tensor of ``x``'s shape, which is cast and written back.
+        ``fn(x)`` gets a 1-D tensor of this rank's elements of one flat group (true units) and must be elementwise and
+        shape-preserving; it may change ``x`` in place and return ``None``, or return new values of ``x``'s shape.
 
-        The selection is validated before ``fn`` first runs; if ``fn`` raises or returns a wrong shape, groups
-        already processed stay modified (with one flat group, nothing is written). Returns ``self``.
+        Args:
+            fn: ``fn(x) -> Tensor | None``, elementwise.
+            params: the parameters to touch: names, a predicate ``name -> bool``, or ``None`` for all.
+
+        Returns:
+            ShardedTensors: ``self``, for chaining.
+
+        Raises:
+            KeyError: an unknown name in ``params``.
+            ValueError: ``fn`` returned another shape. Groups already processed stay changed (one group: nothing).
+            StaleTensorsError: the values are no longer DeepSpeed's.
+
+        Communication:
+            None; ``fn`` must not communicate.
+
+        Device and memory:
+            On the storage device; a view of the partition when a whole group is selected, else one copy of the
+            selected fragments (and float32 under fp16).
+
+        Example:
+            ```python
+            grads.apply_(lambda x: x.sign_())
+            ```
         """
         if not callable(fn):
             raise TypeError(f"apply_ takes a callable, got {type(fn).__name__}")
@@ -147,14 +314,34 @@ class TensorMath:
         return self
 
     def add_noise_(self, std: Scalar, seed: int, *, params: ParamSelection = None):
-        """Add Gaussian noise ``std · N(0, 1)`` (true units) that does not depend on how the tensor is sharded.
+        """Add Gaussian noise ``std · N(0, 1)`` that depends only on ``(seed, name, element)``, not on the sharding.
 
-        Element ``j`` of the flattened parameter ``name`` receives ``std · counter_normal(seed, name, numel)[j]``
-        (see :func:`~zero_dtensor.ops.noise.counter_normal`): the noise depends only on ``(seed, parameter name, element
-        position)``, so results are identical at every world size and ZeRO stage, and equal a single-process
-        reference built with ``counter_normal`` on the full parameter. Each rank computes only its own elements,
-        for all selected parameters at once. Under fp16 the noise is multiplied by ``loss_scale``. Use a new
-        ``seed`` per step. **No communication.** Returns ``self``.
+        Results are identical at every world size and ZeRO stage (``zd.counter_normal`` is the reference). Use a new
+        ``seed`` per step.
+
+        Args:
+            std: standard deviation, in true units.
+            seed: an int.
+            params: the parameters to touch: names, a predicate ``name -> bool``, or ``None`` for all.
+
+        Returns:
+            ShardedTensors: ``self``, for chaining.
+
+        Raises:
+            KeyError: an unknown name in ``params`` (or in a per-parameter mapping).
+            TypeError: an operand of the wrong kind.
+            StaleTensorsError: the values are no longer DeepSpeed's.
+
+        Communication:
+            None.
+
+        Device and memory:
+            In place, on the storage device (the CPU under offload): one read and write of the selected values.
+
+        Example:
+            ```python
+            grads.add_noise_(1e-3, seed=engine.global_steps)
+            ```
         """
         std_v = transforms.scalar(std, "std")
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
@@ -163,90 +350,35 @@ class TensorMath:
         return self
 
     def clone(self, *, dtype: torch.dtype | None = None):
-        """A sharded copy: a new ``ShardedTensors`` with the same layout, backed by a copy of this rank's partitions.
+        """A sharded copy in memory of its own, valid across steps (an EMA, the previous gradient).
 
-        **No communication.** The clone keeps the loss scale of the moment (its values stay ``true × that scale``),
-        is never stale (it stays valid after ``engine.step()`` and across steps), is not seen by the optimizer, and
-        supports every ``ShardedTensors`` operation: views, ``full_tensors()`` (collective), reductions, and serving as
-        the ``other`` of :meth:`add_`, :meth:`lerp_`, :meth:`copy_` and :meth:`dots` (e.g. keep the previous step's
-        tensor, or an EMA, without gathering). ``dtype`` stores the copy in another floating dtype (e.g. an fp32
-        EMA of bf16 values). Memory: the local partition sizes, in that dtype.
+        The clone has the same layout and every operation of the family, serves as ``other`` of ``add_``, ``lerp_``,
+        ``copy_`` and ``dots``, is never stale and is not seen by the optimizer.
+
+        Args:
+            dtype: store the copy in another floating dtype (e.g. float32 for an EMA of bf16 values).
+
+        Returns:
+            ShardedTensors: the copy.
+
+        Raises:
+            TypeError: a non-floating ``dtype``.
+            StaleTensorsError: the values are no longer DeepSpeed's.
+
+        Communication:
+            None.
+
+        Device and memory:
+            This rank's partitions once more, in ``dtype``, on the storage device.
+
+        Example:
+            ```python
+            previous = grads.clone()
+            ```
         """
         self._check_current()
         if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise TypeError(f"clone: dtype must be floating, got {dtype}")
         storage = transforms.clone_storage(self._state, dtype)
         return type(self)(replace(storage, family=_clone_family(self._state.storage.family)))
-
-    def norms(self, norm_type: float = 2.0, *, params: ParamSelection = None) -> ParamValues:
-        """``{name: norm of the true values}`` as 0-d float32 tensors (on the communication device, the engine's,
-        also when the partitions are offloaded; no host sync; one read of the local data): a
-        read-only mapping (:class:`~zero_dtensor.ParamValues`) whose ``.vector`` is every norm as one ``(k,)``
-        tensor in result order; entries are made when read (``dict(result)`` for a plain dict).
-
-        ``norm_type``: any ``p > 0`` or ``inf``. **Communication: one all_reduce of a (k,) float32 vector per process
-        group** (sum of ``|g|^p`` partials; ``max`` for inf), none for replicated or single-rank groups.
-        """
-        sel = self._agreed_selection("norms", params, norm_type=norm_type)
-        return reductions.norms(self._state, sel, float(norm_type))
-
-    def global_norm(self, norm_type: float = 2.0, *, params: ParamSelection = None) -> torch.Tensor:
-        """The norm of all selected true values taken together (as ``torch.nn.utils.get_total_norm``), a 0-d
-        float32 tensor on the communication device (no host sync; one read of the local data). **Communication: one
-        all_reduce of a (k,) float32 vector per process group.**"""
-        sel = self._agreed_selection("global_norm", params, norm_type=norm_type)
-        return reductions.global_norm(self._state, sel, float(norm_type))
-
-    def dots(self, other: Any, *, params: ParamSelection = None, with_norms: bool = False):
-        """Per-parameter dot products ``{name: <g, other_g>}`` of true values (0-d float32 tensors), e.g. for
-        PCGrad conflict tests. ``other``: a ``ShardedTensors``/clone with the same layout.
-
-        With ``with_norms=True`` returns ``(dots, self_norms, other_norms)`` (2-norms), still in one collective.
-        Each is a read-only :class:`~zero_dtensor.ParamValues` mapping (``.vector``: one ``(k,)`` tensor).
-        **Communication: one all_reduce of a (k,) — (3k,) with norms — float32 vector per process group.**
-        """
-        if not isinstance(other, TensorMath):
-            raise TypeError(f"dots takes another ShardedTensors or a clone, got {type(other).__name__}")
-        self._check_same_layout(other)
-        sel = self._agreed_selection("dots", params, bool(with_norms), other._state.storage.family)
-        return reductions.dots(self._state, other._state, sel, with_norms)
-
-    def stats(self, *, params: ParamSelection = None) -> Mapping[str, GradStats]:
-        """``{name: GradStats}``: 2-norm, max ``|g|``, mean, nan and inf counts of parameter's true values, as Python
-        numbers (one host sync); a read-only mapping whose ``GradStats`` are made when read. **Communication: at
-        most two all_reduces per process group** (a (k, 4) float64 sum vector and a (k,) float32 max vector), none
-        for replicated or single-rank groups.
-        """
-        return reductions.stats(self._state, self._agreed_selection("stats", params))
-
-    def clip_grad_norm_(
-        self,
-        max_norm: float,
-        norm_type: float = 2.0,
-        *,
-        error_if_nonfinite: bool = False,
-        params: ParamSelection = None,
-    ) -> torch.Tensor:
-        """Clip the selected values together, like ``torch.nn.utils.clip_grad_norm_``; returns the total (true)
-        norm before clipping as a 0-d float32 tensor.
-
-        Every selected tensor is multiplied by ``clamp(max_norm / (total_norm + 1e-6), max=1.0)`` (torch's
-        formula). **Communication: one all_reduce of a (k,) float32 vector per process group**; the multiply is
-        local (the coefficient moves to the storage device once). Returns on the communication device; reads the
-        local data once for the norm, then reads and writes it once to scale; no host sync unless
-        ``error_if_nonfinite``.
-        """
-        sel = self._agreed_selection("clip_grad_norm_", params, norm_type=norm_type)
-        return reductions.clip_grad_norm_(self._state, sel, max_norm, float(norm_type), error_if_nonfinite)
-
-    def clip_per_param_(
-        self, max_norm: float, norm_type: float = 2.0, *, params: ParamSelection = None
-    ) -> ParamValues:
-        """Clip each selected tensor on its own to norm ``max_norm`` (coefficient
-        ``clamp(max_norm / (norm + 1e-6), max=1.0)`` per parameter); returns ``{name: norm before clipping}`` (a
-        :class:`~zero_dtensor.ParamValues` mapping).
-        **Communication: one all_reduce of a (k,) float32 vector per process group.**
-        """
-        sel = self._agreed_selection("clip_per_param_", params, norm_type=norm_type)
-        return reductions.clip_per_param_(self._state, sel, max_norm, float(norm_type))
 

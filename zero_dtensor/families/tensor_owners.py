@@ -35,24 +35,40 @@ class TensorOwners:
                    *signature: Any) -> None: ...
 
     def to_dtensors(self, names: list[str] | None = None, *, dtype: torch.dtype | None = None) -> dict[str, DTensor]:
-        """``{name: DTensor}``: each selected tensor (true units) with the parameter's shape, placement
-        ``Shard(0)`` (rows split as ``torch.chunk`` splits them, as FSDP2 lays parameters out; a 0-d parameter,
-        which ``Shard(0)`` cannot describe, is ``Replicate()``), on a 1-D ``DeviceMesh`` over its data-parallel
-        process group. **Collective**: call on every rank with the same arguments.
+        """Each selected tensor as a DTensor of the parameter's shape, rows sharded as FSDP2 lays them out.
 
-        Communication: the rank agreement (one small collective per process group), then one
-        ``all_to_all_single`` with uneven splits per (process group, stored dtype) for all selected parameters
-        together, in the stored dtype: each rank sends the part of its fragments that other ranks' rows cover and
-        receives the part of its rows that others store, about ``(N-1)/N · S/N`` bytes each way (``S`` the
-        selected bytes; ``full_tensors`` receives ``(N-1)/N · S``). None for replicated groups (each rank slices its
-        own rows) or where the stored pieces already are whole rows (ZeRO-3 when every row count divides by ``N``):
-        the plan decides this from the layout alone, identically on every rank. Results are **snapshots** the caller
-        owns (views into one buffer per process group, on the communication device), valid after ``engine.step()``;
-        ``dtype`` casts after the exchange (one more buffer of the result's size). Memory and copies: the result
-        once; each byte copied at most once locally on the rank that sends it and once on the rank that receives it
-        (the own share once; under CPU offload the move to the accelerator is that copy); send and receive
-        buffers only where a side cannot be a view, each at most what this rank sends and receives, kept between
-        calls.
+        Placement ``Shard(0)`` (rows split as ``torch.chunk`` splits them; a 0-d parameter is ``Replicate()``) on a 1-D
+        mesh over the data-parallel group: works with ``torch.nn.utils.clip_grad_norm_``, DTensor math and DCP. Call on
+        every rank with the same arguments.
+
+        Args:
+            names: a list of names, a predicate ``name -> bool``, or ``None`` for every parameter.
+            dtype: result dtype (default: the stored dtype; float32 under fp16).
+
+        Returns:
+            dict[str, DTensor]: ``{name: DTensor}``, snapshots the caller owns, valid after ``engine.step()``.
+
+        Raises:
+            KeyError: an unknown name.
+            TypeError: a bad ``names`` or ``dtype``.
+            RankDisagreementError: the ranks' calls differ (raised on every rank before data moves).
+            StaleTensorsError: the values are no longer DeepSpeed's.
+
+        Communication:
+            The agreement, then one uneven ``all_to_all_single`` per process group and dtype, about ``(N-1)/N · S/N``
+            bytes each way per rank (``full_tensors``: ``(N-1)/N · S``); none for replicated groups or where ZeRO-3's
+            chunks already are whole rows.
+
+        Device and memory:
+            Results on the communication device, allocated once; each byte copied at most once on each side; send and
+            receive buffers only where a side cannot be a view (kept between calls).
+
+        Example:
+            ```python
+            dts = grads.to_dtensors(dtype=torch.float32)
+            torch.nn.utils.clip_grad_norm_(list(dts.values()), 1.0)
+            grads.set_dtensors_(dts)
+            ```
         """
         self._check_current()
         selected: list[ParamLayout] | None = None
@@ -63,18 +79,35 @@ class TensorOwners:
         return _redistribute.to_dtensors(self._storage, selected, dtype=dtype)
 
     def set_dtensors_(self, mapping: Mapping[str, DTensor]) -> None:
-        """Write ``Shard(0)`` DTensors shaped as :meth:`to_dtensors` returns them (true units, any floating dtype)
-        back into DeepSpeed's storage. **Collective**: call on every rank with the same names.
+        """Write DTensors shaped as ``to_dtensors`` returns them back into DeepSpeed's memory.
 
-        Every entry (name, DTensor type, mesh over the group's ranks, placement, global shape, dtype, this rank's
-        local shard shape, device) is checked on every rank before anything is sent or written; a bad entry on any
-        rank raises on every rank. Communication: the rank agreement (one small collective; it carries any rank's
-        refusal), then one ``all_to_all_single`` per (process group, dtype), the reverse of the read, about
-        ``(N-1)/N · S/N`` bytes each way per rank (replicated groups too: every rank needs the whole new value,
-        ``(N-1)/N · S`` received). Writes never record autograd history. Memory and copies: nothing of the data's
-        size is allocated; the local shards are sent as they lie where they are one run in send order (as
-        :meth:`to_dtensors` returns them), else packed once, and land in DeepSpeed's partitions straight from the
-        exchange where they arrive in its order, else copied into place once.
+        Call on every rank with the same names. Writes never record autograd history.
+
+        Args:
+            mapping: ``{name: DTensor}`` in ``to_dtensors``' layout (mesh, placement, shape), any floating dtype.
+
+        Returns:
+            None.
+
+        Raises:
+            KeyError: an unknown name.
+            TypeError: a value that is not such a DTensor.
+            ValueError: another mesh, placement, shape or local shard. Every entry is checked on every rank before
+                anything is sent or written.
+            RankDisagreementError: the ranks' names differ.
+
+        Communication:
+            The agreement, then one ``all_to_all_single`` per process group and dtype, about ``(N-1)/N · S/N`` bytes
+            each way per rank (replicated groups: ``(N-1)/N · S`` received).
+
+        Device and memory:
+            Nothing of the data's size is allocated; shards are sent as they lie where possible.
+
+        Example:
+            ```python
+            dts = grads.to_dtensors()
+            grads.set_dtensors_({n: d * 0.5 for n, d in dts.items()})
+            ```
         """
         self._check_current()
         selected: list[ParamLayout] | None = None
@@ -90,30 +123,69 @@ class TensorOwners:
         _redistribute.set_dtensors_(storage, selected, values)
 
     def owners(self, names: list[str] | None = None, *, owners: Mapping[str, int] | None = None) -> dict[str, int]:
-        """``{name: global rank}`` that :meth:`owned` and :meth:`map_full_` give each selected parameter to. **No
-        communication**: deterministic from the layout and the selection, identical on every rank; balanced by size
-        (per process group, its selected parameters in buffer order cut into one contiguous run per rank, in rank
-        order: a parameter goes to the rank whose equal share of the running total holds its middle element; no
-        rank exceeds its share by more than the largest parameter).
-        ``owners=`` (a complete mapping for the selection) is validated and returned instead.
+        """Which global rank ``owned`` and ``map_full_`` give each selected parameter to.
+
+        Deterministic and identical on every rank: per process group, one contiguous run of parameters per rank, in
+        buffer order, balanced by size.
+
+        Args:
+            names: a list of names, a predicate ``name -> bool``, or ``None`` for every parameter.
+            owners: a complete mapping for the selection, validated and returned instead.
+
+        Returns:
+            dict[str, int]: ``{name: global rank}``.
+
+        Raises:
+            KeyError: an unknown name, or ``owners`` gives no rank for a selected one.
+            ValueError: ``owners`` names a rank outside the parameter's process group.
+            TypeError: a rank that is not an integer.
+
+        Communication:
+            None.
+
+        Device and memory:
+            Nothing of the data's size.
+
+        Example:
+            ```python
+            mine = [n for n, r in grads.owners().items() if r == torch.distributed.get_rank()]
+            ```
         """
         self._check_current()
         return _redistribute.owners(self._storage, self._select(names), owners)
 
     def owned(self, names: list[str] | None = None, *, owners: Mapping[str, int] | None = None,
               dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """``{name: whole tensor}`` (true units, the parameter's shape) of the selected parameters this rank owns
-        (:meth:`owners`; ``owners=`` overrides); other ranks' parameters are absent. **Collective**: call on every
-        rank with the same arguments.
+        """The whole tensors (parameter's shape, true units) of the selected parameters this rank owns.
 
-        Communication: the rank agreement, then one ``all_to_all_single`` per (process group, stored dtype)
-        of sharded groups: each rank sends its fragments of other owners' parameters and receives the rest of its
-        own: with the default owners, ZeRO-1/2 ranks send only the parameters their partition boundaries cut (a
-        rank's run of parameters lies mostly in its own partition, sent as it lies: no packing), ZeRO-3 ranks about
-        ``(N-1)/N · S/N`` bytes each way. Replicated groups: none. Results are
-        **snapshots** the caller owns, on the communication device. Memory and copies as :meth:`to_dtensors`: with
-        the default owners a ZeRO-1/2 rank sends its run as it lies and receives straight into the result (no local
-        copy); ZeRO-3 received chunks are copied into parameter order once.
+        Other ranks' parameters are absent. Call on every rank with the same arguments.
+
+        Args:
+            names: a list of names, a predicate ``name -> bool``, or ``None`` for every parameter.
+            owners: ``{name: rank}`` overriding ``owners()``.
+            dtype: result dtype (default: the stored dtype).
+
+        Returns:
+            dict[str, torch.Tensor]: ``{name: whole tensor}`` for this rank's parameters, snapshots the caller owns.
+
+        Raises:
+            KeyError: an unknown name.
+            ValueError: a bad ``owners`` mapping.
+            RankDisagreementError: the ranks' calls differ.
+
+        Communication:
+            The agreement, then one ``all_to_all_single`` per process group and dtype of sharded groups: about
+            ``(N-1)/N · S/N`` bytes each way per rank (ZeRO-1/2 with the default owners: only the parameters the
+            partition boundaries cut).
+
+        Device and memory:
+            Results on the communication device; each byte copied at most once per side.
+
+        Example:
+            ```python
+            mine = grads.owned()
+            grads.set_owned_({n: t / t.norm() for n, t in mine.items()})
+            ```
         """
         self._check_current()
         selected: list[ParamLayout] | None = None
@@ -126,40 +198,72 @@ class TensorOwners:
         return _redistribute.owned(self._storage, selected, assignment, dtype=dtype)
 
     def set_owned_(self, mapping: Mapping[str, torch.Tensor], *, owners: Mapping[str, int] | None = None) -> None:
-        """Write whole tensors (true units, the parameter's shape, any floating dtype) from the ranks that hold
-        them, usually the (modified) result of :meth:`owned`: each rank passes its own, each parameter comes from
-        at most one rank; with ``owners=`` every key must be owned by the passing rank. **Collective**: call on
-        every rank (with its own mapping, possibly empty).
+        """Write whole tensors from the ranks that own them, usually the (changed) result of ``owned``.
 
-        Every entry is checked before anything is sent or written; a bad entry on any rank raises on every rank.
-        Communication: the rank agreement, which also tells every rank which rank passed which parameter (one
-        all_gather of ``2 + k`` int64 per rank and process group, ``k`` its parameters), then one
-        ``all_to_all_single`` per (process group, dtype) where any piece crosses ranks, about ``(N-1)/N · S/N``
-        bytes each way per rank (ZeRO-1/2 with the default owners: only the parameters the partition boundaries cut;
-        replicated groups: the owner's values reach every rank). Writes never record autograd history. Memory and
-        copies as :meth:`set_dtensors_` (the tensors :meth:`owned` returned, modified in place, are sent as they
-        lie).
+        Each rank passes its own (possibly ``{}``); each parameter comes from at most one rank. Call on every rank.
+
+        Args:
+            mapping: ``{name: whole tensor}`` of this rank's parameters, any floating dtype.
+            owners: ``{name: rank}``; every key must then be owned by the passing rank.
+
+        Returns:
+            None.
+
+        Raises:
+            KeyError: an unknown name.
+            ValueError: a wrong shape, or a parameter passed by two ranks. Every entry is checked on every rank
+                before anything is sent or written.
+            TypeError: a value that is not a floating-point tensor.
+
+        Communication:
+            The agreement (an ``all_gather`` of ``2 + k`` int64 that also says who passed what), then one
+            ``all_to_all_single`` per process group and dtype where a piece crosses ranks, about ``(N-1)/N · S/N``
+            bytes each way per rank.
+
+        Device and memory:
+            As ``set_dtensors_``: tensors ``owned`` returned are sent as they lie.
+
+        Example:
+            ```python
+            grads.set_owned_({n: t.clamp(-1, 1) for n, t in grads.owned().items()})
+            ```
         """
         self._check_current()
         _redistribute.set_owned_(self._storage, mapping, assignment=owners)
 
     def map_full_(self, fn: Callable[[str, torch.Tensor], torch.Tensor], names: list[str] | None = None, *,
                   owners: Mapping[str, int] | None = None) -> None:
-        """Replace each selected tensor by ``fn(name, whole tensor)``, computed once in the job, on the
-        parameter's owner (:meth:`owners`): :meth:`owned`, ``fn``, then the reverse exchange. ``fn`` gets true
-        units in the stored dtype (float32 under fp16) and returns a tensor of the parameter's shape (any floating
-        dtype). **Collective**: call on every rank with the same arguments.
+        """Replace each selected tensor by ``fn(name, whole tensor)``, computed once in the job, on its owner rank.
 
-        Communication: the rank agreement, one ``all_to_all_single`` per (process group, dtype) each way (the
-        first only where a piece crosses ranks; the second always, as it also carries one error code per peer):
-        about ``(N-1)/N · S/N`` bytes each way per rank per exchange (ZeRO-1/2 with the default owners: only the
-        parameters the partition boundaries cut). An exception in ``fn`` (or a result of the wrong shape or
-        dtype) on any rank raises on every rank and nothing is written: the original exception where it happened,
-        :class:`~zero_dtensor.errors.RankFailedError` elsewhere. ``fn`` runs on each parameter's owner only, so it
-        must not communicate: a zero_dtensor collective inside it raises ``RuntimeError`` at once (compute with
-        :meth:`owned` and write back with :meth:`set_owned_` where the computation needs other ranks). Memory and
-        copies: :meth:`owned`'s, then the write's own share copied straight into place and the peers' pieces once
-        into the framed send buffer and once out of the framed receive buffer (kept between calls).
+        ``fn`` gets true units in the stored dtype (float32 under fp16) and returns a tensor of the parameter's shape.
+        It runs on owners only, so it must not communicate. Call on every rank with the same arguments.
+
+        Args:
+            fn: ``fn(name, full) -> Tensor``.
+            names: a list of names, a predicate ``name -> bool``, or ``None`` for every parameter.
+            owners: ``{name: rank}`` overriding ``owners()``.
+
+        Returns:
+            None.
+
+        Raises:
+            Exception: whatever ``fn`` raised, on the rank where it did (``RankFailedError`` on the others); nothing is
+                written on any rank.
+            ValueError: ``fn`` returned another shape.
+            RuntimeError: ``fn`` called a zero_dtensor collective.
+            TypeError: ``fn`` is not callable.
+
+        Communication:
+            The agreement, then one ``all_to_all_single`` per process group and dtype each way (the second also
+            carries one error code per peer), about ``(N-1)/N · S/N`` bytes each way per rank per exchange.
+
+        Device and memory:
+            As ``owned`` then ``set_owned_``; ``fn``'s inputs are on the communication device.
+
+        Example:
+            ```python
+            grads.map_full_(lambda name, g: newton_schulz(g), names=lambda n: n.endswith("weight"))
+            ```
         """
         self._check_current()
         storage = self._storage

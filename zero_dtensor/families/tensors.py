@@ -15,7 +15,8 @@ before anything is sent. The work is done by modules that take the internal stat
 :mod:`~zero_dtensor.ops.reductions` (norms, dots, stats, clipping), :mod:`~zero_dtensor.redistribute`; the methods are
 grouped by concept: this module (mapping, materialization, writes), :mod:`~zero_dtensor.families.param_view` (one
 parameter's view), :mod:`~zero_dtensor.families.tensor_math`
-(transforms and reductions), :mod:`~zero_dtensor.families.tensor_owners` (DTensors and whole tensors on owners).
+(transforms), :mod:`~zero_dtensor.families.tensor_reductions` (reductions), :mod:`~zero_dtensor.families.tensor_owners`
+(DTensors and whole tensors on owners).
 """
 
 from __future__ import annotations
@@ -39,12 +40,13 @@ from .param_view import ParamView
 from ..core.state import FlatState, ParamSelection, Selection, check_dtype, short_names
 from ..core.storage import FlatStorage
 from .tensor_math import TensorMath
+from .tensor_reductions import TensorReductions
 from .tensor_owners import TensorOwners
 
 __all__ = ["ParamView", "ShardedTensors", "check_dtype"]
 
 
-class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
+class ShardedTensors(TensorMath, TensorReductions, TensorOwners, Mapping[str, ParamView]):
     """One family of flat tensors (gradients, fp32 masters, an optimizer-state key), sharded as DeepSpeed stores
     it: a mapping ``name -> ParamView`` over every trainable parameter.
 
@@ -129,8 +131,26 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         return tuple(part.view(-1) for part in self._state.storage.partitions)  # new views: they pin the memory
 
     def is_current(self) -> bool:
-        """False once DeepSpeed no longer holds these values (gradients: consumed by ``engine.step()`` or a new
-        micro-step; optimizer state: replaced by ``engine.load_checkpoint``). No communication."""
+        """Whether DeepSpeed still holds these values; a use after it does not raises ``StaleTensorsError``.
+
+        Returns:
+            bool: False once gradients were consumed by ``engine.step()`` (or a new micro-step began), or the optimizer
+                state was replaced by ``engine.load_checkpoint``.
+
+        Raises nothing.
+
+        Communication:
+            None.
+
+        Device and memory:
+            Nothing allocated.
+
+        Example:
+            ```python
+            if not master.is_current():
+                master = zd.sharded_master_params(engine)
+            ```
+        """
         return self._state.is_current()
 
     @cached_property
@@ -158,71 +178,47 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         async_op: bool = False,
         strategy: str = "auto",
     ) -> dict[str, torch.Tensor] | PendingFullTensors:
-        """``{name: full tensor}`` (true, unscaled values). **Collective**: call on every rank with the same arguments.
+        """Every selected tensor in full (true, unscaled values): one collective for all parameters.
+
+        Call on every rank with the same arguments. The result is a snapshot the caller owns: ``engine.step()`` does not
+        change it. Which strategy does what, window sizes and copies: ``docs/design.md`` and the guide's "Calls in detail".
 
         Args:
-            names: parameters to materialize: a list of names (results in that order), a predicate
-                ``name -> bool`` (model order) or ``None`` for all. Only flat groups holding one of them
-                communicate.
-            dtype: output dtype (default: the stored dtype; fp32 under fp16 loss scaling). Communication always
-                uses the stored dtype; the cast happens after it, once per flat group.
-            out: a dict to fill in place, e.g. the result of a previous call: zero allocation on later steps. A
-                previous result (a :class:`~zero_dtensor.materialize.GatheredGrads`) also carries its buffers, so
-                the collective writes straight into them and its entries keep their addresses. With a user-made
-                dict, entries must have the parameter's shape and the output dtype, on the tensor's device,
-                contiguous, not requiring grad; they are filled with one ``_foreach_copy_`` per flat group; missing
-                entries are created; the gather buffer is then a kept workspace
-                (``zero_dtensor.materialize.release_workspace()`` frees it).
-            dst: a global rank: only it receives full tensors, every other rank gets an empty dict.
-                ``all_gather``/``all_to_all``/``send_recv``/``auto``: one ``gather`` per flat group (gather has no
-                coalesced form): each rank sends ``S/N``, the destination receives ``(N-1)/N·S`` and only it
-                allocates ``S``. ``all_reduce``: one sum ``reduce`` per transfer of a zero-padded ``S`` buffer that
-                every rank allocates.
-            async_op: return a :class:`~zero_dtensor.materialize.PendingFullTensors` whose ``wait()`` gives the
-                dict; do not change the values (e.g. ``engine.step()``) before ``wait()``.
-            strategy: ``"all_gather"``, ``"all_to_all"``, ``"send_recv"``, ``"all_reduce"`` or ``"auto"`` (see
-                :mod:`zero_dtensor.materialize.strategy`).
+            names: a list of names (results in that order), a predicate ``name -> bool`` (model order), or ``None``
+                for every parameter. Only flat groups holding one of them communicate.
+            dtype: result dtype (default: the stored dtype; float32 under fp16). The collective uses the stored dtype.
+            out: a dict to fill in place, e.g. the previous result: no allocation on later steps.
+            dst: a global rank: only it receives the tensors (one ``gather`` per flat group); the others get ``{}``.
+            async_op: return a handle whose ``wait()`` gives the dict; change nothing before ``wait()``.
+            strategy: ``"auto"``, ``"all_gather"``, ``"all_to_all"``, ``"send_recv"`` or ``"all_reduce"``.
 
-        Communication (``N`` ranks, ``S`` the padded flat bytes of the groups involved, in the stored dtype): first
-        the rank agreement (one small collective of a few int64 per process group communicated on, on the call as
-        resolved: the selection, ``dtype``, the strategy each transfer uses or that it calibrates, and the settings;
-        see :mod:`zero_dtensor.comm.agreement`; arguments that any rank refuses — names, ``dtype``, ``out=`` entries,
-        ``dst``, ``strategy`` — raise there on every rank, this rank's own error or the same class naming the
-        refusing rank), then ``all_gather``: one all_gather per (process group, dtype, device),
-        coalesced over the flat groups sharing them, ``(N-1)/N·S`` bytes per rank (ZeRO-3 transfers of 16 MiB or
-        more: two all_gathers issued at once, splitting every partition at a parameter boundary near 3/4, the same
-        bytes; each part is reordered into parameter order once it has arrived, the first while the second travels
-        where the group runs collectives in issue order, as NCCL does; gloo moves both at once,
-        :func:`~zero_dtensor.materialize.strategy.pipelines`; ZeRO-3 transfers of more than ``WINDOW_BYTES``, 64 MiB,
-        with every gather strategy: one collective per column window of at most ``max(64 MiB, S/8)`` (about 8 for
-        a large transfer), one at a time, each reordered into the result as it arrives,
-        :func:`~zero_dtensor.materialize.strategy.windowed`; a process group of one rank: no collective, each
-        partition copied, ZeRO-3 reordered, straight into the result).
-        ``all_to_all``: the same gather by one
-        ``all_to_all_single`` per flat group, the same bytes (gloo receives it in place, where its all_gather
-        stages and copies out; ZeRO-3 copies this rank's partition into parameter order while the others' travel).
-        ``send_recv``: the same gather by one batch of ``isend``/``irecv`` per (process group, dtype, device), the
-        same bytes, every partition sent as it is and received in place (no copy of ``S``; ``CommDebugMode`` does
-        not count point-to-point ops, :func:`zero_dtensor.comm.point_to_point.counting_p2p` does).
-        ``all_reduce``: one sum all_reduce
-        per (process group, dtype, device) of a zero-filled ``S`` buffer, ``2(N-1)/N·S`` bytes per rank. ``auto`` on
-        gloo, for transfers of at least 1 MiB: the first call per (process group, dtype, power-of-two size) also
-        calibrates (9 more collectives, 13 where the all_gather is pipelined, 4 more where the transfer is one flat
-        group and all_to_all is timed too, and 4 point-to-point batches: send_recv is timed too, except for CUDA tensors on gloo, whose ``isend``/``irecv`` cannot move them:
-        there ``send_recv`` is never picked, and asked for it raises ``ValueError`` before anything moves,
-        :func:`zero_dtensor.comm.process_groups.comm_support`); pin it with ``ZERO_DTENSOR_GATHER_STRATEGY`` or
-        :func:`~zero_dtensor.materialize.set_gather_strategy`. Replicated groups (``BF16_Optimizer``,
-        ``keep_full_grads``): none.
+        Returns:
+            dict[str, torch.Tensor]: ``{name: full tensor}`` of the parameter's shape (with ``async_op``, a
+                ``PendingFullTensors`` handle).
 
-        Results are a **snapshot** the caller owns: changing them does not change the tensor, and
-        ``engine.step()`` does not change them. Entries are views of one parameter-order buffer per flat group
-        (ZeRO-1/2: the gathered buffer itself; ZeRO-3: one reordering copy after an all_gather, all_to_all or
-        send_recv, from a staging area of the result's size kept with it up to 64 MiB, beyond that from one
-        window buffer of at most ``max(64 MiB, S/8)`` freed on return; one rank: the partition copied straight
-        into the result, no staging; on the communication device;
-        replicated: one local copy). Without ``out=`` the buffers are recycled from the previous call once none of that call's
-        tensors (nor its dict) is alive, so a loop that drops each step's result allocates only once; a live result
-        is never overwritten (``zero_dtensor.materialize.BUFFERS.recycle = False`` turns this off).
+        Raises:
+            KeyError: an unknown name.
+            TypeError: a bad ``names``, ``dtype`` or ``out=`` entry.
+            ValueError: an unknown strategy, or ``send_recv`` for CUDA tensors on gloo.
+            RankDisagreementError: the ranks' calls differ. Every refusal raises on every rank before data moves.
+            StaleTensorsError: the values are no longer DeepSpeed's (``StaleGradientsError`` for gradients).
+
+        Communication:
+            The agreement, then one ``all_gather`` per process group and dtype, ``(N-1)/N·S`` bytes per rank in the
+            stored dtype (ZeRO-3 from 16 MiB: two; over 64 MiB: one per column window, about 8); ``all_reduce``:
+            ``2(N-1)/N·S``. One rank, or replicated groups: none. ``auto`` picks all_gather on NCCL and measures once
+            on gloo (pin it with ``zd.set_gather_strategy``).
+
+        Device and memory:
+            Results on the communication device (CUDA under NCCL, also with offload): ``S`` bytes, plus at most one
+            window (64 MiB or ``S/8``) for large ZeRO-3 transfers. Without ``out=`` the buffers of a previous result
+            are reused once nothing of it is alive.
+
+        Example:
+            ```python
+            full = grads.full_tensors()
+            full = grads.full_tensors(out=full)                  # next step: no allocation
+            ```
         """
         self._state.check_current()
         selected: list[ParamLayout] | None = None
@@ -245,26 +241,38 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         dtype: torch.dtype | None = None,
         strategy: str = "auto",
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(name, full tensor)`` window by window, for models whose full tensor does not fit in memory.
-        **Collective**: every rank must iterate to the end (a rank that stops early leaves the others waiting in
-        the next window's collective).
+        """Yield ``(name, full tensor)`` a window at a time, for models whose full tensors do not fit in memory.
 
-        Parameters come per flat group, in buffer order (not model order). Consecutive parameters form windows of
-        at most ``bucket_bytes`` of buffers allocated here (stored dtype); a parameter larger than that gets a
-        window of its own. First the rank agreement (one small collective per process group, once per call;
-        it carries any rank's refusal of the arguments, which then raises on every rank), then one collective per
-        window, nothing for replicated groups (one local copy per window). On gloo over CPU tensors the default is ``send_recv``
-        (one batch of point-to-point ops per window): ZeRO-1/2 every other rank's overlap of the window ``[a, b)``
-        received straight into its place, about ``(N-1)/N·W`` bytes per rank; ZeRO-3 the window's chunk range of
-        every rank's partition received into rows, then one reordering copy. Elsewhere: ZeRO-1/2 ``all_reduce``
-        (the default): the window zero-filled, each rank writing its overlap, ``2(N-1)/N·W`` bytes per rank;
-        ``all_gather``: each rank's overlap padded to the largest one (``m``), ``(N-1)·m`` bytes received per rank.
-        ZeRO-3 ``all_gather`` (the default): the chunk range of every rank's partition, ``(N-1)/N·W``, then one
-        reordering copy; ``all_reduce``: a zero-filled parameter-order buffer, ``2(N-1)/N·W``.
+        Every rank must iterate to the end: a rank that stops early leaves the others waiting. Parameters come per
+        flat group in buffer order (not model order); yielded tensors are snapshots, views of their window's buffer.
 
-        Peak extra memory: one window (plus the local shard DeepSpeed already holds), provided the caller drops
-        each tensor before asking for the next window. Yielded tensors are **snapshots** (views of their window's
-        buffer, valid as long as they are referenced); ``dtype`` casts and fp16 unscaling convert the window once.
+        Args:
+            names: a list of names, a predicate ``name -> bool``, or ``None`` for every parameter.
+            bucket_bytes: the most bytes of one window (a larger parameter gets a window of its own).
+            dtype: result dtype (default: the stored dtype; float32 under fp16).
+            strategy: ``"auto"``, ``"all_gather"``, ``"send_recv"`` or ``"all_reduce"``.
+
+        Returns:
+            Iterator[tuple[str, torch.Tensor]]: the parameters, full, window by window.
+
+        Raises:
+            KeyError: an unknown name.
+            TypeError: a bad ``names`` or ``dtype``.
+            RankDisagreementError: the ranks' calls differ (raised on every rank before data moves).
+
+        Communication:
+            The agreement once, then one collective per window (``send_recv`` on gloo: about ``(N-1)/N·W`` bytes per
+            rank; ``all_reduce``: ``2(N-1)/N·W``). Replicated groups: none.
+
+        Device and memory:
+            One window of extra memory (on the communication device), provided each tensor is dropped before the next
+            window is asked for.
+
+        Example:
+            ```python
+            for name, full in grads.iter_full(bucket_bytes=16 << 20):
+                log(name, full.norm())
+            ```
         """
         self._state.check_current()
         selected: list[ParamLayout] | None = None
@@ -276,17 +284,36 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         return _stream.iter_full(self._state, selected, bucket_bytes=bucket_bytes, dtype=dtype, strategy=strategy)
 
     def set_full_(self, mapping: Mapping[str, torch.Tensor]) -> None:
-        """Overwrite the values of the named parameters with full tensors. **No communication**.
+        """Overwrite the named parameters' values with full tensors.
 
-        Each rank copies its own fragment of each value (rescaled by ``loss_scale`` under fp16) into DeepSpeed's
-        storage: per flat group, small values staged with one ``cat`` per trailing shape and moved with one row
-        copy, large ones straight into their fragments with one ``cat`` (or one ``_foreach_copy_``; see
-        :mod:`zero_dtensor.ops.writes`); values of parameters a rank
-        holds nothing of are not read there, only their shapes and devices checked. Values must be equal on every
-        rank (for replicated groups each rank writes the whole value). Everything is validated on every rank before
-        the first write: a bad entry anywhere raises on every rank and nothing is changed. Values may be any
-        floating dtype (cast on write), on the engine's device or where the tensor is stored, plain tensors or
-        subclasses such as ``nn.Parameter`` (not DTensors); writes never record autograd history.
+        Each rank copies its own part of each value into DeepSpeed's memory (rescaled under fp16 loss scaling). Values
+        must be equal on every rank. Writes never record autograd history.
+
+        Args:
+            mapping: ``{name: full tensor}`` of the parameter's shape, any floating dtype, a plain tensor or a subclass
+                such as ``nn.Parameter`` (not a DTensor), on the engine's device or where the values are stored.
+
+        Returns:
+            None.
+
+        Raises:
+            KeyError: an unknown name.
+            ValueError: a wrong shape.
+            TypeError: a value that is not a floating-point tensor, or a DTensor. Every entry is checked on every rank
+                before the first write: nothing is half-applied.
+            StaleTensorsError: the values are no longer DeepSpeed's.
+
+        Communication:
+            None.
+
+        Device and memory:
+            In place; small values are staged with one ``cat`` per shape, large ones copied straight into place.
+
+        Example:
+            ```python
+            full = grads.full_tensors()
+            grads.set_full_({n: t.clamp(-1, 1) for n, t in full.items()})
+            ```
         """
         state = self._state
         state.check_current()

@@ -77,9 +77,27 @@ class GradHookHandle:
         return self.id in self._registry.hooks
 
     def remove(self) -> None:
-        """Unregister (no communication). When the engine's last hook goes, ``engine.step`` (and
-        ``_take_model_step``) are restored to DeepSpeed's own bound methods (or whatever was set on the instance
-        before the first hook)."""
+        """Unregister the hook (idempotent).
+
+        When the engine's last hook goes, ``engine.step`` is restored to DeepSpeed's own method.
+
+        Returns:
+            None.
+
+        Raises nothing.
+
+        Communication:
+            None.
+
+        Device and memory:
+            Nothing allocated.
+
+        Example:
+            ```python
+            handle = zd.on_grads(engine, fn)
+            handle.remove()
+            ```
+        """
         self._registry.remove(self.id)
 
     def __enter__(self) -> GradHookHandle:
@@ -96,34 +114,44 @@ def on_grads(engine: Any, fn: GradFn, *, every: int = 1, sync_errors: bool = Tru
              group: dist.ProcessGroup | None = None) -> GradHookHandle:
     """Call ``fn(grads)`` at every gradient-accumulation boundary, after reduction and before the optimizer step.
 
-    ``grads`` is ``zero_dtensor.sharded_grads(engine)``: in-place changes (``grads.set_full_(...)``, writes to
-    ``to_local()`` views or ``grads.groups``, the transforms) are what the optimizer uses. ``fn`` runs
-    on every rank and may issue collectives (same order on every rank). Its return value is ignored. Not called at
-    non-boundary micro-steps.
-
-    Works whether the user calls ``engine.step()`` or Accelerate does inside ``accelerator.backward()``; see the module
-    docstring for where exactly it hooks. Values are as DeepSpeed holds them before its step: reduced (averaged over
-    ranks and micro-steps), unclipped (``gradient_clipping`` runs inside the step, on the edited values), and under
-    fp16 possibly non-finite: the hook also runs on steps DeepSpeed will then skip for overflow.
-
-    If ``fn`` raises, ``engine.step()`` raises on every rank (see ``sync_errors``), no optimizer step runs, and the
-    step's gradients are **discarded** on every rank and stage (``engine.optimizer.zero_grad()`` is called for you,
-    after the ranks agreed): training on continues as if that batch had never been seen. (With
-    ``sync_errors=False`` only the failing ranks discard; the others' step then runs alone.) Several hooks may be
-    registered on one engine; they run in registration order, each seeing the previous ones' changes.
+    The place for gradient code where you do not call ``engine.step()`` yourself: Accelerate's
+    ``accelerator.backward()`` runs both backward and step, the HF Trainer and Lightning call the step. ``grads`` is
+    ``zd.sharded_grads(engine)``: in-place changes are what the optimizer uses. ``fn`` runs on every rank and may
+    issue collectives (in the same order on every rank); its return value is ignored. Values are reduced and
+    unclipped (DeepSpeed's ``gradient_clipping`` runs later, on the edited values); under fp16 ``fn`` also runs on
+    steps DeepSpeed then skips for overflow. Several hooks run in registration order.
 
     Args:
-        engine: a ``deepspeed.DeepSpeedEngine`` (what ``deepspeed.initialize`` returns, ``accelerator.prepare`` gives
-            under its DeepSpeed plugin, or ``trainer.model_wrapped`` in the HF Trainer).
+        engine: a ``deepspeed.DeepSpeedEngine`` (``deepspeed.initialize``'s, ``accelerator.prepare``'s under its
+            DeepSpeed plugin, or ``trainer.model_wrapped`` in the HF Trainer).
         fn: ``fn(grads: ShardedGrads) -> Any``.
-        every: call ``fn`` at every ``every``-th accumulation boundary only (the first one included); the other
-            boundaries cost nothing (no ``ShardedGrads``, no agreement collective).
-        sync_errors: after ``fn``, all-reduce an error flag (``world_size`` int64) so that an exception on any rank
-            raises on every rank before the optimizer step (:class:`GradHookError` on the ranks that did not fail).
-        group: the process group for that agreement; default the world (every rank that runs ``engine.step()``).
+        every: call ``fn`` at every ``every``-th boundary only (the first one included); the others cost nothing.
+        sync_errors: agree after ``fn`` so that an exception on any rank raises on every rank before the step.
+        group: the process group of that agreement (default: the world).
 
     Returns:
-        a :class:`GradHookHandle`; ``handle.remove()`` or ``with on_grads(engine, fn): ...`` unregisters.
+        GradHookHandle: ``handle.remove()``, or ``with zd.on_grads(engine, fn): ...``, unregisters.
+
+    Raises:
+        TypeError: ``fn`` not callable, not a DeepSpeed engine, or a ``PipelineEngine``.
+        ValueError: a bad ``every``.
+        UnsupportedDeepSpeedError: ZeRO stage 0 or an unknown optimizer (at registration).
+        GradHookError: at ``engine.step()`` on the ranks where ``fn`` succeeded, when it raised on another rank
+            (that rank raises its own exception). No optimizer step runs and the step's gradients are discarded on
+            every rank (with ``sync_errors=False``: only on the failing ranks).
+
+    Communication:
+        Registering: none. Per call of ``fn``: ``fn``'s own, plus one small error agreement (a few int64).
+
+    Device and memory:
+        Nothing beyond what ``fn`` allocates; the first ``sharded_grads`` of a step as documented there.
+
+    Example:
+        ```python
+        def clip(grads):
+            grads.clip_grad_norm_(1.0)
+        handle = zd.on_grads(engine, clip)       # engine = accelerator.prepare(model)
+        ```
     """
     if not callable(fn):
         raise TypeError(f"on_grads(engine, fn): fn must be callable, got {type(fn).__name__}")
@@ -148,14 +176,31 @@ def on_grads(engine: Any, fn: GradFn, *, every: int = 1, sync_errors: bool = Tru
 
 
 def attach_to_trainer(trainer: Any, factory: Callable[[Any], Any]) -> Any:
-    """Hugging Face Trainer: call ``factory(engine)`` when training begins, ``.remove()`` its result when it ends.
+    """Call ``factory(engine)`` when a Hugging Face Trainer's training begins; ``.remove()`` its result at the end.
 
-    ``engine`` is the DeepSpeed engine the Trainer built (``trainer.model_wrapped``; it exists only once ``train()``
-    has prepared the model, which is why this goes through a callback). ``factory`` returns anything with a
-    ``remove()`` method, e.g. ``lambda engine: zd.GradStatsLogger(engine, every=10, callback=...)``. Returns the
-    ``transformers.TrainerCallback`` it added to the trainer; ``callback.attached`` is the factory's current result,
-    ``callback.active`` whether it is attached. Needs ``transformers`` and a Trainer running DeepSpeed. No
-    communication of its own (``factory`` and what it attaches may communicate).
+    The Trainer builds its DeepSpeed engine (``trainer.model_wrapped``) only inside ``train()``, hence a callback.
+
+    Args:
+        trainer: a ``transformers.Trainer`` running DeepSpeed.
+        factory: ``factory(engine)`` returning anything with a ``remove()`` method, e.g. a ``zd.GradStatsLogger``.
+
+    Returns:
+        transformers.TrainerCallback: the added callback; ``callback.attached`` is the factory's current result,
+            ``callback.active`` whether it is attached.
+
+    Raises:
+        TypeError: at the start of training, if the Trainer is not running DeepSpeed.
+
+    Communication:
+        None of its own; ``factory`` and what it attaches may communicate.
+
+    Device and memory:
+        Nothing of its own.
+
+    Example:
+        ```python
+        zd.attach_to_trainer(trainer, lambda engine: zd.GradStatsLogger(engine, every=10, callback=report))
+        ```
     """
     from transformers import TrainerCallback
 
@@ -191,12 +236,36 @@ def attach_to_trainer(trainer: Any, factory: Callable[[Any], Any]) -> Any:
 
 
 def on_grads_in_trainer(trainer: Any, fn: GradFn, **kwargs: Any) -> Any:
-    """Hugging Face Trainer: :func:`on_grads` ``(engine, fn, **kwargs)`` for the duration of ``trainer.train()``.
+    """``zd.on_grads(engine, fn, **kwargs)`` for the duration of a Hugging Face ``trainer.train()``.
 
     A ``TrainerCallback`` such as ``on_pre_optimizer_step`` runs after Accelerate's ``backward()`` already called
-    ``engine.step()``, too late to see or change the gradients; this registers ``fn`` on the engine itself. Returns
-    the added callback (see :func:`attach_to_trainer`; ``callback.attached`` is the :class:`GradHookHandle`).
-    Registering communicates nothing; each call of ``fn`` communicates as :func:`on_grads` says.
+    ``engine.step()``, too late to see or change the gradients; this registers ``fn`` on the engine itself once
+    the Trainer has built it.
+
+    Args:
+        trainer: a ``transformers.Trainer`` running DeepSpeed.
+        fn: ``fn(grads: ShardedGrads) -> Any``.
+        **kwargs: passed on to ``zd.on_grads`` (``every``, ``sync_errors``, ``group``).
+
+    Returns:
+        transformers.TrainerCallback: the added callback; ``callback.attached`` is the ``GradHookHandle`` while
+            training runs.
+
+    Raises:
+        TypeError: ``fn`` is not callable; at the start of training, the Trainer is not running DeepSpeed.
+        GradHookError: as ``zd.on_grads``.
+
+    Communication:
+        As ``zd.on_grads``: per call of ``fn``, ``fn``'s own and one small error agreement.
+
+    Device and memory:
+        Nothing of its own.
+
+    Example:
+        ```python
+        zd.on_grads_in_trainer(trainer, lambda grads: grads.clip_grad_norm_(1.0))
+        trainer.train()
+        ```
     """
     if not callable(fn):
         raise TypeError(f"on_grads_in_trainer(trainer, fn): fn must be callable, got {type(fn).__name__}")

@@ -24,27 +24,43 @@ METRICS = ("norm", "max_abs", "mean", "nan_count", "inf_count")
 
 
 class GradStatsLogger:
-    """Log per-parameter gradient statistics at accumulation boundaries, before the optimizer step.
+    """Log per-parameter gradient statistics at accumulation boundaries, before the optimizer step, for any tracker.
 
     ``logger.latest`` is ``{"grad/<name>/<metric>": float, ..., "grad/global_norm": float, "grad/nan_count": float,
-    "grad/inf_count": float}`` from the last logged step (the totals are derived from the per-parameter values, no extra
-    communication), identical on every rank. ``callback(metrics, step)`` is called with that dict (a copy) and
-    ``step = engine.global_steps + 1``, the number of the optimizer step these gradients feed — e.g.
-    ``callback=lambda m, s: wandb.log(m, step=s)`` or ``lambda m, s: [tb.add_scalar(k, v, s) for k, v in m.items()]``.
+    "grad/inf_count": float}`` from the last logged step, identical on every rank. ``callback(metrics, step)`` gets a
+    copy with ``step = engine.global_steps + 1``, e.g. ``lambda m, s: wandb.log(m, step=s)``. Create (and remove) it on
+    every rank; use it as a context manager or call ``remove()``.
 
     Args:
-        engine: a DeepSpeed engine (see :func:`~zero_dtensor.on_grads`).
-        every: log at every ``every``-th accumulation boundary (1 = every optimizer step; the first one is logged);
-            the boundaries in between cost nothing (``on_grads(..., every=every)``).
+        engine: a DeepSpeed engine (as for ``zd.on_grads``).
+        every: log at every ``every``-th boundary (the first one included); the others cost nothing.
         callback: called on rank 0 only (on every rank with ``all_ranks=True``).
         params: which parameters (names, or a predicate ``name -> bool``); default all trainable ones.
-        metrics: which of ``norm``, ``max_abs``, ``mean``, ``nan_count``, ``inf_count`` to report per parameter.
+        metrics: which of ``norm``, ``max_abs``, ``mean``, ``nan_count``, ``inf_count`` to report.
         prefix: key prefix.
         all_ranks: call ``callback`` on every rank.
 
-    Collective: every rank must create (and remove) the logger, like the hook itself. An exception in ``callback`` (or
-    anywhere in the hook) is raised on every rank and the optimizer step is not run (see :func:`on_grads`).
-    Use as a context manager or call :meth:`remove`.
+    Returns:
+        GradStatsLogger: the logger (registered through ``zd.on_grads``).
+
+    Raises:
+        TypeError: not a DeepSpeed engine, or a callback that is not callable.
+        ValueError: an unknown metric or a bad ``every``.
+        GradHookError: at ``engine.step()``, when the callback or the statistics failed on another rank (the step
+            is skipped on every rank).
+
+    Communication:
+        Per logged boundary: ``stats()`` (the agreement and at most two ``all_reduce`` per process group) and the
+        hook's small error agreement.
+
+    Device and memory:
+        As ``stats()``: a few per-row vectors; one host sync for the Python floats.
+
+    Example:
+        ```python
+        with zd.GradStatsLogger(engine, every=10, callback=lambda m, s: wandb.log(m, step=s)):
+            train()
+        ```
     """
 
     def __init__(
@@ -105,7 +121,25 @@ class GradStatsLogger:
         return self.handle.active
 
     def remove(self) -> None:
-        """Stop logging (removes the hook; idempotent; no communication). ``latest`` keeps the last values."""
+        """Stop logging (removes the hook; idempotent). ``latest`` keeps the last values.
+
+        Returns:
+            None.
+
+        Raises nothing.
+
+        Communication:
+            None.
+
+        Device and memory:
+            Nothing allocated.
+
+        Example:
+            ```python
+            logger = zd.GradStatsLogger(engine)
+            logger.remove()
+            ```
+        """
         self.handle.remove()
 
     def __enter__(self) -> GradStatsLogger:

@@ -67,8 +67,36 @@ def counter_normal(
     *,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """Elements ``[start, stop)`` of a standard-normal float32 vector of length ``numel`` identified by ``(seed, key)``
-    (see the module docstring): any slice equals the same slice of the whole vector. No communication."""
+    """Elements ``[start, stop)`` of a standard-normal float32 vector of length ``numel`` identified by ``(seed, key)``.
+
+    Any slice equals the same slice of the whole vector: the reference for ``add_noise_``, whose noise does not depend
+    on the sharding (a splitmix64 counter per element, Box-Muller).
+
+    Args:
+        seed: an int.
+        key: a string, e.g. the parameter name.
+        numel: the length of the whole vector.
+        start: the first element.
+        stop: one past the last element (default ``numel``).
+        device: where to compute it.
+
+    Returns:
+        torch.Tensor: ``stop - start`` float32 values.
+
+    Raises:
+        ValueError: a range outside ``[0, numel]``.
+
+    Communication:
+        None.
+
+    Device and memory:
+        The result on ``device``.
+
+    Example:
+        ```python
+        noise = zd.counter_normal(seed=7, key="fc1.weight", numel=64 * 33)
+        ```
+    """
     stop = numel if stop is None else stop
     if not 0 <= start <= stop <= numel:
         raise ValueError(f"counter_normal: bad range [{start}, {stop}) for numel {numel}")

@@ -33,13 +33,30 @@ def _not_finite(part: torch.Tensor) -> torch.Tensor:
 
 
 def found_inf(grads: Any) -> bool:
-    """True if any element of any gradient (on any rank) is inf or nan. **Collective** (same answer on every rank).
+    """Whether any element of any gradient, on any rank, is inf or nan (an fp16 overflow check).
 
-    Communication: the rank agreement (:mod:`zero_dtensor.comm.agreement`), then one ``all_reduce`` (max) of one float
-    per distinct process group of the multi-rank sharded groups; none
-    when every group is replicated (``BF16_Optimizer``: every rank holds the same full buffer). Padding is zero and
-    never counts. Local work: one ``aminmax`` per flat group where its partition lives (one read, no mask); the
-    flags move to the communication device; one host sync (the answer).
+    Args:
+        grads: a ``ShardedGrads`` (or another family).
+
+    Returns:
+        bool: the same answer on every rank.
+
+    Raises:
+        TypeError: not a zero_dtensor family.
+        StaleTensorsError: the values are no longer DeepSpeed's.
+
+    Communication:
+        The agreement, then one ``all_reduce`` (max) of one float per process group; none when every group is
+        replicated.
+
+    Device and memory:
+        One read of the local data (``aminmax``); one host sync (the answer).
+
+    Example:
+        ```python
+        if zd.found_inf(zd.sharded_grads(engine)):
+            print("overflow: DeepSpeed will skip this step")
+        ```
     """
     state = state_of(grads)
     state.check_current()

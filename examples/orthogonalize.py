@@ -101,7 +101,7 @@ def replay(world: int, steps: int = STEPS) -> dict[str, torch.Tensor]:
     for _ in range(steps):
         model.zero_grad()
         for rank in range(world):
-            x, y = batch(rank, engine.device)
+            x, y = batch(rank)
             ((model(x) - y).pow(2).mean() / world).backward()
         with torch.no_grad():
             for p in model.parameters():

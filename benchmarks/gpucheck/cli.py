@@ -40,6 +40,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="write checks, timings and environment as JSON")
     p.add_argument("--skip-timing", action="store_true", help="checks only")
     p.add_argument("--skip-checks", action="store_true", help="timings only")
+    p.add_argument("--skip-world-one", action="store_true",
+                   help="no check cases at world 1 (the --ranks part still runs): the multi-rank matrix alone")
     p.add_argument("--ranks", type=int, default=MULTI_RANK,
                    help=f"ranks sharing the device for the multi-rank checks (0: none). Default {MULTI_RANK}")
     p.add_argument("--timing-stages", default="1,2,3", help="ZeRO stages to time. Default 1,2,3")
@@ -189,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         # world 1: its cases here, then --ranks gloo ranks sharing the device (spawned); torchrun: its N ranks
         worlds = (1,) + ((args.ranks,) if args.ranks > 1 else ()) if world == 1 else (world,)
         cases = [] if args.skip_checks else case_matrix(worlds, quick=args.quick)
-        in_process_checks(results, [c for c in cases if c.world == world], device_type, workdir, budget, progress)
+        here = [c for c in cases if c.world == world and not (world == 1 and args.skip_world_one)]
+        in_process_checks(results, here, device_type, workdir, budget, progress)
         dump()
         if not args.skip_timing:
             timings(results, args, device_type, backend, budget, profiles, progress)

@@ -13,8 +13,8 @@ into its working partition, then regathers DeepSpeed's persistent parameters), e
 The run checks that the EMA equals a single-process EMA of the gathered masters, that evaluation used the EMA
 weights, and that the masters and the model's working weights are restored exactly.
 
-Run (2 ranks: NCCL with one GPU each where the machine has them, else gloo on the CPU): ``python examples/ema.py`` (starts its ranks itself), or
-``torchrun --nproc_per_node 2 examples/ema.py``.
+Run (2 ranks: NCCL with one GPU each where the machine has them, else gloo on the CPU):
+``python examples/ema.py`` (starts its ranks itself), or ``torchrun --nproc_per_node 2 examples/ema.py``.
 """
 
 from __future__ import annotations

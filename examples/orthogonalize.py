@@ -12,8 +12,8 @@ Muon's shape factor ``scale = sqrt(max(1, rows/cols))``.
 The result is checked against a single-process replay: the same model and data in plain PyTorch, the gradient
 averaged over the ranks' batches, the same orthogonalization and SGD step.
 
-Run (2 ranks: NCCL with one GPU each where the machine has them, else gloo on the CPU): ``python examples/orthogonalize.py`` (forks its ranks itself), or
-``torchrun --nproc_per_node 2 examples/orthogonalize.py --stage 3``.
+Run (2 ranks: NCCL with one GPU each where the machine has them, else gloo on the CPU):
+``python examples/orthogonalize.py`` (forks its ranks itself), or ``torchrun --nproc_per_node 2 examples/orthogonalize.py --stage 3``.
 """
 
 from __future__ import annotations

@@ -213,3 +213,18 @@ def family_calls(variant: str, modes: tuple[bool, ...], root: str) -> dict[bool,
         with forced(mode):
             out[mode].update(_checkpoint(engine, os.path.join(root, f"{variant}-w{dist.get_world_size()}-{mode}")))
     return out
+
+
+def op_count_collectives(variant: str) -> dict[str, dict[int, Any]]:
+    """``tests/workers/op_counts.py``'s rows of ``variant`` measured under ``ZERO_DTENSOR_FORCE_COLLECTIVES=1`` on this
+    pool (world 1): per row and model size, the collectives (``CommDebugMode``) or the error. The engines are
+    dropped after."""
+    from . import op_counts
+
+    try:
+        with forced(True):
+            measured = op_counts.count_variant(variant)
+    finally:
+        op_counts.release()
+    return {row: {n: c.get("comm_ops", {"error": c.get("error")}) for n, c in sizes.items()}
+            for row, sizes in measured.items()}

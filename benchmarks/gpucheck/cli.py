@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     elif world == 1:
         os.environ.pop(ENV_FORCE_COLLECTIVES, None)
     budget = AgreedBudget(args.budget_s) if world > 1 else Budget(args.budget_s)
-    profiles = Profiles(args.profile if rank == 0 else None)
+    profiles = Profiles(args.profile)  # every rank profiles the same calls (collectives inside); rank 0 writes
 
     def progress(what: str) -> None:
         if not args.quiet and rank == 0:
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         dump()
         if not args.skip_timing:
             timings(results, args, device_type, backend, budget, profiles, progress)
-            results["profile_files"] = profiles.write()
+            results["profile_files"] = profiles.write() if rank == 0 else []
             dump()
         multi = [c for c in cases if c.world > 1] if world == 1 else []
         if multi:

@@ -1,8 +1,16 @@
-"""One command for the CUDA path (issues 13, 42): zero_dtensor checked against DeepSpeed and timed against bare-op
-floors, on one device. The parts live in ``benchmarks/gpucheck/`` (one module per role); this file is the entry.
+"""One command for the CUDA path (issues 13, 42, 52): zero_dtensor checked against DeepSpeed and timed against
+bare-op floors, on one device or, under ``torchrun``, on N (one GPU per rank, NCCL). The parts live in
+``benchmarks/gpucheck/`` (one module per role); this file is the entry.
 
     python benchmarks/gpu_check.py [--device cuda|cpu] [--tiny] [--quick] [--json PATH] [--skip-timing]
                                    [--budget-s S] [--profile DIR] [--checkpoint-stages 1,2,3]
+                                   [--force-collectives auto|on|off] [--skip-world-one]
+    torchrun --nproc_per_node=N benchmarks/gpu_check.py [same options]
+
+Under ``torchrun`` every part below runs at N ranks (``gpucheck/world.py``): the check matrix at N ranks, the
+timings at N ranks beside the bare ``all_gather_into_tensor`` / ``all_reduce`` / ``all_to_all_single`` of the same
+bytes (with bus bandwidth), no spawned ranks. On one GPU the world-1 part runs with
+``ZERO_DTENSOR_FORCE_COLLECTIVES=1`` (``--force-collectives auto``): every NCCL call of the library, over one rank.
 
 The device defaults to ``cuda`` when torch sees a GPU, else ``cpu``. Three parts, in this order, one table, one
 JSON file (written after every part):

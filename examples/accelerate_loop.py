@@ -1,6 +1,6 @@
 """An Accelerate training loop with its DeepSpeed plugin (ZeRO-2), editing reduced gradients through ``zd.on_grads``.
 
-Run on 2 CPU ranks (gloo) with either of:
+Run on 2 ranks (NCCL with one GPU each where the machine has them, else gloo on the CPU) with either of:
 
     torchrun --nproc_per_node 2 examples/accelerate_loop.py
     python examples/accelerate_loop.py            # forks 2 local ranks itself (zero_dtensor.launch)
@@ -69,7 +69,7 @@ def main() -> int:
             f"  logged at step {s}: 0.bias norm {m['grad/0.bias/norm']:.1f}, global {m['grad/global_norm']:.4f}")):
         for (x,) in loader:
             with accelerator.accumulate(engine):
-                loss = engine(x).pow(2).mean()
+                loss = engine(x.to(engine.device)).pow(2).mean()
                 accelerator.backward(loss)  # at a boundary: engine.backward, then the hooks, then engine.step
                 optimizer.step()  # no-op under DeepSpeed
                 optimizer.zero_grad()

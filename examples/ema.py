@@ -13,8 +13,8 @@ into its working partition, then regathers DeepSpeed's persistent parameters), e
 The run checks that the EMA equals a single-process EMA of the gathered masters, that evaluation used the EMA
 weights, and that the masters and the model's working weights are restored exactly.
 
-Run (2 CPU ranks, gloo): ``python examples/ema.py`` (starts its ranks itself), or
-``torchrun --nproc_per_node 2 examples/ema.py``.
+Run (2 ranks: NCCL with one GPU each where the machine has them, else gloo on the CPU):
+``python examples/ema.py`` (starts its ranks itself), or ``torchrun --nproc_per_node 2 examples/ema.py``.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 import zero_dtensor as zd
+from zero_dtensor.launch import init_distributed
 
 STEPS = 12
 DECAY = 0.8
@@ -37,9 +38,9 @@ def make_model() -> torch.nn.Module:
                                torch.nn.Linear(31, 4))  # odd sizes: ZeRO-3 pads the last rank's chunks
 
 
-def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(rank: int, step: int, device: Any = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(BATCH, 16, generator=g)
+    x = torch.randn(BATCH, 16, generator=g).to(device)
     return x, torch.sin(x[:, :4] * 2)
 
 
@@ -62,7 +63,7 @@ def train() -> dict[str, Any]:
     import torch.distributed as dist
 
     if not dist.is_initialized():  # under torchrun; zero_dtensor.launch has already done this
-        deepspeed.init_distributed(dist_backend="gloo")
+        init_distributed()  # NCCL with a GPU per rank, else gloo (zero_dtensor.launch.backend_for)
     rank = dist.get_rank()
     config = {
         "train_micro_batch_size_per_gpu": BATCH,
@@ -76,7 +77,7 @@ def train() -> dict[str, Any]:
     ema = master.clone()  # sharded, this rank's own memory
     reference = zd.get_full_fp32_params(engine)  # the single-process EMA, kept on the side for the check
     for step in range(STEPS):
-        x, y = batch(rank, step)
+        x, y = batch(rank, step, engine.device)
         engine.backward((engine(x) - y).pow(2).mean())
         engine.step()
         ema.lerp_(master, 1 - DECAY)  # no communication
@@ -86,7 +87,7 @@ def train() -> dict[str, Any]:
     worst = max(float((full_ema[n] - reference[n]).abs().max()) for n in reference)
     assert worst < 1e-6, f"the sharded EMA differs from the single-process EMA by {worst:.2e}"
 
-    x, y = batch(0, 10**6)  # an evaluation batch, the same on every rank
+    x, y = batch(0, 10**6, engine.device)  # an evaluation batch, the same on every rank
     masters_before, weights_before = zd.get_full_fp32_params(engine), working_weights(engine)
     loss_train = evaluate(engine, x, y)
 
@@ -109,7 +110,7 @@ def train() -> dict[str, Any]:
     assert all(torch.equal(masters_after[n], masters_before[n]) for n in masters_before), "masters not restored"
     assert all(torch.equal(weights_after[n], weights_before[n]) for n in weights_before), "weights not restored"
     assert evaluate(engine, x, y) == loss_train
-    x, y = batch(rank, STEPS)
+    x, y = batch(rank, STEPS, engine.device)
     engine.backward((engine(x) - y).pow(2).mean())  # training goes on from the restored weights
     engine.step()
     return {"rank": rank, "loss_train": loss_train, "loss_ema": loss_ema, "ema_vs_reference": worst}

@@ -1,6 +1,6 @@
 """The Hugging Face Trainer with DeepSpeed ZeRO-2: edit and log the reduced gradients through ``zd.on_grads``.
 
-Run on 2 CPU ranks (gloo) with either of:
+Run on 2 ranks (NCCL with one GPU each where the machine has them, else gloo on the CPU) with either of:
 
     torchrun --nproc_per_node 2 examples/hf_trainer.py
     python examples/hf_trainer.py                 # forks 2 local ranks itself (zero_dtensor.launch)

@@ -1,7 +1,7 @@
 """Lightning with DeepSpeed ZeRO-2: clip the reduced gradients by norm and log per-layer gradient norms, once per
 optimizer step, with ``zero_dtensor.lightning.ZeroGradCallback``.
 
-Run on 2 CPU ranks (gloo) with either of:
+Run on 2 ranks (NCCL with one GPU each where the machine has them, else gloo on the CPU) with either of:
 
     torchrun --nproc_per_node 2 examples/lightning_clip.py
     python examples/lightning_clip.py            # forks 2 local ranks itself (zero_dtensor.launch)

@@ -12,8 +12,8 @@ Muon's shape factor ``scale = sqrt(max(1, rows/cols))``.
 The result is checked against a single-process replay: the same model and data in plain PyTorch, the gradient
 averaged over the ranks' batches, the same orthogonalization and SGD step.
 
-Run (2 CPU ranks, gloo): ``python examples/orthogonalize.py`` (forks its ranks itself), or
-``torchrun --nproc_per_node 2 examples/orthogonalize.py --stage 3``.
+Run (2 ranks: NCCL with one GPU each where the machine has them, else gloo on the CPU):
+``python examples/orthogonalize.py`` (forks its ranks itself), or ``torchrun --nproc_per_node 2 examples/orthogonalize.py --stage 3``.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 import zero_dtensor as zd
+from zero_dtensor.launch import init_distributed
 from zero_dtensor.redistribute import newton_schulz, traffic
 
 LR = 0.05
@@ -44,10 +45,10 @@ def orthogonalized(name: str, grad: torch.Tensor) -> torch.Tensor:
     return newton_schulz(grad) * max(1.0, rows / cols) ** 0.5
 
 
-def batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(rank: int, device: Any = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s data (the same every step: each rank has its own shard of a tiny data set)."""
     g = torch.Generator().manual_seed(rank)
-    x = torch.randn(BATCH, 16, generator=g)
+    x = torch.randn(BATCH, 16, generator=g).to(device)
     return x, torch.sin(x[:, :4] * 2)  # a smooth target the model can fit
 
 
@@ -58,7 +59,7 @@ def train(stage: int, steps: int = STEPS) -> dict[str, Any]:
     from deepspeed.utils import safe_get_full_fp32_param
 
     if not dist.is_initialized():  # under torchrun; zero_dtensor.launch has already done this
-        deepspeed.init_distributed(dist_backend="gloo")
+        init_distributed()  # NCCL with a GPU per rank, else gloo (zero_dtensor.launch.backend_for)
     rank = dist.get_rank()
     model = make_model()
     config = {
@@ -84,7 +85,7 @@ def train(stage: int, steps: int = STEPS) -> dict[str, Any]:
 
     losses = []
     with zd.on_grads(engine, orthogonalize):
-        x, y = batch(rank)
+        x, y = batch(rank, engine.device)
         for _ in range(steps):
             loss = (engine(x) - y).pow(2).mean()
             engine.backward(loss)

@@ -10,7 +10,8 @@ either per parameter (``mode="per_param"``) or once for the whole model (``mode=
 one all_reduce of a (3k,) float32 vector (``dots(..., with_norms=True)``: all k dot products and both sets of norms);
 the projection itself (``add_`` with per-parameter or global coefficients kept as tensors) is local.
 
-Run: ``python examples/pcgrad.py`` (2 CPU ranks, gloo). Prints one line per step from rank 0.
+Run: ``python examples/pcgrad.py`` (2 ranks: NCCL with one GPU each where the machine has them, else gloo on
+the CPU). Prints one line per step from rank 0.
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ def train(steps: int = 6, stage: int = 2, mode: str = "per_param") -> list[str]:
     lines, snapshot = [], None
     for step in range(steps):
         gen = torch.Generator().manual_seed(100 * step + rank)
-        x = torch.randn(8, 16, generator=gen)
-        target = torch.full((8, 4), 1.0 if step % 2 == 0 else -1.0)  # alternating, conflicting objectives
+        x = torch.randn(8, 16, generator=gen).to(engine.device)
+        sign = 1.0 if step % 2 == 0 else -1.0  # alternating, conflicting objectives
+        target = torch.full((8, 4), sign, device=engine.device)
         loss = (engine(x) - target).pow(2).mean()
         engine.backward(loss)
 

@@ -1,6 +1,6 @@
 """A plain DeepSpeed ZeRO-2 loop with gradient accumulation, editing the reduced gradients through ``zd.on_grads``.
 
-Run on 2 CPU ranks (gloo) with either of:
+Run on 2 ranks (NCCL with one GPU each where the machine has them, else gloo on the CPU) with either of:
 
     torchrun --nproc_per_node 2 examples/plain_deepspeed.py
     python examples/plain_deepspeed.py            # forks 2 local ranks itself (zero_dtensor.launch)
@@ -17,6 +17,7 @@ import os
 import torch
 
 import zero_dtensor as zd
+from zero_dtensor.launch import init_distributed
 
 GAS = 2
 STEPS = 3
@@ -27,7 +28,7 @@ def main() -> dict[str, float]:
     import torch.distributed as dist
 
     if not dist.is_initialized():  # under torchrun; zero_dtensor.launch has already done this
-        deepspeed.init_distributed(dist_backend="gloo")
+        init_distributed()  # NCCL with a GPU per rank, else gloo (zero_dtensor.launch.backend_for)
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(33, 64), torch.nn.Tanh(), torch.nn.Linear(64, 9))
@@ -55,7 +56,7 @@ def main() -> dict[str, float]:
     logger = zd.GradStatsLogger(engine, callback=report)  # registered after `edit`: sees the edited gradients
     generator = torch.Generator().manual_seed(rank)
     for _ in range(STEPS * GAS):
-        x = torch.randn(8, 33, generator=generator)
+        x = torch.randn(8, 33, generator=generator).to(engine.device)
         loss = engine(x).pow(2).mean()
         engine.backward(loss)
         engine.step()  # at a boundary: edit(grads), then the logger, then DeepSpeed's optimizer step

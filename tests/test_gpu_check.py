@@ -4,7 +4,8 @@ rot.
 The script is meant for a CUDA device; here it runs the same code on CPU ranks over gloo: the full world-1 check
 matrix, the 2-rank covering subset (``--quick``), the timing rows of a ~1M-parameter model with their floors, the
 checkpoint rows and ``--profile``. A rank that dies is reported with its signal and stderr (a spawned pair that
-kills itself).
+kills itself). Issue 52: the script under ``torchrun --nproc_per_node=2`` (2 gloo ranks, one process each) checks
+at 2 ranks, times against the bare collectives of the same bytes, and records the world size and the backend.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ TIMING_ROWS = {
     "first sharded_grads() of a step", "ds safe_get_full_grad loop", "full_tensors()", "ds safe_set_full_grad loop",
     "set_full_()", "clip_grad_norm_()", "stats()",
     "mul_(1.0)", "norms()", "global_norm()", "dots()", "ds safe_get_full_fp32_param loop", "masters full_tensors()",
-    "exp_avg full_tensors()", "masters set_full_()",
+    "exp_avg full_tensors()", "masters set_full_()", "to_dtensors()",
 }
 CHECKPOINT_ROWS = {"zd.save (no fsync)", "zd.load", "ds save_checkpoint", "ds load_checkpoint"}
 
@@ -168,3 +169,52 @@ def test_a_dead_rank_is_named_by_its_signal_and_stderr() -> None:
     assert "rank 1 died with SIGSEGV (exit code -11) during ws2-z1-bf16-offload: reads" in why, why
     assert reports[1]["fault"][0] == "Fatal Python error: Segmentation fault", reports[1]
     assert "did not start" not in why and "no answer" not in why, why
+
+
+def _torchrun_run(params: dict[str, Any], tmp_path: Path) -> background.Run:
+    """``torchrun --nproc_per_node=2 benchmarks/gpu_check.py --device cpu --tiny --json PATH``, kept to CI size: the
+    2-rank covering subset of the matrix (``--quick``), one timed stage (ZeRO-3), no checkpoint rows."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    return background.Run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(SCRIPT),
+         "--device", "cpu", "--tiny", "--json", str(tmp_path / "gpu.json"), "--quick", "--repeat", "2",
+         "--ds-repeat", "2", "--timing-stages", "3", "--checkpoint-stages", "", "--quiet"],
+        timeout=280, env=env, cwd=str(SCRIPT.parent.parent),
+    )
+
+
+@pytest.mark.timeout(300)
+@background.job(_torchrun_run)
+def test_torchrun_two_ranks_check_and_time_against_the_collectives(
+        background_run: Callable[[], background.Done]) -> None:
+    done = background_run()
+    proc = done.proc
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "2 ranks, gloo" in proc.stdout and "checks: 9 passed" in proc.stdout, proc.stdout[-3000:]
+    data = json.loads((done.workdir / "gpu.json").read_text())
+    assert (data["world_size"], data["backend"], data["launcher"]) == (2, "gloo", "torchrun")
+    assert data["forced_collectives"] is False and data["multi_rank"] is None  # the ranks are torchrun's
+    # the 2-rank matrix, each case checked on both ranks against DeepSpeed's safe_* functions
+    expected = [c.name for c in gc.case_matrix((2,), quick=True)]
+    assert [c["case"] for c in data["checks"]] == expected
+    for case in data["checks"]:
+        assert case["status"] == "passed" and set(case["checks"]) == set(gc.CHECKS), case
+    assert data["summary"]["ok"] is True and data["summary"]["passed"] == len(expected) and not data["partial"]
+    # timings at 2 ranks beside the bare collectives of the same bytes, each with its bus bandwidth
+    model = data["timing_model"]
+    assert (model["world"], model["backend"]) == (2, "gloo")
+    rows = {r["row"]: r for r in data["timings"]}
+    assert set(rows) == TIMING_ROWS and {r["stage"] for r in rows.values()} == {3}
+    comm = model["zero3"]["comm_floors"]
+    assert set(comm) >= {"all_gather_into_tensor", "all_reduce", "all_to_all_single", "all_to_all_single (partition)",
+                         "all_gather_into_tensor (fp32)"}, sorted(comm)
+    for name, f in comm.items():
+        assert f["world"] == 2 and f["bytes"] > 0 and f["busbw_GBps"] > 0, (name, f)
+        factor = 2 * (2 - 1) / 2 if f["collective"] == "all_reduce" else (2 - 1) / 2
+        assert f["busbw_GBps"] == pytest.approx(f["algbw_GBps"] * factor), (name, f)
+    for row, floor in floors.COMM_FLOOR_OF.items():
+        assert rows[row]["comm_floor"] == floor and rows[row]["comm_ratio"] > 0, rows[row]
+    # the seed's row: DeepSpeed's per-parameter loop (one collective per tensor) against one full_tensors()
+    assert rows["ds safe_get_full_grad loop"]["collectives"] == 198
+    assert rows["full_tensors()"]["speedup_vs_deepspeed"] > 0

@@ -153,3 +153,17 @@ def test_a_second_flat_group_adds_only_its_reading_kernels(ranks, name: str, dty
             problems.append(f"rank {rank}: {one['ops']} operations with one flat group, {two['ops']} with two "
                             f"(at most +{limit}; {more})")
     assert not problems, f"{name}: " + "; ".join(problems)
+
+
+# --- issue 52: ZERO_DTENSOR_FORCE_COLLECTIVES=1 makes one rank issue the collectives of N ranks: every row above,
+# at forced world 1, issues exactly the collectives it issues at 2 ranks (8- and 64-parameter models)
+@pytest.mark.parametrize("variant", op_counts.VARIANTS)
+def test_forced_one_rank_issues_the_collectives_of_two_ranks(ranks, variant: str) -> None:
+    from workers import forced
+
+    one = ranks(1).run(forced.op_count_collectives, variant)[0]
+    two = _measured(ranks, variant)[0]  # rank 0's; both ranks issue the same collectives
+    differ = [f"{name} ({n} parameters): forced one rank {one[name][n]}, two ranks {two[name][n].get('comm_ops')}"
+              for name in op_counts.ROWS for n in (8, 64)
+              if "error" in two[name][n] or one[name][n] != two[name][n]["comm_ops"]]
+    assert not differ, f"{variant}: " + "; ".join(differ)

@@ -1,7 +1,9 @@
-"""Run a function on N local CPU ranks (gloo), from a script, a test suite or a notebook.
+"""Run a function on N local ranks, from a script, a test suite or a notebook; pick the backend from the device.
 
 :class:`RankPool` starts the processes once and reuses them (DeepSpeed start-up costs seconds per engine);
-:func:`launch` is the one-shot form. A failure on any rank raises :class:`RankFailure` carrying every rank's
+:func:`launch` is the one-shot form: NCCL with one GPU per rank where the machine has a GPU per rank, else gloo on
+CPU ranks (:func:`backend_for`). :func:`init_distributed` is the same choice for a process that ``torchrun``
+started. A failure on any rank raises :class:`RankFailure` carrying every rank's
 traceback; a rank that does not answer in time (e.g. stuck in a collective) is killed, never waited on forever.
 """
 
@@ -22,7 +24,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["RankFailure", "RankPool", "launch"]
+__all__ = ["RankFailure", "RankPool", "backend_for", "init_distributed", "launch"]
 
 
 
@@ -54,6 +56,37 @@ def _build_lock_hint() -> str:
             "it behind, and every later start waits on it. Delete it if no build is running")
 
 
+def backend_for(device: Any = None, *, ranks: int = 1) -> str:
+    """The ``torch.distributed`` backend for ranks whose tensors live on ``device``: ``"nccl"`` for CUDA, ``"gloo"``
+    for anything else. ``device=None``: CUDA where torch sees at least ``ranks`` GPUs (one per rank on this
+    machine), else the CPU. No communication; with ``device=None`` it asks the CUDA driver how many GPUs there are
+    (``torch.cuda.device_count()``), nothing more."""
+    import torch
+
+    if device is None:
+        return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= ranks else "gloo"
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def init_distributed(backend: str | None = None) -> str:
+    """Join the process group of a process a launcher started (``torchrun``: ``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` set), through ``deepspeed.init_distributed``: ``backend``, or
+    :func:`backend_for` this machine's ranks (``LOCAL_WORLD_SIZE``), with ``cuda:LOCAL_RANK`` made the current
+    device for NCCL. Does nothing where a process group exists. Returns the backend. Collective: every rank of the
+    world must call it (it initializes the default process group)."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return str(dist.get_backend())
+    backend = backend or backend_for(ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+    return backend
+
+
 def _worker(rank: int, world_size: int, port: int, backend: str, tasks: Any, results: Any) -> None:
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
@@ -63,6 +96,10 @@ def _worker(rank: int, world_size: int, port: int, backend: str, tasks: Any, res
         import torch
 
         torch.set_num_threads(1)
+        if backend == "auto":  # decided here, in the rank: the parent never touches CUDA (a fork must not)
+            backend = backend_for(ranks=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         import deepspeed
 
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
@@ -101,7 +138,7 @@ def _exit_now(results: Any) -> None:
 
 
 class RankPool:
-    """``nprocs`` local processes joined in one process group (gloo by default), started once and reused by ``run``.
+    """``nprocs`` local processes joined in one process group, started once and reused by ``run``.
 
     The test suite's harness, for scripts and notebooks too. With ``start_method="spawn"`` (default), functions given
     to ``run`` must be importable; a ``"fork"`` pool also knows functions of ``__main__`` or a notebook that existed
@@ -110,7 +147,8 @@ class RankPool:
     Args:
         nprocs: the number of ranks.
         start_method: ``"spawn"`` or ``"fork"``.
-        backend: the ``torch.distributed`` backend.
+        backend: ``"gloo"`` (default: CPU ranks), ``"nccl"`` (rank ``r`` on ``cuda:r``) or ``"auto"``
+            (:func:`backend_for`, decided in the ranks).
         start_timeout: seconds a rank may take to answer at start (the first start includes DeepSpeed's JIT build
             of its CPU comm op: a minute or more).
         grace_s: seconds the other ranks get to finish after one failed.
@@ -284,8 +322,8 @@ class RankPool:
 
 
 def launch(fn: Callable[..., Any], *args: Any, nprocs: int = 2, timeout: float = 600.0,
-           start_method: str = "fork", **kwargs: Any) -> Any:
-    """Run ``fn(*args, **kwargs)`` on ``nprocs`` fresh local CPU ranks (gloo) and return rank 0's result.
+           start_method: str = "fork", backend: str = "auto", **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)`` on ``nprocs`` fresh local ranks and return rank 0's result.
 
     Works from a notebook: with ``"fork"`` (default) functions defined in cells run as they are. Use
     ``start_method="spawn"`` from code that started threads which must not be forked (CUDA).
@@ -296,6 +334,9 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int = 2, timeout: float =
         nprocs: the number of ranks.
         timeout: seconds to wait for every rank.
         start_method: ``"fork"`` or ``"spawn"``.
+        backend: ``"auto"`` (default): NCCL with rank ``r`` on ``cuda:r`` where the machine has at least
+            ``nprocs`` GPUs, else gloo on CPU ranks (:func:`backend_for`, decided in each rank); or ``"gloo"``,
+            ``"nccl"``.
         **kwargs: its keyword arguments.
 
     Returns:
@@ -318,5 +359,5 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int = 2, timeout: float =
         names = zd.launch(job, nprocs=2)
         ```
     """
-    with RankPool(nprocs, start_method=start_method) as pool:
+    with RankPool(nprocs, start_method=start_method, backend=backend) as pool:
         return pool.run(fn, *args, timeout=timeout, **kwargs)[0]

@@ -19,6 +19,10 @@ environment variable               what it sets                                v
                                    (:func:`set_fused_reductions`): ``stats``
                                    and ``dots`` read accelerator rows once,
                                    through ``torch.compile``
+``ZERO_DTENSOR_FORCE_COLLECTIVES`` a one-rank process group takes the          ``0``, ``1`` (also ``true``/``on``)
+                                   collective path of N ranks (read at every
+                                   call; a debug setting: on one GPU it runs
+                                   every NCCL call the library makes)
 =================================  ==========================================  ==================================
 
 Nothing here communicates.
@@ -33,6 +37,7 @@ import os
 
 __all__ = [
     "ENV_DEBUG",
+    "ENV_FORCE_COLLECTIVES",
     "ENV_FUSED",
     "ENV_STRATEGY",
     "STRATEGIES",
@@ -40,6 +45,7 @@ __all__ = [
     "debug_timeout",
     "check_fused_available",
     "fingerprint",
+    "force_collectives",
     "fused_reductions",
     "fused_unavailable",
     "gather_strategy",
@@ -53,6 +59,7 @@ __all__ = [
 ENV_STRATEGY = "ZERO_DTENSOR_GATHER_STRATEGY"
 ENV_DEBUG = "ZERO_DTENSOR_DEBUG"
 ENV_FUSED = "ZERO_DTENSOR_FUSED_REDUCTIONS"
+ENV_FORCE_COLLECTIVES = "ZERO_DTENSOR_FORCE_COLLECTIVES"
 STRATEGIES = ("auto", "all_gather", "all_to_all", "all_reduce", "send_recv")
 
 
@@ -171,6 +178,15 @@ def debug_timeout() -> datetime.timedelta | None:
     return _TIMEOUT
 
 
+def force_collectives() -> bool:
+    """Whether ``ZERO_DTENSOR_FORCE_COLLECTIVES`` asks one-rank process groups to take the collective path of N
+    ranks (read from the environment at every call, as the gather strategy's variable is). A debug setting: values
+    are those of the one-rank path, the collectives those of N ranks (each over the one rank), so that one GPU runs
+    every NCCL call the library makes. Only :func:`zero_dtensor.comm.process_groups.collective_path` asks it (the one
+    switch). No communication."""
+    return _env_flag(ENV_FORCE_COLLECTIVES, False)
+
+
 def set_fused_reductions(on: bool) -> None:
     """Turn the fused reductions on or off in this process (default off).
 
@@ -240,4 +256,4 @@ def fingerprint() -> tuple[str, ...]:
     can run here too (a rank without Triton differs instead of raising alone)."""
     fused = f"fused={int(_FUSED)}" + (",unavailable" if _FUSED and fused_unavailable() else "")
     return (f"strategy={_PINNED or os.environ.get(ENV_STRATEGY, '').strip() or 'auto'}", f"debug={int(_DEBUG)}",
-            fused)
+            fused, f"force_collectives={int(force_collectives())}")

@@ -7,11 +7,11 @@ import contextlib
 import os
 import shutil
 import sys
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
 from .measure import Timer
+from .world import barrier, rank, shared_dir
 
 ASSUMED_BYTES_PER_S = 0.5e9  # for the budget, before anything was written: a slow disk
 
@@ -32,7 +32,7 @@ def time_checkpoints(engine: Any, timer: Timer, root: str | None, progress: Call
     state_bytes = 3 * 4 * sum(p.numel for p in master.layout.params)  # masters + exp_avg + exp_avg_sq, fp32
     rows: list[dict[str, Any]] = []
     written = ds_written = 0
-    base = tempfile.mkdtemp(prefix="gpu_check_ckpt_", dir=root)
+    base = shared_dir("gpu_check_ckpt_", root)  # one directory every rank writes into
     try:
         ours, theirs = os.path.join(base, "zd"), os.path.join(base, "ds")
         estimate = state_bytes / ASSUMED_BYTES_PER_S
@@ -40,7 +40,9 @@ def time_checkpoints(engine: Any, timer: Timer, root: str | None, progress: Call
         written = _bytes_in(ours) if os.path.isdir(ours) else 0
         if written:
             rows.append(timer.once("zd.load", lambda: zd.load(engine, ours), estimate))
-        shutil.rmtree(ours, ignore_errors=True)
+        barrier()
+        if rank() == 0:
+            shutil.rmtree(ours, ignore_errors=True)
         with contextlib.redirect_stdout(sys.stderr):
             rows.append(timer.once("ds save_checkpoint", lambda: engine.save_checkpoint(theirs, tag="t"), estimate))
             ds_written = _bytes_in(theirs) if os.path.isdir(theirs) else 0
@@ -48,7 +50,9 @@ def time_checkpoints(engine: Any, timer: Timer, root: str | None, progress: Call
                 rows.append(timer.once("ds load_checkpoint", lambda: engine.load_checkpoint(theirs, tag="t"),
                                        estimate))
     finally:
-        shutil.rmtree(base, ignore_errors=True)
+        barrier()
+        if rank() == 0:
+            shutil.rmtree(base, ignore_errors=True)
     by = {r["row"]: r for r in rows}
     for mine, ds in (("zd.save (no fsync)", "ds save_checkpoint"), ("zd.load", "ds load_checkpoint")):
         if "median_ms" in by.get(mine, {}) and "median_ms" in by.get(ds, {}):

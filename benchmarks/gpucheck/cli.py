@@ -8,16 +8,16 @@ import gc
 import json
 import shutil
 import sys
-import tempfile
 from typing import Any
 
 from .budget import Budget
-from .case_run import merge_ranks, run_case, skipped
+from .case_run import classify, merge_ranks, run_case, skipped
 from .cases import MULTI_RANK, SIZES, STAGES, STEPS, case_matrix
 from .profiling import Profiles
 from .ranks import run_multi_rank
 from .report import render
-from .runtime import environment, error_text, init_world_one, pick_device, setup_runtime
+from .runtime import environment, error_text, pick_device, setup_runtime
+from .world import AgreedBudget, agreed, barrier, gathered, init_world, shared_dir
 
 DEFAULT_BUDGET_S = 290.0
 
@@ -40,6 +40,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="write checks, timings and environment as JSON")
     p.add_argument("--skip-timing", action="store_true", help="checks only")
     p.add_argument("--skip-checks", action="store_true", help="timings only")
+    p.add_argument("--skip-world-one", action="store_true",
+                   help="no check cases at world 1 (the --ranks part still runs): the multi-rank matrix alone")
     p.add_argument("--ranks", type=int, default=MULTI_RANK,
                    help=f"ranks sharing the device for the multi-rank checks (0: none). Default {MULTI_RANK}")
     p.add_argument("--timing-stages", default="1,2,3", help="ZeRO stages to time. Default 1,2,3")
@@ -62,6 +64,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fused-cpu", action="store_true",
                    help="on --device cpu, also time the fused reductions' rows, forced onto CPU tensors (they run on "
                         "accelerators only; Inductor's C++ backend compiles them: a smoke test of the wiring)")
+    p.add_argument("--force-collectives", choices=("auto", "on", "off"), default="auto",
+                   help="at world 1, ZERO_DTENSOR_FORCE_COLLECTIVES=1: the one rank takes the collective path of N "
+                        "ranks (every NCCL call of the library, over itself). auto: on for CUDA, off on the CPU")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = p.parse_args(argv)
     hidden, layers = SIZES["tiny" if args.tiny else "full"]
@@ -73,15 +78,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def world_one_checks(results: dict[str, Any], cases: list[Any], device_type: str, workdir: str, budget: Budget,
-                     progress: Any) -> None:
+def in_process_checks(results: dict[str, Any], cases: list[Any], device_type: str, workdir: str, budget: Budget,
+                      progress: Any) -> None:
+    """The cases of this process group's world size, run by every rank of it (world 1, or torchrun's N ranks):
+    every rank's answer merged into one record per case."""
     for case in cases:
         if not budget.admit(case.name, budget.estimate("case", 3.0)):
             results["checks"].append(skipped(case))
             continue
         progress(case.name)
         with budget.timed("case"):
-            results["checks"].append(merge_ranks(case, [run_case(case, device_type, workdir)]))
+            answers = gathered(run_case(case, device_type, workdir))
+            record = merge_ranks(case, answers)
+            results["checks"].append(classify(case, record) if case.world > 1 else record)
+
+
+def forced_collectives(choice: str, device_type: str, world: int) -> bool:
+    """Whether this run sets ``ZERO_DTENSOR_FORCE_COLLECTIVES=1``: only at world 1; ``auto`` on CUDA."""
+    return world == 1 and (choice == "on" or (choice == "auto" and device_type == "cuda"))
 
 
 def timings(results: dict[str, Any], args: argparse.Namespace, device_type: str, backend: str, budget: Budget,
@@ -93,8 +107,10 @@ def timings(results: dict[str, Any], args: argparse.Namespace, device_type: str,
     from .timings import time_stage
 
     params, tensors = count(args.hidden, args.layers)
+    import torch.distributed as dist
+
     results["timing_model"] = {"hidden": args.hidden, "layers": args.layers, "params": params, "tensors": tensors,
-                               "dtype": "bf16", "world": 1, "backend": backend}
+                               "dtype": "bf16", "world": dist.get_world_size(), "backend": backend}
     for stage in args.timing_stages:
         first_guess = 5.0 + 40.0 * params / 1e9  # before a stage was timed: the engine's build grows with the model
         if not budget.admit(f"timing ZeRO-{stage}", budget.estimate("stage", first_guess)):
@@ -128,22 +144,33 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.markup import escape
 
+    import os
+
+    from zero_dtensor.settings import ENV_FORCE_COLLECTIVES
+
     args = parse_args(argv)
     device_type = pick_device(args.device)
     console = Console(width=None if sys.stdout.isatty() else 160)
     errors = Console(stderr=True)
-    budget = Budget(args.budget_s)
-    profiles = Profiles(args.profile)
+    setup_runtime(device_type)
+    rank, world, backend = init_world(device_type)
+    forced = forced_collectives(args.force_collectives, device_type, world)
+    if forced:  # before any call of the library: the one switch, read at every call
+        os.environ[ENV_FORCE_COLLECTIVES] = "1"
+    elif world == 1:
+        os.environ.pop(ENV_FORCE_COLLECTIVES, None)
+    budget = AgreedBudget(args.budget_s) if world > 1 else Budget(args.budget_s)
+    profiles = Profiles(args.profile)  # every rank profiles the same calls (collectives inside); rank 0 writes
 
     def progress(what: str) -> None:
-        if not args.quiet:
+        if not args.quiet and rank == 0:
             errors.print(f"[dim]{budget.elapsed():7.1f}s  {escape(what)}[/dim]", highlight=False)
 
-    setup_runtime(device_type)
-    backend = init_world_one(device_type)
     results: dict[str, Any] = {
         "command": " ".join(["python benchmarks/gpu_check.py", *(sys.argv[1:] if argv is None else argv)]),
         "environment": environment(device_type, backend),
+        "world_size": world, "backend": backend, "forced_collectives": forced,
+        "launcher": "torchrun" if world > 1 or "TORCHELASTIC_RUN_ID" in os.environ else "python",
         "config": {"tiny": args.tiny, "quick": args.quick, "ranks": args.ranks, "steps_per_case": STEPS,
                    "hidden": args.hidden, "layers": args.layers, "repeat": args.repeat, "ds_repeat": args.ds_repeat,
                    "timing_stages": args.timing_stages, "checkpoint_stages": args.checkpoint_stages,
@@ -155,30 +182,40 @@ def main(argv: list[str] | None = None) -> int:
 
     def dump() -> None:
         """Write the JSON after every part, so that a run killed at its time limit still leaves what it did."""
-        if args.json:
+        if args.json and rank == 0:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=2, default=str)
 
-    workdir = tempfile.mkdtemp(prefix="gpu_check_")  # the check cases' checkpoints (small)
+    workdir = shared_dir("gpu_check_")  # the check cases' checkpoints (small), one directory for every rank
     try:
-        worlds = (1,) + ((args.ranks,) if args.ranks > 1 else ())
+        # world 1: its cases here, then --ranks gloo ranks sharing the device (spawned); torchrun: its N ranks
+        worlds = (1,) + ((args.ranks,) if args.ranks > 1 else ()) if world == 1 else (world,)
         cases = [] if args.skip_checks else case_matrix(worlds, quick=args.quick)
-        world_one_checks(results, [c for c in cases if c.world == 1], device_type, workdir, budget, progress)
+        here = [c for c in cases if c.world == world and not (world == 1 and args.skip_world_one)]
+        in_process_checks(results, here, device_type, workdir, budget, progress)
         dump()
         if not args.skip_timing:
             timings(results, args, device_type, backend, budget, profiles, progress)
-            results["profile_files"] = profiles.write()
+            results["profile_files"] = profiles.write() if rank == 0 else []
             dump()
-        multi = [c for c in cases if c.world > 1]
+        multi = [c for c in cases if c.world > 1] if world == 1 else []
         if multi:
             records, probe = run_multi_rank(multi, args.ranks, device_type, args.case_timeout, 180.0, workdir,
                                             budget, progress)
             results["checks"] += records
             results["multi_rank"] = probe
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        barrier()
+        if rank == 0:
+            shutil.rmtree(workdir, ignore_errors=True)
     results["summary"] = summary(results, budget)
     results["partial"] = False
-    render(results, console)
+    if rank == 0:
+        render(results, console)
     dump()
-    return 0 if results["summary"]["ok"] else 1
+    ok = bool(agreed(results["summary"]["ok"]))
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return 0 if ok else 1

@@ -11,13 +11,17 @@ from typing import Any
 from .budget import SKIPPED, Budget
 from .profiling import Profiles
 from .runtime import synchronize
+from .world import barrier
 
 
 def sample(fn: Callable[[], Any], device: Any) -> tuple[float, int | None]:
-    """``(seconds, peak extra bytes)`` of one synchronized call; the bytes are None off CUDA."""
+    """``(seconds, peak extra bytes)`` of one synchronized call, started together on every rank (a barrier); the
+    bytes are None off CUDA."""
     import torch
 
     cuda = device.type == "cuda"
+    synchronize(device)
+    barrier()
     synchronize(device)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)

@@ -40,6 +40,8 @@ def timing_cell(r: dict[str, Any] | None) -> str:
     text = f"{r['median_ms']:.2f} ms"
     if r.get("ratio") is not None:
         text += f" [bold]{r['ratio']:.2f}x[/bold] floor"
+    if r.get("comm_ratio") is not None:
+        text += f" {r['comm_ratio']:.2f}x coll"
     if r.get("speedup_vs_deepspeed"):
         text += f" {r['speedup_vs_deepspeed']:.1f}x DS"
     return text + f" · {fmt_bytes(r.get('peak_bytes'))}"
@@ -54,13 +56,32 @@ def _timing_section(table: Any, label: str, rows: list[dict[str, Any]]) -> None:
         table.add_row(label if i == 0 else "", escape(row), *[timing_cell(by_row.get((row, s))) for s in STAGES])
 
 
+def _comm_floor_section(table: Any, model: dict[str, Any]) -> None:
+    """The bare collectives timed in the same run: median ms and bus bandwidth, per stage."""
+    from rich.markup import escape
+
+    per_stage = {s: (model.get(f"zero{s}") or {}).get("comm_floors") or {} for s in STAGES}
+    names = list(dict.fromkeys(n for floors in per_stage.values() for n in floors))
+    for i, name in enumerate(names):
+        cells = []
+        for s in STAGES:
+            f = per_stage[s].get(name)
+            cells.append("-" if not f or f.get("median_ms") is None else
+                         f"{f['median_ms']:.2f} ms · {fmt_bytes(f['bytes'])} · bus {f['busbw_GBps']:.1f} GB/s")
+        table.add_row("collective floors" if i == 0 else "", escape(name), *cells)
+
+
 def render(results: dict[str, Any], console: Any) -> None:
     """One table: a section of check results, a section of timings (stages as columns), the checkpoint rows."""
     from rich.markup import escape
     from rich.table import Table
 
     env = results["environment"]
-    table = Table(title=escape(f"gpu_check on {env['device_name']} ({env['device_type']}): torch {env['torch']}, "
+    world = results.get("world_size", 1)
+    ranks = f"{world} rank{'s' if world > 1 else ''}"
+    forced = ", forced collectives" if results.get("forced_collectives") else ""
+    table = Table(title=escape(f"gpu_check on {env['device_name']} ({env['device_type']}, {ranks}, "
+                               f"{results.get('backend', env.get('backend_world_1'))}{forced}): torch {env['torch']}, "
                                f"DeepSpeed {env['deepspeed']}"), title_justify="left")
     table.add_column("part")
     table.add_column("case / call")
@@ -76,11 +97,12 @@ def render(results: dict[str, Any], console: Any) -> None:
     if results["timings"]:
         table.add_section()
         model = results["timing_model"]
-        _timing_section(table, f"timing, 1 rank, {model['params'] / 1e6:.1f}M bf16 / {model['tensors']} tensors",
+        _timing_section(table, f"timing, {ranks}, {model['params'] / 1e6:.1f}M bf16 / {model['tensors']} tensors",
                         results["timings"])
+        _comm_floor_section(table, model)
     if results.get("checkpoint_timings"):
         table.add_section()
-        _timing_section(table, "checkpoints, 1 rank", results["checkpoint_timings"])
+        _timing_section(table, f"checkpoints, {ranks}", results["checkpoint_timings"])
     console.print(table)
     s = results["summary"]
     console.print(f"checks: {s['passed']} passed, {s['failed']} failed, {s['not_run']} not run, {s['skipped']} "

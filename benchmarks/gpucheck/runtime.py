@@ -63,7 +63,8 @@ def init_world_one(device_type: str) -> str:
         torch.cuda.set_device(0)
     if not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) != 1:
-            raise SystemExit("gpu_check runs as one process (it starts its own ranks); do not launch it with torchrun")
+            raise SystemExit("init_world_one: a world-1 group in one process; under torchrun gpu_check uses "
+                             "gpucheck.world.init_world")
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))

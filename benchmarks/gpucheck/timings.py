@@ -10,7 +10,7 @@ from typing import Any
 
 from .budget import Budget
 from .checkpoint_timing import time_checkpoints
-from .floors import attach_ratios, time_floors
+from .floors import attach_comm_ratios, attach_ratios, time_comm_floors, time_floors
 from .fused import fused_rows
 from .measure import Timer, sample, summarize
 from .profiling import Profiles
@@ -109,6 +109,7 @@ def grad_rows(engine: Any, backward: Callable[[], None], timer: Timer, ds_repeat
     rows.append(timer.measure("norms()", grads.norms))
     rows.append(timer.measure("global_norm()", grads.global_norm))
     rows.append(dots_row(grads, timer))
+    rows.append(timer.measure("to_dtensors()", grads.to_dtensors))
     progress(f"timing ZeRO-{stage}: fused reductions")
     rows += fused_rows(grads, timer, timer.budget, fused_cpu, facts)
     engine.step()
@@ -162,6 +163,7 @@ def time_stage(stage: int, args: Any, device_type: str, budget: Budget, profiles
                progress: Callable[[str], None]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
     """``(rows, checkpoint rows, facts)`` of one ZeRO stage. Floors are timed first, in the same process."""
     import torch
+    import torch.distributed as dist
 
     import zero_dtensor as zd
 
@@ -179,9 +181,13 @@ def time_stage(stage: int, args: Any, device_type: str, budget: Budget, profiles
     floor_timer = Timer(stage, device, args.repeat, budget, Profiles(None))
     floors = time_floors(numel, stored, facts["params"], device,
                          lambda name, fn: floor_timer.measure(name, fn, count_collectives=False))
+    master_part = sum(t.numel() for t in zd.sharded_master_params(engine).local_partitions)
+    comm_floors = time_comm_floors(numel, stored, master_part, device, dist.get_world_size(),
+                                   lambda name, fn: floor_timer.measure(name, fn, count_collectives=False))
     rows = grad_rows(engine, backward, timer, args.ds_repeat, progress, args.fused_cpu, facts)
     rows += master_rows(engine, timer, args.ds_repeat, progress)
     attach_ratios(rows, floors)
+    attach_comm_ratios(rows, comm_floors)
     by = {r["row"]: r for r in rows}
     for r in rows:
         base = DEEPSPEED_OF.get(r["row"])
@@ -189,6 +195,9 @@ def time_stage(stage: int, args: Any, device_type: str, budget: Budget, profiles
         r["speedup_vs_deepspeed"] = sum(by[b]["median_ms"] for b in base) / r["median_ms"] if ok else None
     facts["floors"] = {name: {k: f.get(k) for k in ("median_ms", "min_ms", "peak_bytes", "status")}
                        for name, f in floors.items()}
+    facts["comm_floors"] = {name: {k: f.get(k) for k in ("median_ms", "min_ms", "bytes", "algbw_GBps", "busbw_GBps",
+                                                         "collective", "world", "status")}
+                            for name, f in comm_floors.items()}
     checkpoints = []
     if stage in args.checkpoint_stages:
         checkpoints = time_checkpoints(engine, timer, args.checkpoint_dir, progress)

@@ -49,7 +49,7 @@ from typing import Any
 
 from ..errors import UnsupportedDeepSpeedError
 from ..comm.point_to_point import all_gather_by_send_recv
-from ..comm.process_groups import backend_of, comm_support_of, rank_in, world_size_of
+from ..comm.process_groups import backend_of, comm_support_of, communicates, rank_in
 from . import check_engine
 
 __all__ = ["applied_steps", "sync_model_params"]
@@ -87,7 +87,7 @@ def _sync_zero12_by_send_recv(opt: Any) -> None:
                                                opt.single_partition_of_fp32_groups, opt.real_dp_process_group):
         own = partitions[rank_in(group)]
         own.data.copy_(master.data)
-        if world_size_of(group) > 1:
+        if communicates(group):
             all_gather_by_send_recv(flat, own, group)  # own already is its row of flat: nothing copied locally
 
 

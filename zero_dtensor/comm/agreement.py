@@ -60,7 +60,7 @@ import torch.distributed as dist
 from .. import settings
 from .collectives import all_gather_objects, gather_int_rows_within, max_int_values_within, prefers_all_reduce
 from ..errors import RankDisagreementError, RankFailedError
-from .process_groups import group_ranks, world_size_of, world_timeout
+from .process_groups import communicates, group_ranks, world_timeout
 
 __all__ = [
     "REFUSALS",
@@ -125,7 +125,7 @@ def distinct_groups(groups: Iterable[dist.ProcessGroup]) -> list[dist.ProcessGro
     """The multi-rank process groups among ``groups``, each once, in first-seen order. No communication."""
     seen: list[dist.ProcessGroup] = []
     for group in groups:
-        if not any(group is s for s in seen) and world_size_of(group) > 1:
+        if not any(group is s for s in seen) and communicates(group):
             seen.append(group)
     return seen
 

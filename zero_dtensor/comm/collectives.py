@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..layout.devices import to_device
-from .process_groups import backend_of, comm_support_of, world_size_of
+from .process_groups import backend_of, collective_path, comm_support_of, world_size_of
 
 __all__ = [
     "comm_device",
@@ -304,7 +304,7 @@ def all_gather_by_all_to_all(out: torch.Tensor, inp: torch.Tensor, group: dist.P
     n = inp.numel()
     if out.numel() != world * n:
         raise ValueError(f"out has {out.numel()} elements, expected {world} x {n}")
-    if world == 1:
+    if not collective_path(world):
         out.copy_(inp)
         return []
     if world == 2:
@@ -326,7 +326,7 @@ def peer_partitions_by_all_to_all(peers: torch.Tensor, inp: torch.Tensor, group:
     n = inp.numel()
     if peers.numel() != (world - 1) * n:
         raise ValueError(f"peers has {peers.numel()} elements, expected {world - 1} x {n}")
-    if world == 1:
+    if not collective_path(world):
         return []  # no peers
     splits = [0 if r == rank else n for r in range(world)]
     return all_to_all_into(peers, inp if world == 2 else inp.repeat(world - 1), splits, splits, group,

@@ -12,9 +12,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .. import settings
+
 __all__ = [
     "CommSupport",
     "backend_of",
+    "collective_path",
+    "communicates",
     "comm_support",
     "comm_support_of",
     "cpu_group_for",
@@ -68,6 +72,19 @@ def backend_of(group: dist.ProcessGroup) -> str:
 
 def world_size_of(group: dist.ProcessGroup) -> int:
     return dist.get_world_size(group)
+
+
+def collective_path(world_size: int) -> bool:
+    """Whether a group of ``world_size`` ranks takes the collective path: more than one rank, or one rank under
+    ``ZERO_DTENSOR_FORCE_COLLECTIVES=1`` (:func:`~zero_dtensor.settings.force_collectives`: the N-rank path with
+    every collective issued over the one rank, values those of the one-rank path). The one switch: every place of
+    the library that would skip communication for a one-rank group asks this. No communication."""
+    return world_size > 1 or settings.force_collectives()
+
+
+def communicates(group: dist.ProcessGroup) -> bool:
+    """:func:`collective_path` of ``group``'s size. No communication."""
+    return collective_path(dist.get_world_size(group))
 
 
 def rank_in(group: dist.ProcessGroup) -> int:

@@ -62,7 +62,8 @@ from ..comm.collectives import (all_gather_by_all_to_all, all_gather_single, all
                                 peer_partitions_by_all_to_all)
 from ..layout.plan import PIPELINE_FIRST_SHARE
 from ..comm.point_to_point import all_gather_by_send_recv, peer_partitions_by_send_recv
-from ..comm.process_groups import backend_of, comm_support_of, global_rank, group_rank_of, world_size_of
+from ..comm.process_groups import (backend_of, comm_support_of, communicates, global_rank, group_rank_of,
+                                   world_size_of)
 from ..settings import ENV_STRATEGY, STRATEGIES, check_strategy, gather_strategy, pinned, set_gather_strategy
 
 __all__ = [
@@ -300,7 +301,7 @@ def planned(strategy: str, group: dist.ProcessGroup, device: torch.device, dtype
     check_possible(chosen, group, device)
     if chosen != "auto":
         return chosen
-    if backend_of(group) != "gloo" or nbytes < CALIBRATION_MIN_BYTES or world_size_of(group) == 1:
+    if backend_of(group) != "gloo" or nbytes < CALIBRATION_MIN_BYTES or not communicates(group):
         return "all_gather"  # (one rank: nothing travels, bulk copies the partition; nothing to time)
     decision = _DECISIONS.get(_decision_key(group, device, dtype, nbytes, unpack, pipelined, one_group))
     return CALIBRATES if decision is None else decision

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ..layout.flat import ParamLayout
 from .placements import assembly_of
 from ..layout.plan import ColumnPiece
-from ..comm.process_groups import world_size_of
+from ..comm.process_groups import communicates
 from ..core.state import FlatState
 from ..layout.views import ViewCache
 from .buffers import BUFFERS
@@ -60,7 +60,7 @@ def plan_transfers(state: FlatState, params: list[ParamLayout], dst: int | None,
     :func:`full_tensors` runs. No communication."""
     transfers = _transfers(state, sorted(state.plan.by_group(params)))
     for t in transfers:
-        t.single = world_size_of(t.pg) == 1
+        t.single = not communicates(t.pg)
         if dst is not None:  # no calibration: it times the all-rank collectives, while dst= uses gather/reduce
             chosen = explicit(strategy)
             t.strategy = "all_reduce" if chosen == "all_reduce" else "all_gather"  # all_to_all: a gather too

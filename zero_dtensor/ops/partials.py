@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..comm.collectives import all_reduce_rows
+from ..comm.process_groups import collective_path
 from ..core.state import FlatState, Selection
 from ..layout.devices import to_comm, to_device, to_storage
 from ..layout.segment_plan import SegmentPlan, block_for, offsets_of, segment_plan, sizes_plan
@@ -151,7 +152,7 @@ def communicating_by_process_group(state: FlatState) -> list[tuple[Any, set[int]
     groups (the ones a reduction communicates on). No communication."""
     by_pg: dict[int, tuple[Any, set[int]]] = {}
     for i, g in enumerate(state.layout.groups):
-        if g.placement.is_sharded and g.world_size > 1:
+        if g.placement.is_sharded and collective_path(g.world_size):
             pg = state.storage.process_groups[i]
             by_pg.setdefault(id(pg), (pg, set()))[1].add(i)
     return list(by_pg.values())

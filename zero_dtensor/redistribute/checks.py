@@ -36,7 +36,8 @@ def agreement_groups(storage: FlatStorage, selected: Sequence[ParamLayout] | Non
     """The process groups a write over ``selected`` (``None``: any parameter) may communicate on: multi-rank groups,
     replicated ones included (every rank needs the whole new value)."""
     indices = sorted({p.group for p in selected}) if selected is not None else range(len(storage.process_groups))
-    return tuple(storage.process_groups[i] for i in indices if storage.layout.groups[i].world_size > 1)
+    return tuple(storage.process_groups[i] for i in indices
+                 if process_groups.collective_path(storage.layout.groups[i].world_size))
 
 
 def _allowed_devices(storage: FlatStorage) -> set[torch.device]:

@@ -212,7 +212,7 @@ def write_targets(storage: FlatStorage, plan: Plan, values: Mapping[str, torch.T
             if code is None:
                 _write_bucket(sources, parts, bucket, device, storage)
                 continue
-            if bucket.world_size == 1:
+            if not process_groups.collective_path(bucket.world_size):
                 deferred.append((bucket, sources, parts, None))
                 continue
             framed, codes = _framed_exchange(sources, bucket, device, storage, code, index)

@@ -169,9 +169,11 @@ def _pieces(src: Sequence[Range], src_full: bool, dst: Sequence[Range], me: int
     return sends, recvs
 
 
-def _crosses(src: Sequence[Range], src_full: bool, dst: Sequence[Range]) -> bool:
-    """Whether any element moves between ranks (rank-independent: computed from every rank's ranges)."""
-    return not src_full and any(b > a and not (s[0] <= a and b <= s[1]) for s, (a, b) in zip(src, dst))
+def _crosses(src: Sequence[Range], src_full: bool, dst: Sequence[Range], forced: bool = False) -> bool:
+    """Whether any element moves between ranks (rank-independent: computed from every rank's ranges). ``forced``
+    (one rank forced through the collective path): whether any element of a sharded source is to go anywhere, as
+    it would cross ranks at N ranks."""
+    return not src_full and any(b > a and (forced or not (s[0] <= a and b <= s[1])) for s, (a, b) in zip(src, dst))
 
 
 def _transfer(per_peer_send: list[list[Piece]], per_peer_recv: list[list[Piece]], communicates: bool,
@@ -213,9 +215,10 @@ def _in_order(pieces: Sequence[Piece]) -> bool:
 
 
 def _bucket(layout: FlatLayout, groups: tuple[int, ...], params: list[ParamLayout], kind: str,
-            owner_of: Mapping[str, int], dtype: torch.dtype) -> BucketPlan:
+            owner_of: Mapping[str, int], dtype: torch.dtype, forced: bool = False) -> BucketPlan:
     first = layout.groups[groups[0]]
     world, me = first.world_size, first.rank
+    forced = forced and world == 1  # one rank through the N-rank path: its sharded pieces travel (to itself)
     slot_of_group = {g: i for i, g in enumerate(groups)}
     read_send: list[list[Piece]] = [[] for _ in range(world)]
     read_recv: list[list[Piece]] = [[] for _ in range(world)]
@@ -254,10 +257,10 @@ def _bucket(layout: FlatLayout, groups: tuple[int, ...], params: list[ParamLayou
             write_send[d].append((j, a - ta, b - a))
         for s, a, b in recvs:
             write_recv[s].append((gslot, base + a, b - a))
-        read_cross = read_cross or _crosses(stored, stored_full, target)
-        write_cross = write_cross or _crosses(target, target_full, stored)
+        read_cross = read_cross or _crosses(stored, stored_full, target, forced)
+        write_cross = write_cross or _crosses(target, target_full, stored, forced)
         out += tb - ta
-    multi = world > 1
+    multi = world > 1 or forced
     return BucketPlan(groups, dtype, world, me, tuple(slots), out,
                       _transfer(read_send, read_recv, multi and read_cross, me),
                       _transfer(write_send, write_recv, multi and write_cross, me))
@@ -270,7 +273,7 @@ def _row_count(rows: int, world: int, rank: int) -> int:
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
 def _plan(layout: FlatLayout, names: tuple[str, ...], pg_keys: tuple[int, ...], dtypes: tuple[torch.dtype, ...],
-          kind: str, owners: tuple[int, ...]) -> Plan:
+          kind: str, owners: tuple[int, ...], forced: bool = False) -> Plan:
     owner_of = dict(zip(names, owners)) if kind == OWNERS else {}
     buckets: dict[tuple[int, torch.dtype], tuple[list[int], list[ParamLayout]]] = {}
     for g in layout.groups:  # bucket order: first flat group of each (process group, dtype)
@@ -280,7 +283,7 @@ def _plan(layout: FlatLayout, names: tuple[str, ...], pg_keys: tuple[int, ...], 
     for name in names:
         p = layout.by_name[name]
         bucket_of[p.group][1].append(p)
-    built = tuple(_bucket(layout, tuple(groups), params, kind, owner_of, dtype)
+    built = tuple(_bucket(layout, tuple(groups), params, kind, owner_of, dtype, forced)
                   for (_, dtype), (groups, params) in buckets.items() if params)
     return Plan(kind, names, built)
 
@@ -309,4 +312,5 @@ def plan_for(storage: FlatStorage, selected: Sequence[ParamLayout], kind: str = 
     else:
         raise ValueError(f"unknown target {kind!r}; use 'rows' or 'owners'")
     dtypes = tuple(p.dtype for p in storage.partitions)  # the family's: the layout is geometry only
-    return _plan(storage.layout, names, process_group_keys(storage), dtypes, kind, ranks)
+    return _plan(storage.layout, names, process_group_keys(storage), dtypes, kind, ranks,
+                 process_groups.collective_path(1))

@@ -14,6 +14,7 @@ import torch
 from .families import master as _master
 from ._deepspeed import check_engine, families, grad_storage
 from .comm.agreement import agree, install_step_checkpoint
+from .comm.signature import collective
 from .families.master import ShardedMasterParams, ShardedOptimizerState
 from .settings import is_debug
 from .families.sharded import ShardedGrads
@@ -35,6 +36,7 @@ __all__ = [
 _CURRENT: weakref.WeakKeyDictionary[Any, ShardedGrads] = weakref.WeakKeyDictionary()
 
 
+@collective
 def sharded_grads(engine: Any) -> ShardedGrads:
     """The reduced gradients of a DeepSpeed ZeRO ``engine``, sharded as stored. **No communication** (outside
     debug mode).
@@ -69,6 +71,7 @@ def sharded_grads(engine: Any) -> ShardedGrads:
     return grads
 
 
+@collective
 def get_full_model_grads(
     engine: Any, names: list[str] | None = None, *, dtype: torch.dtype | None = torch.float32
 ) -> dict[str, torch.Tensor]:
@@ -125,6 +128,7 @@ def optimizer_state_keys(engine: Any) -> tuple[str, ...]:
     return families.optimizer_state_keys(engine)
 
 
+@collective
 def sync_model_params(engine: Any) -> None:
     """Make the model's working weights the (cast) fp32 masters after a write into them, and clear the write mark.
     **Collective**: every rank of the data-parallel group, between steps. Communication: the rank agreement (one
@@ -137,27 +141,30 @@ def sync_model_params(engine: Any) -> None:
     _master.sync_model_params(engine)
 
 
+@collective
 def get_full_fp32_params(engine: Any, names: list[str] | None = None) -> dict[str, torch.Tensor]:
     """``{name: full fp32 master weight}``, a drop-in for ``{n: safe_get_full_fp32_param(p) for n, p in ...}`` over
-    trainable parameters. **Collective**: one ``all_gather`` per process group (coalesced; + the rank agreement)
-    instead of one ``all_reduce`` per parameter; none for a single rank. Memory: the results (fp32, ``S``)."""
+    trainable parameters. **Collective**: one ``all_gather`` per process group (coalesced; + the rank agreement, on
+    ``names``) instead of one ``all_reduce`` per parameter; none for a single rank. Memory: the results (fp32, ``S``)."""
     return sharded_master_params(engine).full_tensors(names, dtype=torch.float32)
 
 
+@collective
 def set_full_fp32_params(engine: Any, mapping: Mapping[str, torch.Tensor]) -> None:
     """Write full fp32 master weights and refresh the model's working weights from them, a drop-in for a
     ``safe_set_full_fp32_param`` loop followed by the refresh DeepSpeed's step would do. **Collective**: the rank
     agreement, then the sync (:func:`sync_model_params`' collectives; the write itself communicates nothing). The
-    agreement comes first and hashes the names written: every entry is validated on every rank, and a bad entry
-    on any rank, or names that differ between ranks (one rank a value, another ``{}``), raise on every rank before
-    anything is written."""
+    agreement comes first and hashes the mapping (its names, and its values' dtypes and device types): every entry
+    is validated on every rank, and a bad entry on any rank, or names that differ between ranks (one rank a value,
+    another ``{}``), raise on every rank before anything is written."""
     check_engine(engine)
     _master.set_full_and_sync(engine, mapping)
 
 
+@collective
 def get_full_optimizer_state(engine: Any, key: str, names: list[str] | None = None) -> dict[str, torch.Tensor]:
     """``{name: full optimizer state key}`` (fp32), a drop-in for a ``safe_get_full_optimizer_state(p, key)``
-    loop. **Collective**: as :func:`get_full_fp32_params`."""
+    loop. **Collective**: as :func:`get_full_fp32_params` (``key`` is agreed too)."""
     return sharded_optimizer_state(engine, key).full_tensors(names, dtype=torch.float32)
 
 

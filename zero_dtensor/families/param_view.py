@@ -9,6 +9,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..comm.agreement import Refusal, agree_on
+from ..comm.signature import collective
 from ..layout.flat import ParamLayout
 from ..materialize.placements import assembly_of
 from ..core.state import FlatState, check_dtype
@@ -48,6 +49,11 @@ class ParamView:
     def name(self) -> str:
         return self._param.name
 
+    def __zero_dtensor_agreement__(self) -> str:
+        """Which tensor this is, as the rank agreement compares an argument (:mod:`zero_dtensor.comm.signature`):
+        the family's fingerprint and the parameter's name. No communication."""
+        return f"param({self._owner._state.storage.family!r}, {self.name!r})"
+
     @property
     def shape(self) -> torch.Size:
         return self._param.shape
@@ -85,11 +91,13 @@ class ParamView:
         state.check_current()
         return state.fragment(self._param).view(-1)  # a new view: the cached fragment object stays internal
 
+    @collective
     def full_tensor(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The full (true, unscaled) tensor, shape ``self.shape``: a snapshot in memory the caller owns.
         **Collective**: call on every rank of the group.
 
-        Communication (the placement's, :mod:`zero_dtensor.materialize.placements`): none for a replicated group; ZeRO-3: one
+        Communication (the placement's, :mod:`zero_dtensor.materialize.placements`), after the rank agreement on the
+        parameter and ``dtype`` (where it communicates): none for a replicated group; ZeRO-3: one
         ``all_gather`` of the ``ceil(numel/N)`` chunks (``(N-1)/N·numel`` elements received per rank); ZeRO-1/2: one
         sum ``all_reduce`` of a zero-padded ``numel``-element buffer in the stored dtype (exact: every element has
         one non-zero contributor). To gather many parameters use :meth:`ShardedTensors.full_tensors` (one collective
@@ -104,7 +112,7 @@ class ParamView:
         param = self._param
         pg = storage.process_groups[param.group]
         communicates = state.group(param.group).placement.is_sharded
-        agree_on(storage, what, (self.name, str(dtype)), [pg] if communicates else [], refused=refusal.error)
+        agree_on(storage, what, (), [pg] if communicates else [], refused=refusal.error)
         group = state.group(param.group)
         full = assembly_of(group).gather_param(group, param, storage.partitions[param.group], pg, storage.device)
         return state.finish(full.view(param.shape), dtype)

@@ -23,6 +23,7 @@ from ..core.param_values import ParamValues
 from ..ops.reductions import GradStats
 from ..core.state import FlatState, ParamSelection, Selection
 from ..ops.transforms import Scalar
+from ..comm.signature import collective
 
 __all__ = ["TensorMath"]
 
@@ -43,8 +44,7 @@ class TensorMath:
     _state: FlatState
 
     if TYPE_CHECKING:
-        def _agreed_selection(self, what: str, params: ParamSelection, *signature: Any,
-                              norm_type: Any = None) -> Selection: ...
+        def _agreed_selection(self, what: str, params: ParamSelection, *, norm_type: Any = None) -> Selection: ...
 
         def _check_same_layout(self, other: Any) -> None: ...
 
@@ -178,6 +178,7 @@ class TensorMath:
         storage = transforms.clone_storage(self._state, dtype)
         return type(self)(replace(storage, family=_clone_family(self._state.storage.family)))
 
+    @collective
     def norms(self, norm_type: float = 2.0, *, params: ParamSelection = None) -> ParamValues:
         """``{name: norm of the true values}`` as 0-d float32 tensors (on the communication device, the engine's,
         also when the partitions are offloaded; no host sync; one read of the local data): a
@@ -190,6 +191,7 @@ class TensorMath:
         sel = self._agreed_selection("norms", params, norm_type=norm_type)
         return reductions.norms(self._state, sel, float(norm_type))
 
+    @collective
     def global_norm(self, norm_type: float = 2.0, *, params: ParamSelection = None) -> torch.Tensor:
         """The norm of all selected true values taken together (as ``torch.nn.utils.get_total_norm``), a 0-d
         float32 tensor on the communication device (no host sync; one read of the local data). **Communication: one
@@ -197,6 +199,7 @@ class TensorMath:
         sel = self._agreed_selection("global_norm", params, norm_type=norm_type)
         return reductions.global_norm(self._state, sel, float(norm_type))
 
+    @collective
     def dots(self, other: Any, *, params: ParamSelection = None, with_norms: bool = False):
         """Per-parameter dot products ``{name: <g, other_g>}`` of true values (0-d float32 tensors), e.g. for
         PCGrad conflict tests. ``other``: a ``ShardedTensors``/clone with the same layout.
@@ -208,9 +211,10 @@ class TensorMath:
         if not isinstance(other, TensorMath):
             raise TypeError(f"dots takes another ShardedTensors or a clone, got {type(other).__name__}")
         self._check_same_layout(other)
-        sel = self._agreed_selection("dots", params, bool(with_norms), other._state.storage.family)
+        sel = self._agreed_selection("dots", params)
         return reductions.dots(self._state, other._state, sel, with_norms)
 
+    @collective
     def stats(self, *, params: ParamSelection = None) -> Mapping[str, GradStats]:
         """``{name: GradStats}``: 2-norm, max ``|g|``, mean, nan and inf counts of parameter's true values, as Python
         numbers (one host sync); a read-only mapping whose ``GradStats`` are made when read. **Communication: at
@@ -219,6 +223,7 @@ class TensorMath:
         """
         return reductions.stats(self._state, self._agreed_selection("stats", params))
 
+    @collective
     def clip_grad_norm_(
         self,
         max_norm: float,
@@ -231,21 +236,29 @@ class TensorMath:
         norm before clipping as a 0-d float32 tensor.
 
         Every selected tensor is multiplied by ``clamp(max_norm / (total_norm + 1e-6), max=1.0)`` (torch's
-        formula). **Communication: one all_reduce of a (k,) float32 vector per process group**; the multiply is
-        local (the coefficient moves to the storage device once). Returns on the communication device; reads the
-        local data once for the norm, then reads and writes it once to scale; no host sync unless
-        ``error_if_nonfinite``.
+        formula). **Communication: the rank agreement, then one all_reduce of a (k,) float32 vector per process
+        group**; the multiply is local (the coefficient moves to the storage device once). The agreement covers
+        every argument (``max_norm`` and ``norm_type`` bit for bit, ``error_if_nonfinite``, the selection): where
+        one differs between ranks (a ``max_norm`` adapted from rank-local history), every rank raises
+        :class:`~zero_dtensor.errors.RankDisagreementError` before anything is reduced or written. Returns on the
+        communication device; reads the local data once for the norm, then reads and writes it once to scale; no
+        host sync unless ``error_if_nonfinite`` (then, the norm being the same on every rank, every rank raises
+        ``RuntimeError`` for a non-finite norm, nothing scaled).
         """
         sel = self._agreed_selection("clip_grad_norm_", params, norm_type=norm_type)
         return reductions.clip_grad_norm_(self._state, sel, max_norm, float(norm_type), error_if_nonfinite)
 
+    @collective
     def clip_per_param_(
         self, max_norm: float, norm_type: float = 2.0, *, params: ParamSelection = None
     ) -> ParamValues:
         """Clip each selected tensor on its own to norm ``max_norm`` (coefficient
         ``clamp(max_norm / (norm + 1e-6), max=1.0)`` per parameter); returns ``{name: norm before clipping}`` (a
         :class:`~zero_dtensor.ParamValues` mapping).
-        **Communication: one all_reduce of a (k,) float32 vector per process group.**
+        **Communication: the rank agreement, then one all_reduce of a (k,) float32 vector per process group.** The
+        agreement covers every argument (``max_norm`` and ``norm_type`` bit for bit, the selection): where one
+        differs between ranks, every rank raises :class:`~zero_dtensor.errors.RankDisagreementError` before
+        anything is reduced or written.
         """
         sel = self._agreed_selection("clip_per_param_", params, norm_type=norm_type)
         return reductions.clip_per_param_(self._state, sel, max_norm, float(norm_type))

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import redistribute as _redistribute
 from ..comm.agreement import Refusal, agree_on
+from ..comm.signature import collective
 from ..layout.flat import ParamLayout
 from ..core.state import check_dtype
 from ..core.storage import FlatStorage
@@ -34,6 +35,7 @@ class TensorOwners:
         def _agree(self, what: str, selected: list[ParamLayout] | None, refused: Exception | None,
                    *signature: Any) -> None: ...
 
+    @collective
     def to_dtensors(self, names: list[str] | None = None, *, dtype: torch.dtype | None = None) -> dict[str, DTensor]:
         """``{name: DTensor}``: each selected tensor (true units) with the parameter's shape, placement
         ``Shard(0)`` (rows split as ``torch.chunk`` splits them, as FSDP2 lays parameters out; a 0-d parameter,
@@ -59,17 +61,18 @@ class TensorOwners:
         with Refusal() as refusal:
             selected = self._select(names)
             check_dtype(dtype, "to_dtensors")
-        self._agree("to_dtensors", selected, refusal.error, str(dtype))
+        self._agree("to_dtensors", selected, refusal.error)
         return _redistribute.to_dtensors(self._storage, selected, dtype=dtype)
 
+    @collective
     def set_dtensors_(self, mapping: Mapping[str, DTensor]) -> None:
         """Write ``Shard(0)`` DTensors shaped as :meth:`to_dtensors` returns them (true units, any floating dtype)
         back into DeepSpeed's storage. **Collective**: call on every rank with the same names.
 
         Every entry (name, DTensor type, mesh over the group's ranks, placement, global shape, dtype, this rank's
         local shard shape, device) is checked on every rank before anything is sent or written; a bad entry on any
-        rank raises on every rank. Communication: the rank agreement (one small collective; it carries any rank's
-        refusal), then one ``all_to_all_single`` per (process group, dtype), the reverse of the read, about
+        rank raises on every rank. Communication: the rank agreement (one small collective on the names in their
+        order and every entry's global shape, dtype and placements; it carries any rank's refusal), then one ``all_to_all_single`` per (process group, dtype), the reverse of the read, about
         ``(N-1)/N · S/N`` bytes each way per rank (replicated groups too: every rank needs the whole new value,
         ``(N-1)/N · S`` received). Writes never record autograd history. Memory and copies: nothing of the data's
         size is allocated; the local shards are sent as they lie where they are one run in send order (as
@@ -83,7 +86,7 @@ class TensorOwners:
         with Refusal() as refusal:
             selected = self._select(_redistribute.mapping_names(mapping, "set_dtensors_"))
             values = _redistribute.checked_dtensors(storage, selected, mapping)
-        signature = () if refusal.error else ([p.name for p in selected], _redistribute.dtensor_signature(mapping))
+        signature = () if refusal.error else ([p.name for p in selected],)
         agree_on(storage, "set_dtensors_", signature, _redistribute.agreement_groups(storage, selected),
                  refused=refusal.error)
         assert selected is not None  # a refusal raised above
@@ -100,6 +103,7 @@ class TensorOwners:
         self._check_current()
         return _redistribute.owners(self._storage, self._select(names), owners)
 
+    @collective
     def owned(self, names: list[str] | None = None, *, owners: Mapping[str, int] | None = None,
               dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """``{name: whole tensor}`` (true units, the parameter's shape) of the selected parameters this rank owns
@@ -122,9 +126,10 @@ class TensorOwners:
             selected = self._select(names)
             check_dtype(dtype, "owned")
             assignment = _redistribute.owners(self._storage, selected, owners)
-        self._agree("owned", selected, refusal.error, str(dtype), tuple(assignment.values()))
+        self._agree("owned", selected, refusal.error, tuple(assignment.values()))
         return _redistribute.owned(self._storage, selected, assignment, dtype=dtype)
 
+    @collective
     def set_owned_(self, mapping: Mapping[str, torch.Tensor], *, owners: Mapping[str, int] | None = None) -> None:
         """Write whole tensors (true units, the parameter's shape, any floating dtype) from the ranks that hold
         them, usually the (modified) result of :meth:`owned`: each rank passes its own, each parameter comes from
@@ -143,6 +148,7 @@ class TensorOwners:
         self._check_current()
         _redistribute.set_owned_(self._storage, mapping, assignment=owners)
 
+    @collective
     def map_full_(self, fn: Callable[[str, torch.Tensor], torch.Tensor], names: list[str] | None = None, *,
                   owners: Mapping[str, int] | None = None) -> None:
         """Replace each selected tensor by ``fn(name, whole tensor)``, computed once in the job, on the
@@ -150,7 +156,9 @@ class TensorOwners:
         units in the stored dtype (float32 under fp16) and returns a tensor of the parameter's shape (any floating
         dtype). **Collective**: call on every rank with the same arguments.
 
-        Communication: the rank agreement, one ``all_to_all_single`` per (process group, dtype) each way (the
+        Communication: the rank agreement (on ``names``, ``owners`` and the owners they resolve to; not on
+        ``fn``, whose outcome is agreed with the write), one ``all_to_all_single`` per (process group, dtype) each
+        way (the
         first only where a piece crosses ranks; the second always, as it also carries one error code per peer):
         about ``(N-1)/N · S/N`` bytes each way per rank per exchange (ZeRO-1/2 with the default owners: only the
         parameters the partition boundaries cut). An exception in ``fn`` (or a result of the wrong shape or

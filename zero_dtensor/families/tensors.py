@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from ..ops import reductions, writes
 from ..comm.agreement import Refusal, agree_on
 from ..comm.collectives import mesh_for
+from ..comm.signature import collective
 from ..errors import StaleTensorsError
 from ..layout.flat import FlatLayout, ParamLayout
 from ..materialize import bulk as _bulk
@@ -88,6 +89,11 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
     def __repr__(self) -> str:
         storage = self._state.storage
         return f"{type(self).__name__}({storage.describe}, {len(self)} params, {len(self.layout.groups)} groups)"
+
+    def __zero_dtensor_agreement__(self) -> str:
+        """Which tensors these are, as the rank agreement compares an argument (:mod:`zero_dtensor.comm.signature`):
+        the family's fingerprint. No communication."""
+        return f"family({self._state.storage.family!r})"
 
     # --- mapping -----------------------------------------------------------------------------------------------
     def __getitem__(self, name: str) -> ParamView:
@@ -148,6 +154,7 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         return self._group_dtensors
 
     # --- materialization ---------------------------------------------------------------------------------------
+    @collective
     def full_tensors(
         self,
         names: list[str] | None = None,
@@ -184,8 +191,9 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
                 :mod:`zero_dtensor.materialize.strategy`).
 
         Communication (``N`` ranks, ``S`` the padded flat bytes of the groups involved, in the stored dtype): first
-        the rank agreement (one small collective of a few int64 per process group communicated on, on the call as
-        resolved: the selection, ``dtype``, the strategy each transfer uses or that it calibrates, and the settings;
+        the rank agreement (one small collective of a few int64 per process group communicated on, on every argument
+        (``out=`` by its type only) and the call as resolved: the selection, the strategy each transfer uses or
+        that it calibrates, and the settings;
         see :mod:`zero_dtensor.comm.agreement`; arguments that any rank refuses — names, ``dtype``, ``out=`` entries,
         ``dst``, ``strategy`` — raise there on every rank, this rank's own error or the same class naming the
         refusing rank), then ``all_gather``: one all_gather per (process group, dtype, device),
@@ -232,11 +240,11 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
             check_dtype(dtype, "full_tensors")
             _bulk.check_request(self._state, selected, dtype=dtype, out=out, dst=dst, strategy=strategy)
             transfers = _bulk.plan_transfers(self._state, selected, dst, strategy)
-        self._agree("full_tensors", selected, refusal.error, str(dtype), dst, async_op, strategy,
-                    tuple(t.strategy for t in transfers), type(out).__name__)
+        self._agree("full_tensors", selected, refusal.error, tuple(t.strategy for t in transfers))
         return _bulk.full_tensors(self._state, selected, dtype=dtype, out=out, dst=dst, async_op=async_op,
                                   strategy=strategy, transfers=transfers)
 
+    @collective
     def iter_full(
         self,
         names: list[str] | None = None,
@@ -251,8 +259,9 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
 
         Parameters come per flat group, in buffer order (not model order). Consecutive parameters form windows of
         at most ``bucket_bytes`` of buffers allocated here (stored dtype); a parameter larger than that gets a
-        window of its own. First the rank agreement (one small collective per process group, once per call;
-        it carries any rank's refusal of the arguments, which then raises on every rank), then one collective per
+        window of its own. First the rank agreement (one small collective per process group, once per call, on
+        every argument; it carries any rank's refusal of the arguments, which then raises on every rank), then one
+        collective per
         window, nothing for replicated groups (one local copy per window). On gloo over CPU tensors the default is ``send_recv``
         (one batch of point-to-point ops per window): ZeRO-1/2 every other rank's overlap of the window ``[a, b)``
         received straight into its place, about ``(N-1)/N·W`` bytes per rank; ZeRO-3 the window's chunk range of
@@ -272,7 +281,7 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
             selected = self._select(names)
             check_dtype(dtype, "iter_full")
             _stream.check_request(bucket_bytes, strategy, self._state, selected)
-        self._agree("iter_full", selected, refusal.error, bucket_bytes, str(dtype), strategy)
+        self._agree("iter_full", selected, refusal.error)
         return _stream.iter_full(self._state, selected, bucket_bytes=bucket_bytes, dtype=dtype, strategy=strategy)
 
     def set_full_(self, mapping: Mapping[str, torch.Tensor]) -> None:
@@ -297,7 +306,8 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
     def _agree(self, what: str, selected: list[ParamLayout] | None, refused: Exception | None,
                *signature: Any) -> None:
         """The rank agreement of a bulk read (:func:`zero_dtensor.comm.agreement.agree`) over the process groups the
-        call will communicate on (none for replicated or single-rank groups). ``refused``: this rank's validation
+        call will communicate on (none for replicated or single-rank groups): the call's arguments by construction
+        (:mod:`zero_dtensor.comm.signature`), the selection and ``signature``, what the call resolved from them. ``refused``: this rank's validation
         error, which every rank then raises (``selected`` is ``None`` when the selection itself failed: the
         agreement then runs over the process groups of every sharded group)."""
         storage = self._state.storage
@@ -309,10 +319,11 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         names = "<all, model order>" if self._state.plan.is_everything(selected) else [p.name for p in selected]
         agree_on(storage, what, (names, *signature), groups)
 
-    def _agreed_selection(self, what: str, params: ParamSelection, *signature: Any, norm_type: Any = None) -> Selection:
+    def _agreed_selection(self, what: str, params: ParamSelection, *, norm_type: Any = None) -> Selection:
         """A reduction's ``params=`` selection, validated (with ``norm_type`` where given) and agreed on every rank
         of the process groups it reduces over (:func:`zero_dtensor.comm.agreement.agree`; none where no group
-        communicates): a selection, a norm type or a setting that differs between ranks raises on every rank."""
+        communicates), with every argument of the call (:mod:`zero_dtensor.comm.signature`): a selection, any
+        argument or a setting that differs between ranks raises on every rank."""
         state = self._state
         state.check_current()
         sel: Selection | None = None
@@ -324,8 +335,7 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         if refusal.error is None:
             assert sel is not None
             names = "<all>" if params is None else sel.names
-        agree_on(state.storage, what, (names, None if norm_type is None else float(norm_type), *signature),
-                 reductions.communicating_groups(state), refused=refusal.error)
+        agree_on(state.storage, what, (names,), reductions.communicating_groups(state), refused=refusal.error)
         assert sel is not None  # a refusal raised above
         return sel
 

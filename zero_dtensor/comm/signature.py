@@ -80,7 +80,8 @@ NOT_BY_VALUE: dict[tuple[str, str], tuple[str, Callable[[Any], str] | None]] = {
                        _normalized_path),
 }
 
-#: every :func:`collective` call: ``qualified name → the function`` (unwrapped); filled as the modules are imported
+#: every :func:`collective` call: ``qualified name → the marked function`` (a method: the class attribute); filled as
+#: the modules are imported
 COLLECTIVE_CALLS: dict[str, Callable[..., Any]] = {}
 
 
@@ -106,7 +107,6 @@ def collective(fn: F) -> F:
     if name in COLLECTIVE_CALLS:
         raise RuntimeError(f"zero_dtensor: two collective calls named {name!r}")
     signature = inspect.signature(fn)
-    COLLECTIVE_CALLS[name] = fn
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -117,6 +117,7 @@ def collective(fn: F) -> F:
             _FRAMES.reset(token)
 
     call.__zero_dtensor_collective__ = name  # type: ignore[attr-defined]
+    COLLECTIVE_CALLS[name] = call
     return call  # type: ignore[return-value]
 
 

@@ -25,13 +25,13 @@ def shares_memory(values: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor
     any overlap; a larger write could read what it already overwrote). Two C-level passes over the values and a sort
     of their addresses; no tensor operation, no communication."""
     starts = sorted(map(torch.Tensor.data_ptr, compress(values, map(torch.Tensor.numel, values))))
-    if not starts:
-        return False
-    for buffer in buffers:
+    count = len(starts)
+    for buffer in buffers:  # the same calls whatever the values (the interpreter's work must not depend on them)
         memory = buffer.untyped_storage()
         lo = memory.data_ptr()
+        hi = lo + memory.nbytes()
         inside = bisect_left(starts, lo)
-        if inside < len(starts) and starts[inside] < lo + memory.nbytes():
+        if inside < count and starts[inside] < hi:
             return True
     return False
 

@@ -58,7 +58,8 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
 
     Transforms (``mul_`` … ``add_noise_``) work on the local shards with **no communication**; reductions
     (``norms``, ``global_norm``, ``dots``, ``clip_*``) issue **one all_reduce of a (k,) vector per process group**
-    (``stats`` at most two), after the rank agreement. Every operation takes ``params=``: ``None`` (all trainable
+    (``stats`` at most two), after the rank agreement (on every argument: :mod:`zero_dtensor.comm.signature`).
+    Every operation takes ``params=``: ``None`` (all trainable
     parameters), a collection of names, or a predicate ``name -> bool``; unknown names raise ``KeyError`` before
     anything is written. Operands and results are in true (unscaled) units under fp16 loss scaling (only gradients
     are ever scaled). Operations between two families (``add_``, ``lerp_``, ``copy_``, ``dots``) need the same
@@ -295,7 +296,9 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         rank (for replicated groups each rank writes the whole value). Everything is validated on every rank before
         the first write: a bad entry anywhere raises on every rank and nothing is changed. Values may be any
         floating dtype (cast on write), on the engine's device or where the tensor is stored, plain tensors or
-        subclasses such as ``nn.Parameter`` (not DTensors); writes never record autograd history.
+        subclasses such as ``nn.Parameter`` (not DTensors), also views of this family's own memory (e.g. of
+        ``local_partitions``, at any offset: such a value is copied before anything is written, so it is written as
+        any other, on every rank); writes never record autograd history.
         """
         state = self._state
         state.check_current()

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 from ..core.state import FlatState
-from ..core.storage import shares_memory
 from ..layout.plan import GroupPlan
 
 __all__ = ["write_direct"]
@@ -155,8 +154,6 @@ def write_direct(state: FlatState, plan: GroupPlan, names: tuple[str, ...], valu
     if not sources:
         return
     cache = state.view_caches[plan.index]
-    if shares_memory(sources, (cache.buffer,)):  # a view of the partition itself (at any offset): staged first
-        sources = [s.clone() if shares_memory((s,), (cache.buffer,)) else s for s in sources]
     scale = state.loss_scale
     if (scale == 1.0 and direct.run is not None and cache.buffer.device.type not in FOREACH_DEVICES
             and _concatenable(sources, cache.buffer)):
@@ -178,7 +175,8 @@ def write_direct(state: FlatState, plan: GroupPlan, names: tuple[str, ...], valu
 def _concatenable(sources: list[torch.Tensor], buffer: torch.Tensor) -> bool:
     """Whether one ``torch.cat(..., out=)`` can write ``sources`` into their run of ``buffer``: every source
     contiguous (``flatten`` is then a view) on the buffer's device (none is in the buffer's own memory:
-    :func:`write_direct` staged those). Two C-level passes over the sources, no device operation."""
+    :func:`~zero_dtensor.ops.writes.set_full_` copied those first). Two C-level passes over the sources, no device
+    operation."""
     if not all(map(torch.Tensor.is_contiguous, sources)):
         return False
     device = buffer.device

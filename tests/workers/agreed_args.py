@@ -54,10 +54,13 @@ def _outcomes(call: Callable[[], Any]) -> list[str | None]:
     return every
 
 
-def _raises_everywhere(call: Callable[[], Any], families: tuple[Any, ...]) -> None:
+def _raises_everywhere(call: Callable[[], Any], families: tuple[Any, ...], argument: str) -> None:
+    """``call()`` raises ``RankDisagreementError`` on every rank, its message listing each rank's ``argument``, and
+    nothing is written."""
     before = _snapshot(*families)
     every = _outcomes(call)
     assert all(o is not None and o.startswith("RankDisagreementError") for o in every), every
+    assert all(o.count(f"{argument}=") >= dist.get_world_size() for o in every), every
     assert _same(before, _snapshot(*families)), "something was written"
 
 
@@ -70,7 +73,7 @@ def _clip_max_norm(grads: Any, engine: Any) -> None:
     total = float(torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in full.values()])))
     max_norm = total / 3  # clips: the coefficient is about 1/3
     mine = math.nextafter(max_norm, math.inf) if _last() else max_norm  # one ulp apart
-    _raises_everywhere(lambda: grads.clip_grad_norm_(mine), (grads,))
+    _raises_everywhere(lambda: grads.clip_grad_norm_(mine), (grads,), "max_norm")
     returned = grads.clip_grad_norm_(max_norm)  # the agreeing call: torch's formula on DeepSpeed's full gradients
     assert math.isclose(float(returned), total, rel_tol=1e-5), (float(returned), total)
     coef = min(max_norm / (float(returned) + 1e-6), 1.0)
@@ -82,7 +85,8 @@ def _clip_max_norm(grads: Any, engine: Any) -> None:
 def _clip_error_flag(grads: Any, engine: Any) -> None:
     del engine
     flag = _last()  # True on one rank only
-    _raises_everywhere(lambda: grads.clip_grad_norm_(1e9, error_if_nonfinite=flag), (grads,))
+    _raises_everywhere(lambda: grads.clip_grad_norm_(1e9, error_if_nonfinite=flag), (grads,),
+                       "error_if_nonfinite")
 
 
 def _clip_per_param(grads: Any, engine: Any) -> None:
@@ -90,7 +94,7 @@ def _clip_per_param(grads: Any, engine: Any) -> None:
     norms = {n: float(torch.linalg.vector_norm(g)) for n, g in full.items()}
     max_norm = min(v for v in norms.values() if v > 0) * 2  # clips some parameters, not all
     mine = math.nextafter(max_norm, -math.inf) if _last() else max_norm
-    _raises_everywhere(lambda: grads.clip_per_param_(mine), (grads,))
+    _raises_everywhere(lambda: grads.clip_per_param_(mine), (grads,), "max_norm")
     returned = grads.clip_per_param_(max_norm)
     after = _reference(engine)
     for n, g in full.items():

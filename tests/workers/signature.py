@@ -36,7 +36,7 @@ from .rows import Rows
 
 #: the arguments left out of the agreement, as a reviewer accepted them (``NOT_BY_VALUE`` entries without encoder)
 REVIEWED_EXCLUSIONS = {("*", "engine"), ("TensorOwners.map_full_", "fn"), ("TensorOwners.set_owned_", "mapping"),
-                       ("save", "client_state")}
+                       ("save", "client_state"), ("set_state_dict", "model_state_dict")}
 
 #: the receiver of each class's marked methods: every family, or one parameter's view of it
 FAMILY_CLASSES = {"ShardedTensors", "TensorMath", "TensorOwners"}
@@ -106,6 +106,16 @@ def _path(ctx: Context, default: Any) -> tuple[Any, Any]:
     raise LookupError(f"no generator of a path for {ctx.call}")
 
 
+def _optim_state(ctx: Context, default: Any) -> tuple[Any, Any]:
+    """``get_state_dict``'s optimizer dict, and the same with one hyperparameter one ulp larger (for every
+    parameter: its group's parameters must agree)."""
+    base = zd.get_state_dict(ctx.engine)[1]
+    key = next(k for k, v in base.items() if k.startswith("param_groups.") and isinstance(v, float) and v > 0)
+    hyper = "." + key.rsplit(".", 1)[1]
+    return base, {k: math.nextafter(v, math.inf) if k.startswith("param_groups.") and k.endswith(hyper) else v
+                  for k, v in base.items()}
+
+
 #: per argument name: ``(ctx, default) -> (base value, another valid value)``; keep it small
 GENERATORS: dict[str, Callable[[Context, Any], tuple[Any, Any]]] = {
     "names": _fewer,
@@ -122,6 +132,8 @@ GENERATORS: dict[str, Callable[[Context, Any], tuple[Any, Any]]] = {
     "bucket_bytes": lambda ctx, default: (default, default // 2),
     "max_norm": lambda ctx, default: (1.0, math.nextafter(1.0, math.inf)),
     "key": lambda ctx, default: ("exp_avg", "exp_avg_sq"),
+    "model_state_dict": lambda ctx, default: (zd.get_state_dict(ctx.engine)[0], None),  # left out: a base only
+    "optim_state_dict": _optim_state,
     "engine": lambda ctx, default: (ctx.engine, None),
     "fn": lambda ctx, default: (lambda name, full: full, None),
 }

@@ -43,6 +43,7 @@ from .._deepspeed import families
 from .._deepspeed.sync import sync_model_params
 from ..families.master import clear_write_mark
 from ..comm.agreement import agree_outcome
+from ..comm.signature import collective
 from .boxes import boxes
 from ..errors import CheckpointMismatchError
 from .target import Target, describe, fragment, hyperparameters_by_name, model_dict, optim_dict
@@ -209,10 +210,13 @@ def _plan_copies(engine: Any, target: Target, model: Mapping[str, Any], optim: M
     return copies
 
 
+@collective
 def set_state_dict(engine: Any, model_state_dict: Mapping[str, Any], optim_state_dict: Mapping[str, Any]) -> None:
     """Write ``get_state_dict``-format dicts into ``engine`` (module docstring), then make the working weights the
     cast masters. **Collective**: one agreement (one small collective, :mod:`zero_dtensor.comm.agreement`) after the
-    checks, then :func:`~zero_dtensor._deepspeed.sync.sync_model_params` (ZeRO-1/2: one gather per param
+    checks, on the dicts too (:mod:`zero_dtensor.comm.signature`: every entry's name, its tensors' global shape,
+    dtype and placements, its numbers exactly: a hyperparameter that differs between ranks raises
+    :class:`~zero_dtensor.errors.RankDisagreementError` on every rank, nothing written), then :func:`~zero_dtensor._deepspeed.sync.sync_model_params` (ZeRO-1/2: one gather per param
     group; ZeRO-3: one of the persistent parameters together). Memory: none beyond the engine's (before the first
     step the optimizer's state is created by a zero-learning-rate step: one master-sized zero gradient at a time).
     Raises :class:`~zero_dtensor.errors.CheckpointMismatchError` (or ``TypeError`` for values of another kind) on
@@ -265,7 +269,7 @@ def write_state(engine: Any, model_state_dict: Mapping[str, Any], optim_state_di
         error = exc
     target = describe(engine)
     agree_outcome("checkpoint.set_state_dict", error, [target.process_group], target.masters.device,
-                  consequence="Nothing was written into the engine on any rank.")
+                  consequence="Nothing was written into the engine on any rank.", signature=())
     assert checked is not None
     apply_state(engine, checked)
 

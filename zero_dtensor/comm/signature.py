@@ -51,6 +51,12 @@ def _type_name(value: Any) -> str:
     return type(value).__name__
 
 
+def _numbers_of(value: Any) -> str:
+    if not isinstance(value, Mapping):
+        return encode(value)
+    return encode({k: v for k, v in value.items() if not isinstance(v, torch.Tensor)})
+
+
 def _normalized_path(value: Any) -> str:
     return repr(os.path.abspath(os.fspath(value))) if isinstance(value, (str, os.PathLike)) else encode(value)
 
@@ -71,6 +77,12 @@ NOT_BY_VALUE: dict[tuple[str, str], tuple[str, Callable[[Any], str] | None]] = {
         "agreement's payload), and every entry is checked on its rank, any refusal raising on every rank", None),
     ("save", "client_state"): (
         "saved as rank 0 passes it (documented): any picklable object, not compared", None),
+    ("set_state_dict", "model_state_dict"): (
+        "each rank's own pieces (a rank holding nothing of a parameter has no entry for it), each checked against "
+        "the engine on its rank, any failure raising on every rank", None),
+    ("set_state_dict", "optim_state_dict"): (
+        "agreed as its entries that are not tensors (the hyperparameters, exactly); its tensors are each rank's own "
+        "pieces, checked as model_state_dict's", _numbers_of),
     ("ShardedTensors.full_tensors", "out"): (
         "agreed as its type only: a per-rank buffer (with dst= only the destination's holds entries); each entry is "
         "checked on its rank and any refusal raises on every rank", _type_name),

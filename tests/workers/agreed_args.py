@@ -23,7 +23,6 @@ import torch.distributed as dist
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
 import zero_dtensor as zd
-from zero_dtensor.errors import RankDisagreementError
 
 from .common import EngineCase, build_engine, forward_backward
 from .rows import Rows

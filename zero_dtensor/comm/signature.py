@@ -18,8 +18,9 @@ would do something else:
   checked by the call itself); a ``DTensor``: its global shape, dtype and placements; a family (gradients, masters,
   an optimizer-state key, a clone) or one parameter's view: which tensors it is (``__zero_dtensor_agreement__``);
 - lists and tuples in their order; mappings by key (sorted: their order changes no result); a mapping of plain
-  tensors (10,000 values) by its keys and the sets of its values' dtypes and device types (a value's shape is
-  checked against the parameter on every rank; three C-level passes instead of one ``repr`` per value);
+  tensors (10,000 values) by its keys and the sets of its values' dtypes and device kinds (CUDA, CPU, other; a
+  value's shape is checked against the parameter on every rank; a few C-level passes instead of one ``repr`` per
+  value);
 - a function (a ``names=`` predicate): a marker; what it selects is resolved by the call and agreed by it;
 - anything else: its type's name.
 
@@ -36,7 +37,7 @@ import numbers
 import operator
 import os
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from itertools import repeat
 from typing import Any, TypeVar
 
 import torch
@@ -97,16 +98,9 @@ NOT_BY_VALUE: dict[tuple[str, str], tuple[str, Callable[[Any], str] | None]] = {
 COLLECTIVE_CALLS: dict[str, Callable[..., Any]] = {}
 
 
-@dataclass(frozen=True)
-class _Frame:
-    """One running :func:`collective` call: its name, its Python signature and the arguments as passed (``None``
-    for an internal agreement, :func:`internal_call`)."""
-
-    name: str
-    signature: inspect.Signature | None
-    args: tuple[Any, ...] = ()
-    kwargs: Mapping[str, Any] | None = None
-
+#: one running :func:`collective` call: its name, its Python signature and the arguments as passed (signature
+#: ``None`` for an internal agreement, :func:`internal_call`); a plain tuple (a marked call costs one more)
+_Frame = tuple[str, "inspect.Signature | None", tuple[Any, ...], Mapping[str, Any]]
 
 _FRAMES: contextvars.ContextVar[tuple[_Frame, ...]] = contextvars.ContextVar("zero_dtensor_calls", default=())
 
@@ -122,7 +116,7 @@ def collective(fn: F) -> F:
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        token = _FRAMES.set((*_FRAMES.get(), _Frame(name, signature, args, kwargs)))
+        token = _FRAMES.set((*_FRAMES.get(), (name, signature, args, kwargs)))
         try:
             return fn(*args, **kwargs)
         finally:
@@ -137,7 +131,7 @@ def collective(fn: F) -> F:
 def internal_call(name: str) -> Iterator[None]:
     """An agreement the library makes on its own (``engine.step``'s debug checkpoint, ``engine.save_checkpoint``'s
     sync): a frame without arguments, so that :func:`current_calls` knows it is not a forgotten mark."""
-    token = _FRAMES.set((*_FRAMES.get(), _Frame(name, None)))
+    token = _FRAMES.set((*_FRAMES.get(), (name, None, (), {})))
     try:
         yield
     finally:
@@ -154,25 +148,27 @@ def current_calls() -> str | None:
 
 
 def _describe(frame: _Frame) -> str:
-    if frame.signature is None:
-        return frame.name
+    name, signature, args, kwargs = frame
+    if signature is None:
+        return name
     try:
-        bound = frame.signature.bind(*frame.args, **(frame.kwargs or {}))
+        bound = signature.bind(*args, **kwargs)
     except TypeError:  # the call itself raises for these arguments on this rank
-        return f"{frame.name}(<arguments refused: {len(frame.args)} positional, {sorted(frame.kwargs or {})}>)"
+        return f"{name}(<arguments refused: {len(args)} positional, {sorted(kwargs)}>)"
     bound.apply_defaults()
     parts = []
     for arg, value in bound.arguments.items():
-        rule = NOT_BY_VALUE.get((frame.name, arg)) or NOT_BY_VALUE.get(("*", arg))
+        rule = NOT_BY_VALUE.get((name, arg)) or NOT_BY_VALUE.get(("*", arg))
         if rule is None:
             parts.append(f"{arg}={encode(value)}")
         elif rule[1] is not None:
             parts.append(f"{arg}={rule[1](value)}")
-    return f"{frame.name}({', '.join(parts)})"
+    return f"{name}({', '.join(parts)})"
 
 
 _DTYPE = operator.attrgetter("dtype")
-_DEVICE_TYPE = operator.attrgetter("device.type")
+_IS_CUDA = operator.attrgetter("is_cuda")
+_IS_CPU = operator.attrgetter("is_cpu")
 
 
 def encode(value: Any) -> str:
@@ -213,12 +209,14 @@ def _plain_tensor(kind: type) -> bool:
 
 def _encode_mapping(value: Mapping[Any, Any]) -> str:
     keys = list(value)
-    if all(map(isinstance, keys, [str] * len(keys))):
+    if all(map(isinstance, keys, repeat(str))):
         values = list(value.values())
         kinds = set(map(type, values))
-        if values and all(map(_plain_tensor, kinds)):  # many tensors: their names, dtypes and device types
+        if values and all(map(_plain_tensor, kinds)):  # many tensors: their names, dtypes and device kinds
             dtypes = sorted(map(str, set(map(_DTYPE, values))))
-            devices = sorted(set(map(_DEVICE_TYPE, values)))
+            # (is_cuda, is_cpu) pairs: ``.device`` makes a device object per value, 30x the cost
+            devices = sorted({"cuda" if cuda else "cpu" if cpu else "other"
+                              for cuda, cpu in set(zip(map(_IS_CUDA, values), map(_IS_CPU, values)))})
             return (f"{type(value).__name__}(keys={sorted(keys)!r}, tensors of {sorted(k.__name__ for k in kinds)} "
                     f"{dtypes} on {devices})")
     items = sorted(f"{encode(k)}: {encode(v)}" for k, v in value.items())

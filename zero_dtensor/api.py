@@ -14,6 +14,7 @@ import torch
 from .families import master as _master
 from ._deepspeed import check_engine, families, grad_storage
 from .comm.agreement import agree, install_step_checkpoint
+from .comm.signature import collective
 from .families.master import ShardedMasterParams, ShardedOptimizerState
 from .settings import is_debug
 from .families.sharded import ShardedGrads
@@ -35,6 +36,7 @@ __all__ = [
 _CURRENT: weakref.WeakKeyDictionary[Any, ShardedGrads] = weakref.WeakKeyDictionary()
 
 
+@collective
 def sharded_grads(engine: Any) -> ShardedGrads:
     """The reduced gradients of a DeepSpeed ZeRO ``engine``, sharded as DeepSpeed stores them.
 
@@ -83,6 +85,7 @@ def sharded_grads(engine: Any) -> ShardedGrads:
     return grads
 
 
+@collective
 def get_full_model_grads(
     engine: Any, names: list[str] | None = None, *, dtype: torch.dtype | None = torch.float32
 ) -> dict[str, torch.Tensor]:
@@ -246,6 +249,7 @@ def optimizer_state_keys(engine: Any) -> tuple[str, ...]:
     return families.optimizer_state_keys(engine)
 
 
+@collective
 def sync_model_params(engine: Any) -> None:
     """Make the model's working weights the (cast) fp32 masters after a write into them.
 
@@ -279,6 +283,7 @@ def sync_model_params(engine: Any) -> None:
     _master.sync_model_params(engine)
 
 
+@collective
 def get_full_fp32_params(engine: Any, names: list[str] | None = None) -> dict[str, torch.Tensor]:
     """Every full fp32 master weight: a drop-in for a ``safe_get_full_fp32_param`` loop.
 
@@ -308,6 +313,7 @@ def get_full_fp32_params(engine: Any, names: list[str] | None = None) -> dict[st
     return sharded_master_params(engine).full_tensors(names, dtype=torch.float32)
 
 
+@collective
 def set_full_fp32_params(engine: Any, mapping: Mapping[str, torch.Tensor]) -> None:
     """Write full fp32 master weights and refresh the model's working weights from them.
 
@@ -343,6 +349,7 @@ def set_full_fp32_params(engine: Any, mapping: Mapping[str, torch.Tensor]) -> No
     _master.set_full_and_sync(engine, mapping)
 
 
+@collective
 def get_full_optimizer_state(engine: Any, key: str, names: list[str] | None = None) -> dict[str, torch.Tensor]:
     """One optimizer-state key of every parameter, full and fp32: a drop-in for ``safe_get_full_optimizer_state``.
 

@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 from .._deepspeed import checkpointing as ds
 from .._deepspeed.sync import sync_model_params
 from ..comm.agreement import agree, agree_outcome
+from ..comm.signature import collective
 from ..errors import (
     CheckpointMismatchError,
     CheckpointReadError,
@@ -101,6 +102,7 @@ def _engine_extras(engine: Any, client_state: Any) -> dict[str, io.BytesIO]:
             "loss_scaler": _blob(ds.loss_scaler_state(engine)), "client_state": _blob(client_state)}
 
 
+@collective
 @collector_paused()
 def save(engine: Any, path: str | os.PathLike, *, async_: bool = False, client_state: Any = None,
          sync_files: bool = True) -> Any:
@@ -146,8 +148,7 @@ def save(engine: Any, path: str | os.PathLike, *, async_: bool = False, client_s
     target = describe(engine)
     path = os.fspath(path)
     # before the first collective (DCP's, or async_'s process group creation) and before anything is written
-    agree("checkpoint.save", (normalized(path), bool(async_), bool(sync_files)), [target.process_group],
-          target.masters.device)
+    agree("checkpoint.save", (), [target.process_group], target.masters.device)
     model = model_dict(target, target.masters.partitions, {f.name: f.local for f in target.frozen}, exact=True)
     optim = optim_dict(target, state_partitions(engine, target), current_steps(engine, target),
                        hyperparameters_by_name(engine, target), exact=True)
@@ -342,6 +343,7 @@ def _agree(what: str, error: BaseException | None, target: Target, consequence: 
         raise CheckpointReadError(f"{elsewhere[0]} ({exc}){elsewhere[1]}") from exc
 
 
+@collective
 @collector_paused()
 def load(engine: Any, path: str | os.PathLike) -> Any:
     """Load a checkpoint written by ``zd.save`` (at any world size and ZeRO stage 1-3) or by FSDP2 into ``engine``.

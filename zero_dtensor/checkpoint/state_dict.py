@@ -43,6 +43,7 @@ from .._deepspeed import families
 from .._deepspeed.sync import sync_model_params
 from ..families.master import clear_write_mark
 from ..comm.agreement import agree_outcome
+from ..comm.signature import collective
 from .boxes import boxes
 from ..errors import CheckpointMismatchError
 from .target import Target, describe, fragment, hyperparameters_by_name, model_dict, optim_dict
@@ -233,6 +234,7 @@ def _plan_copies(engine: Any, target: Target, model: Mapping[str, Any], optim: M
     return copies
 
 
+@collective
 def set_state_dict(engine: Any, model_state_dict: Mapping[str, Any], optim_state_dict: Mapping[str, Any]) -> None:
     """Write ``zd.get_state_dict``-format dicts into ``engine``, then make the working weights the cast masters.
 
@@ -310,7 +312,7 @@ def write_state(engine: Any, model_state_dict: Mapping[str, Any], optim_state_di
         error = exc
     target = describe(engine)
     agree_outcome("checkpoint.set_state_dict", error, [target.process_group], target.masters.device,
-                  consequence="Nothing was written into the engine on any rank.")
+                  consequence="Nothing was written into the engine on any rank.", signature=())
     assert checked is not None
     apply_state(engine, checked)
 

@@ -14,10 +14,14 @@ zero_dtensor therefore runs in three steps:
    ``[hash, -hash, error code, -error code]`` (every hash is equal where the largest hash is minus the largest
    negation; some rank refused where the largest code is not 0, every rank where the smallest is not). A call that
    needs every rank's values (``set_owned_``'s ``payload``) always gathers ``[hash, error code, payload…]``
-   (``N·8·(2+len(payload))`` bytes received per rank). The hash covers what the call will actually do: its arguments
-   as the call resolved them (the selection, dtype, ``out=`` shapes, the gather strategy each transfer will use, or
-   that it will calibrate) and :func:`zero_dtensor.settings.fingerprint` (the pinned strategy, the environment
-   variables, debug mode). Where every rank agrees and none refused, the call runs; otherwise one
+   (``N·8·(2+len(payload))`` bytes received per rank). The hash covers what the call will actually do: every
+   argument of the public call, by construction (:mod:`zero_dtensor.comm.signature`: each communicating call is
+   marked :func:`~zero_dtensor.comm.signature.collective`, its arguments bound to its signature with the defaults
+   applied, floats bitwise; the arguments left out, or agreed in another form, are named with their reason in one
+   table, :data:`~zero_dtensor.comm.signature.NOT_BY_VALUE`), what the call resolved from them (the selection a
+   predicate picks, the gather strategy each transfer will use, or that it will calibrate) and
+   :func:`zero_dtensor.settings.fingerprint` (the pinned strategy, the environment variables, debug mode). An
+   agreement outside any marked call is a bug of the library and raises ``RuntimeError`` before communicating. Where every rank agrees and none refused, the call runs; otherwise one
    ``all_gather_object`` of each rank's description follows and every rank raises before a byte of data moves: a
    refusing rank its own error, the other ranks the same class naming it (:func:`raise_refusals`), and where the
    arguments merely differ :class:`~zero_dtensor.errors.RankDisagreementError` listing every rank's call;
@@ -61,6 +65,7 @@ from .. import settings
 from .collectives import all_gather_objects, gather_int_rows_within, max_int_values_within, prefers_all_reduce
 from ..errors import RankDisagreementError, RankFailedError
 from .process_groups import communicates, group_ranks, world_timeout
+from .signature import current_calls, internal_call
 
 __all__ = [
     "REFUSALS",
@@ -162,8 +167,11 @@ def agree(what: str, signature: Any, groups: Iterable[dist.ProcessGroup], device
     """Agree on a collective call before it moves data (see the module docstring); raise on every rank unless
     every rank passes an equal ``signature`` and the same settings and none refused.
 
-    ``signature``: plain values (names, dtypes, ints, strategies) whose ``repr`` is identical across ranks; ignored
-    where ``refused`` (this rank's :class:`Refusal` error). ``family``: the fingerprint of the tensors the call
+    ``signature``: what the call resolved from its arguments (plain values: the selection's names, strategies)
+    whose ``repr`` is identical across ranks; the arguments themselves are hashed by construction
+    (:func:`~zero_dtensor.comm.signature.current_calls`); ignored where ``refused`` (this rank's :class:`Refusal`
+    error). Raises ``RuntimeError`` outside a marked call (:func:`~zero_dtensor.comm.signature.collective`,
+    :func:`~zero_dtensor.comm.signature.internal_call`). ``family``: the fingerprint of the tensors the call
     reads or writes (:attr:`~zero_dtensor.core.storage.FlatStorage.family`; :func:`agree_on` passes it), hashed with the
     signature. ``groups``: the process groups the call communicates
     on (single-rank ones and repeats are skipped; a refusing rank that cannot tell which groups the call uses
@@ -177,9 +185,11 @@ def agree(what: str, signature: Any, groups: Iterable[dist.ProcessGroup], device
     raises its own error without it). No group: no communication (``refused`` raises on this rank).
     """
     _check_not_local(what)
+    calls = _calls(what)
     fingerprint = settings.fingerprint()
     on = "" if family is None else f" on {family}"
-    text = f"{what}{signature!r}{on} with {fingerprint!r}" if refused is None else _refusal_text(what, refused)
+    text = (f"{what}{signature!r}{on} called as {calls} with {fingerprint!r}" if refused is None
+            else _refusal_text(what, refused))
     mine = [_hash(text), error_code(refused)]
     gathered: dict[int, list[list[int]]] = {}
     for group in distinct_groups(groups):
@@ -209,6 +219,17 @@ def agree(what: str, signature: Any, groups: Iterable[dist.ProcessGroup], device
     if gathered:  # only an agreement that reached other ranks may arm or disarm the step checkpoint
         _arm(settings.is_debug())
     return gathered
+
+
+def _calls(what: str) -> str:
+    """The running marked calls with their bound arguments (:func:`~zero_dtensor.comm.signature.current_calls`);
+    ``RuntimeError`` outside any: an agreement whose arguments nobody hashes is a bug of the library."""
+    calls = current_calls()
+    if calls is None:
+        raise RuntimeError(
+            f"zero_dtensor: internal error: the agreement of {what} runs outside any call marked "
+            "zero_dtensor.comm.signature.collective, so its arguments would not be agreed; mark the public call")
+    return calls
 
 
 def agree_on(storage: Any, what: str, signature: Any, groups: Iterable[dist.ProcessGroup], *,
@@ -305,7 +326,8 @@ def agree_outcome(what: str, error: BaseException | None, groups: Iterable[dist.
                   device: torch.device, *, signature: Any = None, **kwargs: Any) -> None:
     """Every rank learns whether a user function failed on any rank, and raises if one did (:func:`raise_outcome`,
     ``kwargs`` passed on). ``signature``: plain values whose ``repr`` must be equal on every rank that did not fail
-    (``zd.load``: the normalized path and the checkpoint's identity); where they differ and no rank failed, every
+    (``zd.load``: the normalized path and the checkpoint's identity), hashed with the running marked calls' bound
+    arguments (:func:`~zero_dtensor.comm.signature.current_calls`); where they differ and no rank failed, every
     rank raises :class:`~zero_dtensor.errors.RankDisagreementError` listing every rank's (one
     ``all_gather_object`` more, on that path only). A failure takes precedence: a failing rank may not know the
     signature. **Collective**: per distinct multi-rank group one ``all_gather`` of 2 int64 per rank, or
@@ -313,7 +335,9 @@ def agree_outcome(what: str, error: BaseException | None, groups: Iterable[dist.
     where some rank failed, one ``all_gather`` of 2 int64 per rank more (which ranks)."""
     code = error_code(error)
     failed: dict[int, int] = {}
-    text = what if signature is None or error is not None else f"{what}{signature!r}"
+    calls = current_calls() if signature is not None and error is None else None
+    text = (what if signature is None or error is not None
+            else f"{what}{signature!r}" + ("" if calls is None else f" called as {calls}"))
     hashed = _hash(text)
     for group in distinct_groups(groups):
         if prefers_all_reduce(group):
@@ -358,7 +382,8 @@ def install_step_checkpoint(optimizer: Any, groups: Iterable[dist.ProcessGroup],
 
     def step(*args: Any, **kwargs: Any) -> Any:
         if _ARMED:
-            agree("engine.step", (), pgs, device)
+            with internal_call("engine.step"):
+                agree("engine.step", (), pgs, device)
         return original(*args, **kwargs)
 
     step.__wrapped__ = original  # type: ignore[attr-defined]

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import compress
 
 import torch
 import torch.distributed as dist
@@ -13,7 +15,25 @@ from ..layout.devices import Devices
 from ..layout.flat import FlatLayout
 from ..layout.views import ViewCache
 
-__all__ = ["FlatStorage"]
+__all__ = ["FlatStorage", "shares_memory"]
+
+
+def shares_memory(values: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]) -> bool:
+    """Whether any non-empty value lies in the memory of one of ``buffers`` (anywhere in the storage it views: a
+    value that is a view of a family's own partition, at any offset). A write whose source shares memory with its
+    destination must stage the source first (``copy_`` refuses a partial overlap on the rank that has it, ``cat``
+    any overlap; a larger write could read what it already overwrote). Two C-level passes over the values and a sort
+    of their addresses; no tensor operation, no communication."""
+    starts = sorted(map(torch.Tensor.data_ptr, compress(values, map(torch.Tensor.numel, values))))
+    count = len(starts)
+    for buffer in buffers:  # the same calls whatever the values (the interpreter's work must not depend on them)
+        memory = buffer.untyped_storage()
+        lo = memory.data_ptr()
+        hi = lo + memory.nbytes()
+        inside = bisect_left(starts, lo)
+        if inside < count and starts[inside] < hi:
+            return True
+    return False
 
 
 def _no_write_hook(names: Sequence[str]) -> None:

@@ -55,6 +55,7 @@ from .._deepspeed import families
 from .._deepspeed import sync as _sync
 from ..ops import writes
 from ..comm.agreement import Refusal, agree, agree_on
+from ..comm.signature import internal_call
 from ..errors import ModelParamsNotSyncedError, StaleTensorsError
 from ..core.storage import FlatStorage
 from .tensors import ShardedTensors
@@ -178,10 +179,11 @@ def _sync_before_save(engine: Any) -> None:
     """What ``engine.save_checkpoint`` runs first: one agreement carrying every rank's write mark, then, where any
     is set, :func:`sync_model_params` on every rank (module docstring)."""
     storage = master_front(engine).__zero_dtensor_state__().storage
-    marks = agree("engine.save_checkpoint", (), storage.process_groups, storage.device,
-                  payload=lambda group: [int(needs_sync(engine))])
-    if needs_sync(engine) or any(row[2] for rows in marks.values() for row in rows):  # [hash, code, mark]
-        sync_model_params(engine)
+    with internal_call("engine.save_checkpoint"):
+        marks = agree("engine.save_checkpoint", (), storage.process_groups, storage.device,
+                      payload=lambda group: [int(needs_sync(engine))])
+        if needs_sync(engine) or any(row[2] for rows in marks.values() for row in rows):  # [hash, code, mark]
+            sync_model_params(engine)
 
 
 def _wrap_method(engine: Any, name: str, before: Callable[[Any], None] | None = None,
@@ -283,9 +285,10 @@ def _sync_agreed(engine: Any) -> None:
 
 def set_full_and_sync(engine: Any, mapping: Any) -> None:
     """Write full fp32 masters (:meth:`~zero_dtensor.families.tensors.ShardedTensors.set_full_`) and refresh the working
-    weights, agreeing first on the names written: the sync's own agreement, moved before the write and hashing the
-    written names (sorted; every trainable parameter: one marker), the masters' family and any rank's
-    refusal of the mapping (every entry's name, type, shape, dtype and device checked first). A mapping that
+    weights, agreeing first on the mapping written: the sync's own agreement, moved before the write and hashing the
+    caller's arguments (:mod:`zero_dtensor.comm.signature`: the mapping's names, sorted, and its values' dtypes and
+    device types), the masters' family and any rank's refusal of the mapping (every entry's name, type, shape,
+    dtype and device checked first). A mapping that
     differs between ranks (one rank a value, another ``{}``) raises on every rank and nothing is written anywhere.
     **Collective**: one agreement, then the sync (:func:`sync_model_params`' communication); no collective more
     than ``set_full_`` + :func:`sync_model_params`."""
@@ -298,10 +301,7 @@ def set_full_and_sync(engine: Any, mapping: Any) -> None:
         checked = writes.validate_full(state, mapping)
         if not checked.exact:
             writes.check_shapes(state, checked)  # the write would check them after the agreement: check them now
-    names: Any = None
-    if refusal.error is None:
-        names = "<all>" if len(checked.names) == len(state.layout.params) else sorted(checked.names)
-    agree_on(storage, "set_full_fp32_params", (names,), storage.process_groups, refused=refusal.error)
+    agree_on(storage, "set_full_fp32_params", (), storage.process_groups, refused=refusal.error)
     writes.set_full_(state, checked)
     _sync_agreed(engine)
 

@@ -9,6 +9,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..comm.agreement import Refusal, agree_on
+from ..comm.signature import collective
 from ..layout.flat import ParamLayout
 from ..materialize.placements import assembly_of
 from ..core.state import FlatState, check_dtype
@@ -47,6 +48,11 @@ class ParamView:
     @property
     def name(self) -> str:
         return self._param.name
+
+    def __zero_dtensor_agreement__(self) -> str:
+        """Which tensor this is, as the rank agreement compares an argument (:mod:`zero_dtensor.comm.signature`):
+        the family's fingerprint and the parameter's name. No communication."""
+        return f"param({self._owner._state.storage.family!r}, {self.name!r})"
 
     @property
     def shape(self) -> torch.Size:
@@ -101,6 +107,7 @@ class ParamView:
         state.check_current()
         return state.fragment(self._param).view(-1)  # a new view: the cached fragment object stays internal
 
+    @collective
     def full_tensor(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The full (true, unscaled) tensor of this one parameter, a snapshot the caller owns.
 
@@ -138,7 +145,7 @@ class ParamView:
         param = self._param
         pg = storage.process_groups[param.group]
         communicates = state.group(param.group).placement.is_sharded
-        agree_on(storage, what, (self.name, str(dtype)), [pg] if communicates else [], refused=refusal.error)
+        agree_on(storage, what, (), [pg] if communicates else [], refused=refusal.error)
         group = state.group(param.group)
         full = assembly_of(group).gather_param(group, param, storage.partitions[param.group], pg, storage.device)
         return state.finish(full.view(param.shape), dtype)

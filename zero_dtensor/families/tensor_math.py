@@ -40,8 +40,7 @@ class TensorMath:
     _state: FlatState
 
     if TYPE_CHECKING:
-        def _agreed_selection(self, what: str, params: ParamSelection, *signature: Any,
-                              norm_type: Any = None) -> Selection: ...
+        def _agreed_selection(self, what: str, params: ParamSelection, *, norm_type: Any = None) -> Selection: ...
 
         def _check_same_layout(self, other: Any) -> None: ...
 

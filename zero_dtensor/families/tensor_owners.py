@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import redistribute as _redistribute
 from ..comm.agreement import Refusal, agree_on
+from ..comm.signature import collective
 from ..layout.flat import ParamLayout
 from ..core.state import check_dtype
 from ..core.storage import FlatStorage
@@ -34,6 +35,7 @@ class TensorOwners:
         def _agree(self, what: str, selected: list[ParamLayout] | None, refused: Exception | None,
                    *signature: Any) -> None: ...
 
+    @collective
     def to_dtensors(self, names: list[str] | None = None, *, dtype: torch.dtype | None = None) -> dict[str, DTensor]:
         """Each selected tensor as a DTensor of the parameter's shape, rows sharded as FSDP2 lays them out.
 
@@ -75,9 +77,10 @@ class TensorOwners:
         with Refusal() as refusal:
             selected = self._select(names)
             check_dtype(dtype, "to_dtensors")
-        self._agree("to_dtensors", selected, refusal.error, str(dtype))
+        self._agree("to_dtensors", selected, refusal.error)
         return _redistribute.to_dtensors(self._storage, selected, dtype=dtype)
 
+    @collective
     def set_dtensors_(self, mapping: Mapping[str, DTensor]) -> None:
         """Write DTensors shaped as ``to_dtensors`` returns them back into DeepSpeed's memory.
 
@@ -116,7 +119,7 @@ class TensorOwners:
         with Refusal() as refusal:
             selected = self._select(_redistribute.mapping_names(mapping, "set_dtensors_"))
             values = _redistribute.checked_dtensors(storage, selected, mapping)
-        signature = () if refusal.error else ([p.name for p in selected], _redistribute.dtensor_signature(mapping))
+        signature = () if refusal.error else ([p.name for p in selected],)
         agree_on(storage, "set_dtensors_", signature, _redistribute.agreement_groups(storage, selected),
                  refused=refusal.error)
         assert selected is not None  # a refusal raised above
@@ -154,6 +157,7 @@ class TensorOwners:
         self._check_current()
         return _redistribute.owners(self._storage, self._select(names), owners)
 
+    @collective
     def owned(self, names: list[str] | None = None, *, owners: Mapping[str, int] | None = None,
               dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """The whole tensors (parameter's shape, true units) of the selected parameters this rank owns.
@@ -194,9 +198,10 @@ class TensorOwners:
             selected = self._select(names)
             check_dtype(dtype, "owned")
             assignment = _redistribute.owners(self._storage, selected, owners)
-        self._agree("owned", selected, refusal.error, str(dtype), tuple(assignment.values()))
+        self._agree("owned", selected, refusal.error, tuple(assignment.values()))
         return _redistribute.owned(self._storage, selected, assignment, dtype=dtype)
 
+    @collective
     def set_owned_(self, mapping: Mapping[str, torch.Tensor], *, owners: Mapping[str, int] | None = None) -> None:
         """Write whole tensors from the ranks that own them, usually the (changed) result of ``owned``.
 
@@ -231,6 +236,7 @@ class TensorOwners:
         self._check_current()
         _redistribute.set_owned_(self._storage, mapping, assignment=owners)
 
+    @collective
     def map_full_(self, fn: Callable[[str, torch.Tensor], torch.Tensor], names: list[str] | None = None, *,
                   owners: Mapping[str, int] | None = None) -> None:
         """Replace each selected tensor by ``fn(name, whole tensor)``, computed once in the job, on its owner rank.

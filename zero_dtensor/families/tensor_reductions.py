@@ -18,6 +18,7 @@ from ..core.param_values import ParamValues
 from ..ops.reductions import GradStats
 from ..core.state import FlatState, ParamSelection, Selection
 from .tensor_math import TensorMath
+from ..comm.signature import collective
 
 __all__ = ["TensorReductions"]
 
@@ -28,11 +29,11 @@ class TensorReductions:
     _state: FlatState
 
     if TYPE_CHECKING:
-        def _agreed_selection(self, what: str, params: ParamSelection, *signature: Any,
-                              norm_type: Any = None) -> Selection: ...
+        def _agreed_selection(self, what: str, params: ParamSelection, *, norm_type: Any = None) -> Selection: ...
 
         def _check_same_layout(self, other: Any) -> None: ...
 
+    @collective
     def norms(self, norm_type: float = 2.0, *, params: ParamSelection = None) -> ParamValues:
         """Per-parameter norms of the true values: one collective for all parameters.
 
@@ -66,6 +67,7 @@ class TensorReductions:
         sel = self._agreed_selection("norms", params, norm_type=norm_type)
         return reductions.norms(self._state, sel, float(norm_type))
 
+    @collective
     def global_norm(self, norm_type: float = 2.0, *, params: ParamSelection = None) -> torch.Tensor:
         """The norm of all selected true values together, as ``torch.nn.utils.get_total_norm``.
 
@@ -96,6 +98,7 @@ class TensorReductions:
         sel = self._agreed_selection("global_norm", params, norm_type=norm_type)
         return reductions.global_norm(self._state, sel, float(norm_type))
 
+    @collective
     def dots(self, other: Any, *, params: ParamSelection = None, with_norms: bool = False):
         """Per-parameter dot products ``<g, other_g>`` of true values (PCGrad conflict tests), one collective.
 
@@ -128,9 +131,10 @@ class TensorReductions:
         if not isinstance(other, TensorMath):
             raise TypeError(f"dots takes another ShardedTensors or a clone, got {type(other).__name__}")
         self._check_same_layout(other)
-        sel = self._agreed_selection("dots", params, bool(with_norms), other._state.storage.family)
+        sel = self._agreed_selection("dots", params)
         return reductions.dots(self._state, other._state, sel, with_norms)
 
+    @collective
     def stats(self, *, params: ParamSelection = None) -> Mapping[str, GradStats]:
         """Per-parameter statistics: 2-norm, max ``|g|``, mean, nan and inf counts, as Python numbers.
 
@@ -159,6 +163,7 @@ class TensorReductions:
         """
         return reductions.stats(self._state, self._agreed_selection("stats", params))
 
+    @collective
     def clip_grad_norm_(
         self,
         max_norm: float,
@@ -202,6 +207,7 @@ class TensorReductions:
         sel = self._agreed_selection("clip_grad_norm_", params, norm_type=norm_type)
         return reductions.clip_grad_norm_(self._state, sel, max_norm, float(norm_type), error_if_nonfinite)
 
+    @collective
     def clip_per_param_(
         self, max_norm: float, norm_type: float = 2.0, *, params: ParamSelection = None
     ) -> ParamValues:

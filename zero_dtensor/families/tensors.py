@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from ..ops import reductions, writes
 from ..comm.agreement import Refusal, agree_on
 from ..comm.collectives import mesh_for
+from ..comm.signature import collective
 from ..errors import StaleTensorsError
 from ..layout.flat import FlatLayout, ParamLayout
 from ..materialize import bulk as _bulk
@@ -59,7 +60,8 @@ class ShardedTensors(TensorMath, TensorReductions, TensorOwners, Mapping[str, Pa
 
     Transforms (``mul_`` … ``add_noise_``) work on the local shards with **no communication**; reductions
     (``norms``, ``global_norm``, ``dots``, ``clip_*``) issue **one all_reduce of a (k,) vector per process group**
-    (``stats`` at most two), after the rank agreement. Every operation takes ``params=``: ``None`` (all trainable
+    (``stats`` at most two), after the rank agreement (on every argument: :mod:`zero_dtensor.comm.signature`).
+    Every operation takes ``params=``: ``None`` (all trainable
     parameters), a collection of names, or a predicate ``name -> bool``; unknown names raise ``KeyError`` before
     anything is written. Operands and results are in true (unscaled) units under fp16 loss scaling (only gradients
     are ever scaled). Operations between two families (``add_``, ``lerp_``, ``copy_``, ``dots``) need the same
@@ -90,6 +92,11 @@ class ShardedTensors(TensorMath, TensorReductions, TensorOwners, Mapping[str, Pa
     def __repr__(self) -> str:
         storage = self._state.storage
         return f"{type(self).__name__}({storage.describe}, {len(self)} params, {len(self.layout.groups)} groups)"
+
+    def __zero_dtensor_agreement__(self) -> str:
+        """Which tensors these are, as the rank agreement compares an argument (:mod:`zero_dtensor.comm.signature`):
+        the family's fingerprint. No communication."""
+        return f"family({self._state.storage.family!r})"
 
     # --- mapping -----------------------------------------------------------------------------------------------
     def __getitem__(self, name: str) -> ParamView:
@@ -168,6 +175,7 @@ class ShardedTensors(TensorMath, TensorReductions, TensorOwners, Mapping[str, Pa
         return self._group_dtensors
 
     # --- materialization ---------------------------------------------------------------------------------------
+    @collective
     def full_tensors(
         self,
         names: list[str] | None = None,
@@ -228,11 +236,11 @@ class ShardedTensors(TensorMath, TensorReductions, TensorOwners, Mapping[str, Pa
             check_dtype(dtype, "full_tensors")
             _bulk.check_request(self._state, selected, dtype=dtype, out=out, dst=dst, strategy=strategy)
             transfers = _bulk.plan_transfers(self._state, selected, dst, strategy)
-        self._agree("full_tensors", selected, refusal.error, str(dtype), dst, async_op, strategy,
-                    tuple(t.strategy for t in transfers), type(out).__name__)
+        self._agree("full_tensors", selected, refusal.error, tuple(t.strategy for t in transfers))
         return _bulk.full_tensors(self._state, selected, dtype=dtype, out=out, dst=dst, async_op=async_op,
                                   strategy=strategy, transfers=transfers)
 
+    @collective
     def iter_full(
         self,
         names: list[str] | None = None,
@@ -280,7 +288,7 @@ class ShardedTensors(TensorMath, TensorReductions, TensorOwners, Mapping[str, Pa
             selected = self._select(names)
             check_dtype(dtype, "iter_full")
             _stream.check_request(bucket_bytes, strategy, self._state, selected)
-        self._agree("iter_full", selected, refusal.error, bucket_bytes, str(dtype), strategy)
+        self._agree("iter_full", selected, refusal.error)
         return _stream.iter_full(self._state, selected, bucket_bytes=bucket_bytes, dtype=dtype, strategy=strategy)
 
     def set_full_(self, mapping: Mapping[str, torch.Tensor]) -> None:
@@ -291,7 +299,8 @@ class ShardedTensors(TensorMath, TensorReductions, TensorOwners, Mapping[str, Pa
 
         Args:
             mapping: ``{name: full tensor}`` of the parameter's shape, any floating dtype, a plain tensor or a subclass
-                such as ``nn.Parameter`` (not a DTensor), on the engine's device or where the values are stored.
+                such as ``nn.Parameter`` (not a DTensor), on the engine's device or where the values are stored;
+                also views of this family's own memory (e.g. of ``local_partitions``), which are copied first.
 
         Returns:
             None.
@@ -324,7 +333,8 @@ class ShardedTensors(TensorMath, TensorReductions, TensorOwners, Mapping[str, Pa
     def _agree(self, what: str, selected: list[ParamLayout] | None, refused: Exception | None,
                *signature: Any) -> None:
         """The rank agreement of a bulk read (:func:`zero_dtensor.comm.agreement.agree`) over the process groups the
-        call will communicate on (none for replicated or single-rank groups). ``refused``: this rank's validation
+        call will communicate on (none for replicated or single-rank groups): the call's arguments by construction
+        (:mod:`zero_dtensor.comm.signature`), the selection and ``signature``, what the call resolved from them. ``refused``: this rank's validation
         error, which every rank then raises (``selected`` is ``None`` when the selection itself failed: the
         agreement then runs over the process groups of every sharded group)."""
         storage = self._state.storage
@@ -336,10 +346,11 @@ class ShardedTensors(TensorMath, TensorReductions, TensorOwners, Mapping[str, Pa
         names = "<all, model order>" if self._state.plan.is_everything(selected) else [p.name for p in selected]
         agree_on(storage, what, (names, *signature), groups)
 
-    def _agreed_selection(self, what: str, params: ParamSelection, *signature: Any, norm_type: Any = None) -> Selection:
+    def _agreed_selection(self, what: str, params: ParamSelection, *, norm_type: Any = None) -> Selection:
         """A reduction's ``params=`` selection, validated (with ``norm_type`` where given) and agreed on every rank
         of the process groups it reduces over (:func:`zero_dtensor.comm.agreement.agree`; none where no group
-        communicates): a selection, a norm type or a setting that differs between ranks raises on every rank."""
+        communicates), with every argument of the call (:mod:`zero_dtensor.comm.signature`): a selection, any
+        argument or a setting that differs between ranks raises on every rank."""
         state = self._state
         state.check_current()
         sel: Selection | None = None
@@ -351,8 +362,7 @@ class ShardedTensors(TensorMath, TensorReductions, TensorOwners, Mapping[str, Pa
         if refusal.error is None:
             assert sel is not None
             names = "<all>" if params is None else sel.names
-        agree_on(state.storage, what, (names, None if norm_type is None else float(norm_type), *signature),
-                 reductions.communicating_groups(state), refused=refusal.error)
+        agree_on(state.storage, what, (names,), reductions.communicating_groups(state), refused=refusal.error)
         assert sel is not None  # a refusal raised above
         return sel
 

@@ -1,11 +1,13 @@
 """``set_full_``'s per-parameter path: each value copied straight into its fragment, planned once per request and
 flat group, so that a call makes no Python pass over the parameters. On an accelerator (a device type not in
 :data:`FOREACH_DEVICES`), where the fragments form one run of the partition (padding gaps aside) and every value is
-contiguous, on the partition's device and outside its memory, one ``torch.cat(..., out=)`` writes the run (one
+contiguous and on the partition's device, one ``torch.cat(..., out=)`` writes the run (one
 vectorized kernel per 128 inputs on CUDA; ``_foreach_copy_`` launches once per 320 chunks of 64Ki elements);
 otherwise one ``_foreach_copy_`` into cached views of the fragments. **No communication**; writes DeepSpeed's
 partition in place (no allocation beyond a zero filler of the largest padding gap, made once per request, dtype and
-device) and never records autograd history (the caller runs it under ``torch.no_grad``)."""
+device; a value that lies in the partition's own memory, a view of it at any offset, is copied first,
+:func:`~zero_dtensor.core.storage.shares_memory`, as the redistribution writes do) and never records autograd
+history (the caller runs it under ``torch.no_grad``)."""
 
 from __future__ import annotations
 
@@ -172,19 +174,13 @@ def write_direct(state: FlatState, plan: GroupPlan, names: tuple[str, ...], valu
 
 def _concatenable(sources: list[torch.Tensor], buffer: torch.Tensor) -> bool:
     """Whether one ``torch.cat(..., out=)`` can write ``sources`` into their run of ``buffer``: every source
-    contiguous (``flatten`` is then a view) on the buffer's device, and none in the buffer's own memory (``cat``
-    refuses an input overlapping its output; ``copy_`` of a fragment onto itself is allowed). Three C-level passes
-    over the sources (and a sort of their addresses), no device operation."""
+    contiguous (``flatten`` is then a view) on the buffer's device (none is in the buffer's own memory:
+    :func:`~zero_dtensor.ops.writes.set_full_` copied those first). Two C-level passes over the sources, no device
+    operation."""
     if not all(map(torch.Tensor.is_contiguous, sources)):
         return False
     device = buffer.device
-    if not all(map(operator.eq, map(_DEVICE, sources), repeat(device))):
-        return False
-    lo = buffer.data_ptr() - buffer.storage_offset() * buffer.element_size()
-    hi = lo + buffer.untyped_storage().nbytes()
-    starts = sorted(map(torch.Tensor.data_ptr, sources))
-    first_inside = bisect_left(starts, lo)
-    return first_inside == len(starts) or starts[first_inside] >= hi
+    return all(map(operator.eq, map(_DEVICE, sources), repeat(device)))
 
 
 def _direct_views(state: FlatState, plan: GroupPlan, direct: _DirectWrite) -> list[torch.Tensor]:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.agreement import agree
+from ..comm.signature import collective
 from ..comm.collectives import all_reduce_op
 from ..layout.devices import to_comm
 from .reductions import communicating_groups
@@ -32,6 +33,7 @@ def _not_finite(part: torch.Tensor) -> torch.Tensor:
     return torch.stack([lo, hi]).isfinite().all().logical_not()
 
 
+@collective
 def found_inf(grads: Any) -> bool:
     """Whether any element of any gradient, on any rank, is inf or nan (an fp16 overflow check).
 

@@ -9,7 +9,9 @@ names, shapes, dtypes and devices as the last one written (a training loop's eve
 staging does not (ZeRO-1/2: the other ranks' parameters; the per-parameter path) is checked in two passes instead
 (types; shape, dtype and device together). Only when something fails does a per-entry pass run, to name the first
 bad entry. Every group is staged (or checked) before the first write: nothing is half-applied, and every rank
-refuses a bad entry wherever it is, also one for a parameter the rank holds nothing of.
+refuses a bad entry wherever it is, also one for a parameter the rank holds nothing of. A value that is a view of
+the family's own memory (a partition, at any offset) is written as any other: staged values are copied before the
+first write anyway, and a per-parameter-path value that aliases is copied first (so no rank raises alone for it).
 
 Writing, per flat group (:class:`_RowWrite`, planned once per request and cached): the values of the parameters
 this rank holds part of are staged in one buffer with one ``cat`` per trailing shape (values of shape ``(d, *rest)``
@@ -47,6 +49,7 @@ from ..materialize.buffers import BUFFERS
 from ..layout.plan import FlatPlan, GroupPlan
 from ..layout.rows import RowMap, row_map
 from ..core.state import FlatState, short_names
+from ..core.storage import shares_memory
 from .direct_write import write_direct
 
 __all__ = ["CheckedValues", "check_shapes", "set_full_", "validate_full"]
@@ -232,6 +235,8 @@ def set_full_(state: FlatState, checked: CheckedValues) -> None:
                 direct.append((plan, names, vs))
         if direct and not checked.exact:
             check_shapes(state, checked)
+        if direct:
+            direct = _unaliased(direct, state.storage.partitions)
         for write, buffer in staged:  # nothing was written before this point
             write.commit(state, buffer)
         for plan, names, vs in direct:
@@ -241,6 +246,19 @@ def set_full_(state: FlatState, checked: CheckedValues) -> None:
         _ACCEPTED[checked.request] = (_ALL_STAGED if all_staged
                                       else (list(map(_META, checked.values)), checked.dtypes))
     state.storage.after_write(checked.names)
+
+
+def _unaliased(direct: list[tuple[GroupPlan, tuple[str, ...], list[torch.Tensor]]],
+               partitions: tuple[torch.Tensor, ...]) -> list[tuple[GroupPlan, tuple[str, ...], list[torch.Tensor]]]:
+    """The per-parameter path's values, each one that lies in the family's memory (a view of a partition, at any
+    offset: :func:`~zero_dtensor.core.storage.shares_memory`, the redistribution writes' check) copied first, so that
+    no write reads what another already overwrote (and ``copy_`` meets no partial overlap on the rank that has
+    one). Staged values need nothing: every group is staged before the first write. One C-level check per group;
+    a copy only of the values that alias."""
+    if not any(shares_memory(vs, partitions) for _, _, vs in direct):
+        return direct
+    return [(plan, names, [v.clone() if shares_memory((v,), partitions) else v for v in vs])
+            for plan, names, vs in direct]
 
 
 def check_shapes(state: FlatState, checked: CheckedValues) -> None:

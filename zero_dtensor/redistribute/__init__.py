@@ -47,7 +47,7 @@ Modules: :mod:`.calls` (the calls), :mod:`.checks` (entry validation), :mod:`.as
 from __future__ import annotations
 
 from .calls import checked_dtensors, map_full_, owned, set_dtensors_, set_owned_, to_dtensors
-from .checks import agreement_groups, dtensor_signature, mapping_names
+from .checks import agreement_groups, mapping_names
 from .assignment import balanced_owners, owners
 from .plan import OWNERS, PLAN_CACHE_SIZE, ROWS, BucketPlan, Plan, TargetSlot, Transfer, plan_for
 from .tools import newton_schulz, traffic
@@ -63,7 +63,6 @@ __all__ = [
     "agreement_groups",
     "balanced_owners",
     "checked_dtensors",
-    "dtensor_signature",
     "map_full_",
     "mapping_names",
     "newton_schulz",

@@ -23,15 +23,6 @@ def mapping_names(mapping: Any, what: str) -> list[Any]:
     return list(mapping)
 
 
-def dtensor_signature(mapping: Mapping[str, Any]) -> tuple:
-    """Rank-independent metadata of ``set_dtensors_``'s entries, for the rank-agreement check."""
-    def meta(value: Any) -> tuple:
-        if isinstance(value, DTensor):
-            return (tuple(value.shape), str(value.dtype), tuple(str(p) for p in value.placements))
-        return (type(value).__name__,)
-    return tuple((name, meta(value)) for name, value in mapping.items())
-
-
 def agreement_groups(storage: FlatStorage, selected: Sequence[ParamLayout] | None) -> tuple[Any, ...]:
     """The process groups a write over ``selected`` (``None``: any parameter) may communicate on: multi-rank groups,
     replicated ones included (every rank needs the whole new value)."""

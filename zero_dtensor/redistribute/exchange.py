@@ -27,7 +27,7 @@ import torch
 from ..comm import collectives, process_groups
 from ..layout.devices import to_device
 from ..materialize.buffers import BUFFERS
-from ..core.storage import FlatStorage
+from ..core.storage import FlatStorage, shares_memory
 from .plan import BucketPlan, Piece, Plan, Transfer
 
 
@@ -241,7 +241,7 @@ def _sources(storage: FlatStorage, bucket: BucketPlan, values: Mapping[str, torc
     if code:
         return [none for _ in bucket.params]
     sources = [_flat_on(values.get(slot.name), none, device) for slot in bucket.params]
-    if storage.loss_scale == 1.0 and all(t.dtype == bucket.dtype for t in sources) and not _aliases(sources, parts):
+    if storage.loss_scale == 1.0 and all(t.dtype == bucket.dtype for t in sources) and not shares_memory(sources, parts):
         return sources
     # stored units or dtype differ, or a value is a view of a partition: every slot's value copied once
     flat = storage.to_stored(torch.cat(sources))  # (type promotion across the values, as the old pack)
@@ -271,12 +271,6 @@ def _write_bucket(sources: Sequence[torch.Tensor], parts: Sequence[torch.Tensor]
     collectives.all_to_all_into(recv, send, write.recv_counts, write.send_counts, pg)
     if recv is not dest:
         _unpack(recv, _as_run(write.recv_pieces, write.recv_run), parts, device)
-
-
-def _aliases(sources: Sequence[torch.Tensor], parts: Sequence[torch.Tensor]) -> bool:
-    """Whether any value shares memory with a partition (then every piece is packed before anything is written)."""
-    held = {p.untyped_storage().data_ptr() for p in parts}
-    return any(t.numel() and t.untyped_storage().data_ptr() in held for t in sources)
 
 
 def _source_run(sources: Sequence[torch.Tensor], pieces: Sequence[Piece], device: torch.device

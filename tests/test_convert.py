@@ -1,0 +1,151 @@
+"""The offline converter (``zd.convert`` / ``python -m zero_dtensor.convert``): DeepSpeed engines on CPU gloo ranks
+train 2 steps and ``engine.save_checkpoint``; the folders are converted in this (one) process, with no engine and
+no process group, then loaded back (``zd.load``: same shape against DeepSpeed's own ``load_checkpoint``, other world
+sizes and stages, FSDP2) and compared bit for bit; safetensors against DeepSpeed's ``zero_to_fp32``; bad folders
+refused with nothing written; peak anonymous memory bounded while the checkpoint grows 8x.
+
+The saves run once per world size (one pool run each); engine builds dominate the cost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+
+import pytest
+import torch
+
+import zero_dtensor as zd
+from workers import convert as wc
+from workers.checkpoint import WARMUP
+from workers.common import EngineCase
+
+TIED2 = {"groups": 2, "model": "tied"}  # two param groups, a frozen (fc1.bias) and a tied (mid2.weight) parameter
+SAVES_2 = [
+    ("w2-z1-fp32", EngineCase(stage=1, world=2, extra=WARMUP, **TIED2), 2),
+    ("w2-z2-bf16", EngineCase(stage=2, dtype="bf16", world=2, **TIED2), 2),
+    ("w2-z3-fp16", EngineCase(stage=3, dtype="fp16", world=2, zero={"sub_group_size": 300}, **TIED2), 2),
+    ("w2-bf16opt", EngineCase(stage=1, dtype="bf16", bf16_optimizer=True, world=2, **TIED2), 2),
+    ("w2-z2-odd", EngineCase(stage=2, world=2), 2),  # one group, no tie: zero_to_fp32 writes safetensors; FSDP2
+]
+SAVES_3 = [("w3-z3-bf16", EngineCase(stage=3, dtype="bf16", world=3, **TIED2), 2)]
+SAVES_1 = [("w1-z2-fp32", EngineCase(stage=2, world=1, **TIED2), 2)]
+CASES = {name: case for name, case, _ in SAVES_1 + SAVES_2 + SAVES_3}
+
+
+def _convert_all(root: str, names: list[str]) -> None:
+    for name in names:
+        zd.convert(os.path.join(root, name), os.path.join(root, f"{name}.dcp"))
+        shutil.copy(os.path.join(root, f"{name}.expected.pt"), os.path.join(root, f"{name}.dcp.expected.pt"))
+        zd.convert(os.path.join(root, name), os.path.join(root, f"{name}.st"), to="safetensors",
+                   max_shard_size="4KB")
+
+
+@pytest.fixture(scope="module")
+def saved(ranks, tmp_path_factory) -> str:
+    root = str(tmp_path_factory.mktemp("ds"))
+    ranks(2).run(wc.ds_saves, root, SAVES_2)
+    ranks(3).run(wc.ds_saves, root, SAVES_3)
+    ranks(1).run(wc.ds_saves, root, SAVES_1)
+    _convert_all(root, list(CASES))
+    return root
+
+
+@pytest.mark.parametrize("name", ["w2-z1-fp32", "w2-z2-bf16", "w2-z3-fp16", "w2-bf16opt"])
+def test_dcp_same_shape_equals_load_checkpoint(ranks, saved, name) -> None:
+    ranks(2).run(wc.same_shape, saved, name, CASES[name])
+
+
+def test_dcp_same_shape_world_1_and_3(ranks, saved) -> None:
+    ranks(1).run(wc.same_shape, saved, "w1-z2-fp32", CASES["w1-z2-fp32"])
+    ranks(3).run(wc.same_shape, saved, "w3-z3-bf16", CASES["w3-z3-bf16"])
+
+
+def test_dcp_reshaped(ranks, saved) -> None:
+    ranks(3).run(wc.reshaped, saved, [
+        ("w2-z1-fp32", EngineCase(stage=3, world=3, extra=WARMUP, **TIED2)),  # 2 -> 3, stage 1 -> 3
+        ("w2-z2-bf16", EngineCase(stage=2, dtype="bf16", world=3, **TIED2)),  # 2 -> 3
+    ])
+    ranks(1).run(wc.reshaped, saved, [
+        ("w3-z3-bf16", EngineCase(stage=1, dtype="bf16", world=1, **TIED2)),  # 3 -> 1, stage 3 -> 1
+        ("w2-bf16opt", EngineCase(stage=3, dtype="bf16", world=1, **TIED2)),  # BF16_Optimizer 2 -> ZeRO-3 at 1
+    ])
+    ranks(2).run(wc.reshaped, saved, [
+        ("w2-z3-fp16", EngineCase(stage=1, dtype="fp16", world=2, **TIED2)),  # stage 3 (sub-groups) -> 1
+        ("w1-z2-fp32", EngineCase(stage=3, world=2, **TIED2)),  # 1 -> 2, stage 2 -> 3
+    ])
+
+
+def test_dcp_into_fsdp2(ranks, saved) -> None:
+    ranks(3).run(wc.fsdp2_loads, saved, "w2-z2-odd")
+
+
+# ---- safetensors ----------------------------------------------------------------------------------------------------
+
+def _zero_to_fp32(src: str, dst: str, **kwargs) -> None:
+    from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_state_dict
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        convert_zero_checkpoint_to_state_dict(src, dst, **kwargs)
+
+
+def _files(folder: str) -> dict[str, bytes]:
+    return {n: open(os.path.join(folder, n), "rb").read() for n in sorted(os.listdir(folder))}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_safetensors_files_equal_zero_to_fp32s(saved, tmp_path, dtype) -> None:
+    """Sharded (4 KB files) and whole: the same files, byte for byte, index included."""
+    src = os.path.join(saved, "w2-z2-odd")
+    for size in ("4KB", "5GB"):
+        ours, theirs = str(tmp_path / f"ours-{size}"), str(tmp_path / f"theirs-{size}")
+        zd.convert(src, ours, to="safetensors", dtype=dtype, max_shard_size=size)
+        _zero_to_fp32(src, theirs, dtype=dtype, max_shard_size=size, safe_serialization=True)
+        mine, ref = _files(ours), _files(theirs)
+        assert sorted(mine) == sorted(ref) and (size == "5GB") == (len(ref) == 1), (sorted(mine), sorted(ref))
+        assert mine == ref
+
+
+@pytest.mark.parametrize("name", ["w2-z1-fp32", "w2-z2-bf16", "w2-z3-fp16", "w2-bf16opt", "w3-z3-bf16"])
+def test_safetensors_values_and_model_load(saved, tmp_path, name) -> None:
+    """Every tensor equals zero_to_fp32's (its ``.bin`` output: its safetensors output refuses tied weights, and it
+    refuses BF16_Optimizer; ZeRO-1's frozen parameter, which it drops, equals the saved working weights); the files
+    load with ``safetensors.torch.load_file`` into the model (strict: tied and frozen names present)."""
+    from safetensors.torch import load_file
+
+    from workers.common import MODELS
+
+    folder = os.path.join(saved, f"{name}.st")
+    assert os.path.isfile(os.path.join(folder, "model.safetensors.index.json"))  # 4 KB files: sharded
+    loaded = {}
+    for f in sorted(os.listdir(folder)):
+        if f.endswith(".safetensors"):
+            loaded.update(load_file(os.path.join(folder, f)))
+    expected = torch.load(os.path.join(saved, f"{name}.expected.pt"), weights_only=False)
+    for n, value in expected["master"].items():
+        assert torch.equal(loaded[n], value) and loaded[n].dtype == torch.float32, n
+    assert torch.equal(loaded["fc1.bias"], expected["working"]["fc1.bias"].float())  # frozen, every stage
+    assert torch.equal(loaded["mid2.weight"], loaded["mid.weight"])  # tied
+    if name != "w2-bf16opt":
+        _zero_to_fp32(os.path.join(saved, name), str(tmp_path / "bin"))
+        ref = torch.load(str(tmp_path / "bin" / "pytorch_model.bin"))
+        assert set(ref) <= set(loaded) and set(loaded) - set(ref) <= {"fc1.bias"}
+        assert all(torch.equal(ref[k], loaded[k]) and ref[k].dtype == loaded[k].dtype for k in ref)
+    model = MODELS["tied"]()
+    model.load_state_dict(loaded, strict=True)
+    assert model.mid2.weight is model.mid.weight and torch.equal(model.mid.weight.detach(), loaded["mid.weight"])
+
+
+def test_command_line(saved, tmp_path) -> None:
+    from zero_dtensor.convert.__main__ import main
+
+    src = os.path.join(saved, "w2-z2-bf16")
+    assert main([src, str(tmp_path / "cli.dcp"), "--quiet"]) == 0
+    assert main([src, str(tmp_path / "cli.st"), "--to", "safetensors", "--dtype", "bf16", "--quiet"]) == 0
+    from safetensors.torch import load_file
+
+    assert load_file(str(tmp_path / "cli.st" / "model.safetensors"))["mid.weight"].dtype == torch.bfloat16
+    assert main([str(tmp_path / "nowhere"), str(tmp_path / "x"), "--quiet"]) == 2
+    assert not os.path.exists(tmp_path / "x")

@@ -31,8 +31,8 @@ SAVES_2 = [
     ("w2-z2-odd", EngineCase(stage=2, world=2), 2),  # one group, no tie: zero_to_fp32 writes safetensors; FSDP2
 ]
 SAVES_3 = [("w3-z3-bf16", EngineCase(stage=3, dtype="bf16", world=3, **TIED2), 2)]
-SAVES_1 = [("w1-z2-fp32", EngineCase(stage=2, world=1, **TIED2), 2)]
-CASES = {name: case for name, case, _ in SAVES_1 + SAVES_2 + SAVES_3}
+SAVES_1 = [("w1-z2-fp32", EngineCase(stage=2, world=1, **TIED2), 2), ("w1-z0", EngineCase(stage=0, world=1), 1)]
+CASES = {name: case for name, case, _ in SAVES_1 + SAVES_2 + SAVES_3 if case.stage}
 
 
 def _convert_all(root: str, names: list[str]) -> None:
@@ -149,3 +149,105 @@ def test_command_line(saved, tmp_path) -> None:
     assert load_file(str(tmp_path / "cli.st" / "model.safetensors"))["mid.weight"].dtype == torch.bfloat16
     assert main([str(tmp_path / "nowhere"), str(tmp_path / "x"), "--quiet"]) == 2
     assert not os.path.exists(tmp_path / "x")
+
+
+# ---- bad input ------------------------------------------------------------------------------------------------------
+
+def _copy(saved: str, name: str, tmp_path) -> tuple[str, str]:
+    """A copy of the saved folder ``name`` and its tag folder."""
+    dst = str(tmp_path / f"bad-{name}")
+    shutil.copytree(os.path.join(saved, name), dst)
+    return dst, os.path.join(dst, "global_step2")
+
+
+def _rewrite(path: str, change) -> None:
+    data = torch.load(path, weights_only=False)
+    change(data)
+    torch.save(data, path)
+
+
+def _bad_inputs(saved: str, tmp_path) -> list[tuple[str, str, str]]:
+    """``(what, folder, the file the error must name)``."""
+    cases = []
+    src, tag = _copy(saved, "w2-z2-bf16", tmp_path / "missing")
+    os.remove(victim := os.path.join(tag, "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+    cases.append(("missing optimizer file", src, victim))
+    src, tag = _copy(saved, "w2-z3-fp16", tmp_path / "missing3")
+    os.remove(victim := os.path.join(tag, "zero_pp_rank_1_mp_rank_00_model_states.pt"))
+    cases.append(("missing ZeRO-3 model file", src, victim))
+    src, tag = _copy(saved, "w2-z2-bf16", tmp_path / "truncated")
+    victim = os.path.join(tag, "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    os.truncate(victim, os.path.getsize(victim) // 2)
+    cases.append(("truncated file", src, victim))
+    src, tag = _copy(saved, "w2-z2-odd", tmp_path / "version")
+    _rewrite(victim := os.path.join(tag, "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+             lambda d: d.update(ds_version="0.18.9"))
+    cases.append(("another ds_version", src, victim))
+    src, tag = _copy(saved, "w2-z2-bf16", tmp_path / "world")
+    shutil.copy(os.path.join(saved, "w3-z3-bf16", "global_step2", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+                victim := os.path.join(tag, "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+    cases.append(("another world size", src, victim))
+    src, tag = _copy(saved, "w2-z2-odd", tmp_path / "step")
+
+    def later(d: dict) -> None:
+        for state in d["optimizer_state_dict"]["base_optimizer_state"]["state"].values():
+            state["step"] = state["step"] + 1
+
+    _rewrite(victim := os.path.join(tag, "zero_pp_rank_1_mp_rank_00_optim_states.pt"), later)
+    cases.append(("another step (optimizer file)", src, victim))
+    src, tag = _copy(saved, "w2-z3-fp16", tmp_path / "step3")
+    _rewrite(victim := os.path.join(tag, "zero_pp_rank_1_mp_rank_00_model_states.pt"),
+             lambda d: d.update(global_steps=3))
+    cases.append(("another step (ZeRO-3 model file)", src, victim))
+    src, tag = _copy(saved, "w2-z2-odd", tmp_path / "moe")
+    shutil.copy(os.path.join(tag, "mp_rank_00_model_states.pt"),
+                victim := os.path.join(tag, "layer_0_expert_0_mp_rank_00_model_states.pt"))
+    cases.append(("MoE", src, victim))
+    src, tag = _copy(saved, "w2-z2-odd", tmp_path / "pipe")
+    shutil.copy(os.path.join(tag, "mp_rank_00_model_states.pt"),
+                victim := os.path.join(tag, "layer_01-model_00-model_states.pt"))
+    cases.append(("pipeline", src, victim))
+    src = os.path.join(saved, "w1-z0")
+    cases.append(("stage 0", src, os.path.join(src, "global_step1")))
+    src = str(tmp_path / "unknown")
+    os.makedirs(os.path.join(src, "step9"))
+    with open(os.path.join(src, "latest"), "w") as f:
+        f.write("step9")
+    torch.save({"weights": torch.zeros(3)}, victim := os.path.join(src, "step9", "mp_rank_00_model_states.pt"))
+    cases.append(("unknown format", src, victim))
+    src = str(tmp_path / "empty")
+    os.makedirs(src)
+    cases.append(("not a checkpoint folder", src, src))
+    return cases
+
+
+def test_bad_input_raises_and_writes_nothing(saved, tmp_path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    for what, src, named in _bad_inputs(saved, tmp_path):
+        for to in ("dcp", "safetensors"):
+            dst = str(out / f"dst-{to}")
+            with pytest.raises(zd.ConversionError) as info:
+                zd.convert(src, dst, to=to)
+            assert named in str(info.value) and "Nothing was written" in str(info.value), (what, str(info.value))
+            assert os.listdir(out) == [], (what, os.listdir(out))  # no dst, no temporary folder
+    dst = str(out / "busy")
+    os.makedirs(os.path.join(dst, "something"))
+    with pytest.raises(zd.ConversionError, match="not an empty folder"):
+        zd.convert(os.path.join(saved, "w2-z2-odd"), dst)
+
+
+@pytest.mark.parametrize("to", ["dcp", "safetensors"])
+def test_a_conversion_that_dies_leaves_nothing(saved, tmp_path, to) -> None:
+    """Killed after its first tensor (the progress callback raises): nothing at dst, the temporary folder gone."""
+    calls = []
+
+    def die(done: int, total: int) -> None:
+        calls.append(done)
+        raise KeyboardInterrupt
+
+    from torch.distributed.checkpoint.api import CheckpointException  # DCP's wrapper of a failure in its writer
+
+    with pytest.raises((KeyboardInterrupt, CheckpointException)):
+        zd.convert(os.path.join(saved, "w2-z2-odd"), str(tmp_path / "dst"), to=to, progress=die)
+    assert calls and os.listdir(tmp_path) == []

@@ -249,8 +249,13 @@ def build_layout(folder: str, model_paths: Sequence[str], optim_paths: Sequence[
                               "again." + _NOTHING)
     first = torch_state["state"][0]
     keys = tuple(k for k, v in first.items() if torch.is_tensor(v) and v.dim() == 1 and v.numel() == sizes[0])
+    steps = tuple(_step(torch_state["state"][g].get("step")) for g in range(len(sizes)))
     for path, o in zip(optim_paths, optim):
         state = _torch_state(o["optimizer_state_dict"], kind)["state"]
+        theirs = tuple(_step(state[g].get("step")) if g in state else None for g in range(len(sizes)))
+        if theirs != steps:
+            raise ConversionError(f"{path}: optimizer steps {theirs}, {optim_paths[0]} {steps}: files of different "
+                                  "saves; keep one save's files per folder." + _NOTHING)
         for g, size in enumerate(sizes):
             lengths = {k: state[g][k].numel() for k in keys}
             fp32 = SavedFiles.fp32_length(o["optimizer_state_dict"], kind, g)
@@ -260,7 +265,6 @@ def build_layout(folder: str, model_paths: Sequence[str], optim_paths: Sequence[
     groups = torch_state["param_groups"]
     owner = {s: i for i, g in enumerate(groups) for s in g["params"]}
     hyper = tuple({k: v for k, v in groups[owner.get(g, g)].items() if k != "params"} for g in range(len(sizes)))
-    steps = tuple(_step(torch_state["state"][g].get("step")) for g in range(len(sizes)))
     trainable = {p.name for p in params}
     aliases = tuple((str(a), str(o)) for a, o in (m0.get("shared_params") or {}).items())
     buffers = tuple(m0["buffer_names"])

@@ -251,3 +251,38 @@ def test_a_conversion_that_dies_leaves_nothing(saved, tmp_path, to) -> None:
     with pytest.raises((KeyboardInterrupt, CheckpointException)):
         zd.convert(os.path.join(saved, "w2-z2-odd"), str(tmp_path / "dst"), to=to, progress=die)
     assert calls and os.listdir(tmp_path) == []
+
+
+# ---- memory ---------------------------------------------------------------------------------------------------------
+
+WIDTH = 512  # the largest parameter: 512 x 512 fp32 = 1 MiB
+
+
+def _probe(src: str, dst: str, to: str) -> int:
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, sys; from workers.convert import memory_probe; "
+            "print(json.dumps(memory_probe(*sys.argv[1:4])))")
+    out = subprocess.run([sys.executable, "-c", code, src, dst, to], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["growth"]
+
+
+def test_peak_anonymous_memory_does_not_grow_with_the_checkpoint(ranks, tmp_path) -> None:
+    """The converter's peak ``RssAnon`` growth (a fresh process each) stays within the largest parameter x2 (one
+    assembled value, one cast or clone) + 8 MiB for a checkpoint of 4 layers and of 32 (8x: about 100 MB of
+    masters and Adam state, 8x the bound); ZeRO-3 at 2 ranks,
+    where every parameter is assembled from 2 ranks' pieces (ZeRO-1/2 parameters that lie in one partition are
+    written straight from the mapped file)."""
+    root = str(tmp_path)
+    saves = [("z3-l4", 3, 4), ("z3-l32", 3, 32)]
+    for name, stage, layers in saves:
+        ranks(2).run(wc.ds_save_stack, root, name, stage, layers, WIDTH)
+    largest = WIDTH * WIDTH * 4
+    bound = 2 * largest + 8 * 2**20
+    state = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(root, "z3-l32")) for f in fs)
+    assert state > 8 * bound  # holding the state would fail the bound 8 times over
+    growth = {(name, to): _probe(os.path.join(root, name), os.path.join(root, f"{name}.{to}"), to)
+              for name, to in [("z3-l4", "dcp"), ("z3-l32", "dcp"), ("z3-l32", "safetensors")]}
+    assert all(g <= bound for g in growth.values()), (growth, bound)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from workers.checkpoint import WARMUP, check_loaded, diff, same, snapshot, train
+from workers.checkpoint import check_loaded, diff, same, snapshot, train
 from workers.common import EngineCase, build_engine
 
 CLIENT = {"epoch": 3, "note": "client"}
@@ -108,3 +108,65 @@ def fsdp2_loads(root: str, name: str) -> None:
     from workers.checkpoint import fsdp_loads
 
     fsdp_loads(root, f"{name}.dcp", kind="odd")
+
+
+class Stack(torch.nn.Module):
+    """``layers`` square bias-free Linears of ``width``: the checkpoint grows with ``layers``, the largest parameter
+    stays ``width * width``."""
+
+    def __init__(self, layers: int, width: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width, bias=False) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def ds_save_stack(root: str, name: str, stage: int, layers: int, width: int) -> None:
+    """A :class:`Stack` engine (Adam, fp32) trains one step and saves with ``engine.save_checkpoint``."""
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = Stack(layers, width)
+    config = EngineCase(stage=stage, world=dist.get_world_size()).config()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
+    x = torch.randn(engine.train_micro_batch_size_per_gpu(), width)
+    engine.backward(engine(x).pow(2).mean())
+    engine.step()
+    engine.save_checkpoint(os.path.join(root, name))
+    dist.barrier()
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")
+
+
+def memory_probe(src: str, dst: str, to: str) -> dict[str, int]:
+    """Run in a fresh process: ``zd.convert(src, dst, to=to)`` while a thread samples ``RssAnon`` every 0.5 ms (and
+    the progress callback after each tensor); the peak's growth over the value just before the call."""
+    import threading
+    import time
+
+    import zero_dtensor as zd
+
+    peak = [0]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], _rss_anon())
+            time.sleep(0.0005)
+
+    base = _rss_anon()
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    zd.convert(src, dst, to=to, progress=lambda done, total: peak.__setitem__(0, max(peak[0], _rss_anon())))
+    stop.set()
+    thread.join()
+    return {"base": base, "peak": peak[0], "growth": peak[0] - base}

@@ -24,7 +24,6 @@ plain records, so neither DeepSpeed nor memory proportional to the checkpoint is
 
 from __future__ import annotations
 
-import glob
 import math
 import os
 import pickle
@@ -53,7 +52,7 @@ class _Record:
     constructor arguments and attributes, nothing else."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args = args
+        self.record_args = args
         self.__dict__.update(kwargs)
 
     def __setstate__(self, state: Any) -> None:
@@ -99,8 +98,9 @@ def load_file(path: str) -> dict[str, Any]:
 
 
 def scaler_numbers(scaler: Any) -> dict[str, Any] | None:
-    """A loss scaler's numeric attributes (``cur_scale``, ``cur_iter``, ...; one-element tensors as numbers), as
-    :func:`~zero_dtensor._deepspeed.checkpointing.loss_scaler_state` reads them from a live engine."""
+    """A loss scaler's numeric attributes (``cur_scale``, ``cur_iter``, ...; one-element tensors as numbers), or
+    ``None`` for no scaler: of a live engine's (:func:`~zero_dtensor._deepspeed.checkpointing.loss_scaler_state`)
+    and of one read from a checkpoint file alike."""
     if scaler is None:
         return None
     state = {}
@@ -109,7 +109,6 @@ def scaler_numbers(scaler: Any) -> dict[str, Any] | None:
             value = value.item()
         if isinstance(value, (bool, int, float)) and not (isinstance(value, float) and math.isnan(value)):
             state[key] = value
-    state.pop("args", None)
     return state
 
 
@@ -182,8 +181,7 @@ class SavedFiles:
         """Rank ``rank``'s 1-D flat tensor of ``group``: ``"fp32"`` the master partition, else a state key."""
         inner = self._optim[rank]["optimizer_state_dict"]
         if key == "fp32":
-            flats = inner["fp32_flat_groups"] if self.layout.kind == "zero3" else inner["single_partition_of_fp32_groups"]
-            return flats[group]
+            return _fp32_groups(inner, self.layout.kind)[group]
         return _torch_state(inner, self.layout.kind)["state"][group][key]
 
     def read(self, param: SavedParam, key: str) -> torch.Tensor:
@@ -209,11 +207,14 @@ class SavedFiles:
     @staticmethod
     def fp32_length(inner: Mapping[str, Any], kind: str, group: int) -> int:
         """The length of a rank's fp32 partition of ``group`` in its optimizer file's ``optimizer_state_dict``."""
-        flats = inner["fp32_flat_groups"] if kind == "zero3" else inner["single_partition_of_fp32_groups"]
-        return int(flats[group].numel())
+        return int(_fp32_groups(inner, kind)[group].numel())
 
     def buffer(self, name: str) -> torch.Tensor:
         return self._models[0]["module"][name]
+
+
+def _fp32_groups(inner: Mapping[str, Any], kind: str) -> Any:
+    return inner["fp32_flat_groups"] if kind == "zero3" else inner["single_partition_of_fp32_groups"]
 
 
 def _torch_state(inner: Mapping[str, Any], kind: str) -> Mapping[str, Any]:

@@ -152,7 +152,7 @@ def _one_save(model_paths: Sequence[str], optim_paths: Sequence[str], models: Se
 def _kind(path: str, inner: Mapping[str, Any]) -> tuple[str, int]:
     stage = inner.get("zero_stage")
     if stage is not None:
-        value = int(stage.args[0]) if getattr(stage, "args", None) else int(stage)
+        value = int(stage.record_args[0]) if getattr(stage, "record_args", None) else int(stage)
         return ("zero3" if value == 3 else "zero12"), value
     if "single_partition_of_fp32_groups" in inner:
         return "bf16", 1

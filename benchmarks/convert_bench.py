@@ -7,8 +7,9 @@ Builds (once, ``--build``) a bf16 ZeRO-2 engine at 2 gloo ranks of ``--layers`` 
 - ``zd.convert(..., to="safetensors")`` and DeepSpeed's ``zero_to_fp32``
   (``convert_zero_checkpoint_to_fp32_state_dict(..., safe_serialization=True)``, which reads lazily, ``lazy_mode``)
   with the same ``--shard-size``;
-- ``zd.convert(..., to="dcp")`` (masters and optimizer state) and ``python -m deepspeed.checkpoint.ds_to_universal
-  --inject_missing_state`` (its default 4 extract + 2 merge worker processes).
+- ``zd.convert(..., to="dcp")`` (masters and optimizer state; with its fsync per file as ``zd.save``, and with
+  ``--no-fsync``) and ``python -m deepspeed.checkpoint.ds_to_universal --inject_missing_state`` (its default 4
+  extract + 2 merge worker processes; no fsync).
 
 Per row: the median and spread of the wall times, and the peak anonymous resident memory (``RssAnon``, sampled
 every 5 ms from ``/proc``: of the process, and summed over it and its child processes for ``ds_to_universal``).
@@ -110,6 +111,8 @@ def _commands(root: str, out: str, shard: str) -> dict[str, list[str]]:
                                      "c(sys.argv[1], sys.argv[2], max_shard_size=sys.argv[3], safe_serialization=True)",
                                      root, f"{out}/z2f", shard],
         "zd.convert dcp": [py, "-m", "zero_dtensor.convert", root, f"{out}/zd-dcp", "--quiet"],
+        "zd.convert dcp --no-fsync": [py, "-m", "zero_dtensor.convert", root, f"{out}/zd-dcp", "--quiet",
+                                      "--no-fsync"],
         "ds_to_universal": [py, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", tag,
                             "--output_folder", f"{out}/uni", "--inject_missing_state"],
     }
@@ -161,6 +164,8 @@ def main() -> None:
     result["safetensors RssAnon ratio zd / zero_to_fp32"] = round(zd_st["peak_RssAnon_MiB"]
                                                                   / z2f["peak_RssAnon_MiB"], 2)
     result["dcp speedup ds_to_universal / zd"] = round(uni["median_s"] / zd_dcp["median_s"], 2)
+    result["dcp speedup ds_to_universal / zd --no-fsync"] = round(
+        uni["median_s"] / result["zd.convert dcp --no-fsync"]["median_s"], 2)
     print(json.dumps(result, indent=2))
 
 

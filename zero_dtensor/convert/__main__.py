@@ -25,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                         help="--to safetensors: the floating-point dtype written")
     parser.add_argument("--max-shard-size", default="5GB", help="--to safetensors: the largest file (e.g. 5GB)")
+    parser.add_argument("--no-fsync", action="store_true",
+                        help="--to dcp: leave the flush to the operating system (as DeepSpeed's own tools do)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     columns = (TextColumn("[bold]converting"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
@@ -33,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         task = bar.add_task("convert", total=None)
         try:
             convert(args.src, args.dst, tag=args.tag, to=args.to, dtype=args.dtype,
-                    max_shard_size=args.max_shard_size,
+                    max_shard_size=args.max_shard_size, sync_files=not args.no_fsync,
                     progress=lambda done, total: bar.update(task, completed=done, total=total))
         except ConversionError as exc:
             bar.stop()

@@ -126,6 +126,7 @@ def main() -> None:
     parser.add_argument("--shard-size", default="5GB")
     parser.add_argument("--dir", default="/tmp/zd-convert-bench")
     parser.add_argument("--build", action="store_true", help="build and save the checkpoint first")
+    parser.add_argument("--only", default="", help="comma-separated row names to run (default: every row)")
     args = parser.parse_args()
     root, out = os.path.join(args.dir, "ds"), os.path.join(args.dir, "out")
     if args.build:
@@ -139,6 +140,8 @@ def main() -> None:
                 while f.read(1 << 24):
                     pass
     commands = _commands(root, out, args.shard_size)
+    if args.only:
+        commands = {k: v for k, v in commands.items() if k in args.only.split(",")}
     rows: dict[str, list[tuple[float, int, int]]] = {name: [] for name in commands}
     names = list(commands)
     for r in range(args.rounds):
@@ -158,14 +161,16 @@ def main() -> None:
                         "spread_s": [round(min(walls), 2), round(max(walls), 2)],
                         "peak_RssAnon_MiB": round(max(p for _, p, _ in runs) / 2**20, 1),
                         "peak_RssAnon_with_children_MiB": round(max(t for _, _, t in runs) / 2**20, 1)}
-    zd_st, z2f = result["zd.convert safetensors"], result["zero_to_fp32 safetensors"]
-    zd_dcp, uni = result["zd.convert dcp"], result["ds_to_universal"]
-    result["safetensors time ratio zd / zero_to_fp32"] = round(zd_st["median_s"] / z2f["median_s"], 2)
-    result["safetensors RssAnon ratio zd / zero_to_fp32"] = round(zd_st["peak_RssAnon_MiB"]
-                                                                  / z2f["peak_RssAnon_MiB"], 2)
-    result["dcp speedup ds_to_universal / zd"] = round(uni["median_s"] / zd_dcp["median_s"], 2)
-    result["dcp speedup ds_to_universal / zd --no-fsync"] = round(
-        uni["median_s"] / result["zd.convert dcp --no-fsync"]["median_s"], 2)
+    ratios = {"safetensors time ratio zd / zero_to_fp32": ("zd.convert safetensors", "zero_to_fp32 safetensors"),
+              "dcp speedup ds_to_universal / zd": ("ds_to_universal", "zd.convert dcp"),
+              "dcp speedup ds_to_universal / zd --no-fsync": ("ds_to_universal", "zd.convert dcp --no-fsync")}
+    for label, (a, b) in ratios.items():
+        if a in result and b in result:
+            result[label] = round(result[a]["median_s"] / result[b]["median_s"], 2)
+    if "zd.convert safetensors" in result and "zero_to_fp32 safetensors" in result:
+        ours, theirs = result["zd.convert safetensors"], result["zero_to_fp32 safetensors"]
+        result["safetensors RssAnon ratio zd / zero_to_fp32"] = round(
+            ours["peak_RssAnon_MiB"] / theirs["peak_RssAnon_MiB"], 2)
     print(json.dumps(result, indent=2))
 
 

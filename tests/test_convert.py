@@ -286,3 +286,23 @@ def test_peak_anonymous_memory_does_not_grow_with_the_checkpoint(ranks, tmp_path
     growth = {(name, to): _probe(os.path.join(root, name), os.path.join(root, f"{name}.{to}"), to)
               for name, to in [("z3-l4", "dcp"), ("z3-l32", "dcp"), ("z3-l32", "safetensors")]}
     assert all(g <= bound for g in growth.values()), (growth, bound)
+
+
+def test_dcp_entries_are_zd_saves(saved) -> None:
+    """The converted checkpoint's entries are those ``zd.save`` writes: every parameter under ``model.`` (the tied
+    alias and the frozen parameter too), Adam's keys and ``step`` per trainable parameter only, and the
+    ``zero_dtensor.*`` extras of ``zero_dtensor.checkpoint.io``."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from zero_dtensor.checkpoint.io import EXTRAS
+
+    meta = FileSystemReader(os.path.join(saved, "w2-z3-fp16.dcp")).read_metadata().state_dict_metadata
+    model = {k[len("model."):] for k in meta if k.startswith("model.")}
+    assert model == {"fc1.weight", "fc1.bias", "mid.weight", "mid.bias", "mid2.weight", "mid2.bias", "fc3.weight",
+                     "fc3.bias"}
+    state = {k[len("optim.state."):] for k in meta if k.startswith("optim.state.")}
+    trained = model - {"fc1.bias", "mid2.weight"}
+    assert state == {f"{n}.{key}" for n in trained for key in ("exp_avg", "exp_avg_sq", "step")}
+    assert {k for k in meta if k.startswith("zero_dtensor.")} == {f"zero_dtensor.{k}" for k in EXTRAS}
+    assert meta["model.fc1.bias"].properties.dtype == torch.float16  # frozen: its working dtype
+    assert meta["model.mid.weight"].properties.dtype == torch.float32  # trainable: the fp32 master

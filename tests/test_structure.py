@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("zero_dtensor._deepspeed",),  # the adapters: DeepSpeed's private state read into storages
     ("zero_dtensor.materialize", "zero_dtensor.redistribute", "zero_dtensor.ops"),  # what a call does to the shards
     ("zero_dtensor.families",),  # the objects users hold
-    ("zero_dtensor.api", "zero_dtensor.checkpoint"),  # entry points
+    ("zero_dtensor.api", "zero_dtensor.checkpoint", "zero_dtensor.convert"),  # entry points
     ("zero_dtensor.integrations", "zero_dtensor.lightning"),  # training-loop integrations
     ("zero_dtensor.launch", "zero_dtensor.demo", "zero_dtensor.bench"),  # tools: local ranks, the tour, benchmark
     ("zero_dtensor",),

@@ -15,9 +15,11 @@ from .api import (
     sync_model_params,
 )
 from .checkpoint import get_state_dict, load, save, set_state_dict
+from .convert import convert
 from .errors import (
     CheckpointMismatchError,
     CheckpointReadError,
+    ConversionError,
     GradHookError,
     GradientsNotReadyError,
     IncompleteCheckpointError,
@@ -51,6 +53,7 @@ GradLayout = FlatLayout
 __all__ = [
     "CheckpointMismatchError",
     "CheckpointReadError",
+    "ConversionError",
     "FlatLayout",
     "FullGradsHandle",
     "GradHookError",
@@ -88,6 +91,7 @@ __all__ = [
     "keep_full_grads",
     "launch",
     "load",
+    "convert",
     "on_grads",
     "on_grads_in_trainer",
     "optimizer_state_keys",

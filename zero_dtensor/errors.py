@@ -7,6 +7,7 @@ from collections.abc import Sequence
 __all__ = [
     "CheckpointMismatchError",
     "CheckpointReadError",
+    "ConversionError",
     "GradHookError",
     "GradientsNotReadyError",
     "IncompleteCheckpointError",
@@ -85,3 +86,9 @@ class CheckpointReadError(RuntimeError):
     checked (file sizes, archives, headers, the CRC-32 of its data) before any of the engine's memory is written, so
     a missing, truncated or damaged file leaves the engine unchanged; only an I/O error in the second pass, after those checks, leaves
     the failing rank's masters and optimizer state partly overwritten (the message says so)."""
+
+
+class ConversionError(ValueError):
+    """A DeepSpeed checkpoint folder that :func:`zero_dtensor.convert` cannot convert: a missing or truncated rank
+    file, files of different saves, a mixture-of-experts, pipeline- or model-parallel or stage-0 checkpoint, or an
+    unknown format. The message names the file and what to do; raised before anything is written."""

@@ -20,7 +20,10 @@ Beside the optimizer adapters: :mod:`.capture` (``keep_full_grads``' capture of 
 :mod:`.families` (the fp32 master weights and the optimizer state as storages with the gradient's geometry, and the
 optimizer's per-group ``step``) and :mod:`.sync` (the working weights refreshed from the masters after a write);
 :mod:`.checkpointing` (what a checkpoint needs from an engine beyond masters and optimizer state) and
-:mod:`._common` (what the adapters share).
+:mod:`._common` (what the adapters share). Offline, without an engine: :mod:`.checkpoint_files` (the files
+``engine.save_checkpoint`` writes, memory-mapped, and where each parameter's elements lie in them) and
+:mod:`.checkpoint_layout` (which files a checkpoint folder holds, checked to be one save; the layout built from
+them), read by :func:`zero_dtensor.convert`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ Nothing here communicates.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +18,7 @@ import torch
 from ..errors import UnsupportedDeepSpeedError
 from ..comm.process_groups import rank_in
 from . import check_engine
+from .checkpoint_files import scaler_numbers
 from .families import _masters, master_storage
 
 __all__ = [
@@ -183,23 +183,10 @@ def set_lr_scheduler_state(engine: Any, state: Mapping[str, Any] | None) -> None
         scheduler.load_state_dict(dict(state))
 
 
-def _plain(value: Any) -> bool:
-    return isinstance(value, (bool, int, float)) and not (isinstance(value, float) and math.isnan(value))
-
-
 def loss_scaler_state(engine: Any) -> dict[str, Any] | None:
     """The fp16 loss scaler's numeric attributes (``cur_scale``, ``cur_iter``, ``last_overflow_iter``,
     ``cur_hysteresis``, ...), or ``None`` where the optimizer has none."""
-    scaler = getattr(engine.optimizer, "loss_scaler", None)
-    if scaler is None:
-        return None
-    state = {}
-    for key, value in vars(scaler).items():
-        if torch.is_tensor(value) and value.numel() == 1:
-            value = value.item()
-        if _plain(value):
-            state[key] = value
-    return state
+    return scaler_numbers(getattr(engine.optimizer, "loss_scaler", None))
 
 
 def set_loss_scaler_state(engine: Any, state: Mapping[str, Any] | None) -> None:

@@ -42,36 +42,49 @@ def _temporary(dst: str) -> str:
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, tag: str | None = None, to: str = "dcp",
             dtype: torch.dtype | str = torch.float32, max_shard_size: int | str = "5GB", sync_files: bool = True,
             progress: Callable[[int, int], None] | None = None) -> str:
-    """Convert the DeepSpeed checkpoint in ``src`` (the folder ``engine.save_checkpoint`` wrote; its ``latest``
-    file names the tag, or pass ``tag``; or the tag folder itself) into ``dst``, in one process, without an engine,
-    a GPU or a process group. ZeRO stages 1-3 and ``BF16_Optimizer``, fp32 / bf16 / fp16, any world size, tied and
-    frozen parameters, several parameter groups.
+    """Convert a checkpoint that DeepSpeed's ``engine.save_checkpoint`` wrote into torch's DCP format or safetensors.
+
+    Offline, in one process: no engine, no GPU, no process group. ZeRO stages 1-3 and ``BF16_Optimizer``, fp32 /
+    bf16 / fp16, any world size, tied and frozen parameters, several parameter groups. The result is written into a
+    temporary folder beside ``dst`` and renamed to ``dst`` at the end, so a conversion that fails or is killed
+    leaves nothing at ``dst`` (a killed one leaves its ``.<dst>.converting-*`` folder).
 
     Args:
-        to: ``"dcp"``: the checkpoint :func:`zero_dtensor.save` writes (fp32 masters under ``model.*``, frozen
-            weights in their dtype, every optimizer-state key, the step, each group's hyperparameters, the engine's
-            counters, the lr scheduler, the loss scaler and the client state): load it with :func:`zero_dtensor.load`
-            into an engine of any world size and ZeRO stage, or into FSDP2 + a torch optimizer with
-            ``torch.distributed.checkpoint``. ``"safetensors"``: the weights as Hugging Face safetensors files
-            (those of DeepSpeed's ``zero_to_fp32``, :mod:`.to_safetensors`).
+        src: the folder ``engine.save_checkpoint`` wrote (its ``latest`` file names the tag), or the tag folder.
+        dst: the folder to create; it must not exist or be empty.
+        tag: the tag to convert instead of the one ``latest`` names.
+        to: ``"dcp"``: the checkpoint ``zd.save`` writes (fp32 masters under ``model.*``, frozen weights in their
+            dtype, every optimizer-state key, the step, each group's hyperparameters, the engine's counters, the lr
+            scheduler, the loss scaler and the client state); load it with ``zd.load`` into an engine of any world
+            size and ZeRO stage, or into FSDP2 + a torch optimizer with ``torch.distributed.checkpoint``.
+            ``"safetensors"``: the weights as Hugging Face safetensors files with an index (those of DeepSpeed's
+            ``zero_to_fp32``, byte for byte where it can write them).
         dtype: ``to="safetensors"`` only: the floating-point dtype written (``fp32``, ``bf16``, ``fp16``).
         max_shard_size: ``to="safetensors"`` only: the largest file (``"5GB"``, or bytes), as ``zero_to_fp32``.
-        sync_files: ``to="dcp"``: fsync each file before ``.metadata`` is written (as :func:`zero_dtensor.save`).
-        progress: called as ``progress(bytes_done, bytes_total)`` after each tensor is written (the library
-            prints nothing; the command line draws a progress bar with it).
+        sync_files: ``to="dcp"`` only: fsync each file before ``.metadata`` is written (as ``zd.save``).
+        progress: called as ``progress(bytes_done, bytes_total)`` after each tensor is written (the library prints
+            nothing; the command line draws a progress bar with it).
 
     Returns:
-        ``dst``.
+        str: ``dst``.
 
     Raises:
         ConversionError: before anything is written, naming the file and what to do: a missing or truncated rank
             file, files of different saves (``ds_version``, world size or step), a mixture-of-experts, pipeline- or
             model-parallel checkpoint, a ZeRO stage-0 checkpoint, an unknown format; or ``dst`` is not empty.
 
-    The result is written into a temporary folder beside ``dst`` and renamed to ``dst`` at the end: a conversion
-    that fails or is killed leaves nothing at ``dst`` (a killed one leaves its ``.<dst>.converting-*`` folder).
-    **Memory**: the partition files are read memory-mapped and one parameter is assembled at a time: besides the
-    page cache, at most about the largest parameter (twice where a dtype is cast) and the plan's metadata.
+    Communication:
+        None: one process reads the rank files and writes the result.
+
+    Device and memory:
+        CPU only. The partition files are read memory-mapped and one parameter is assembled at a time: besides the
+        page cache, at most about the largest parameter (twice where a dtype is cast) and the plan's metadata.
+
+    Example:
+        ```python
+        zd.convert("checkpoints/", "checkpoints-dcp/")      # then zd.load(engine, "checkpoints-dcp/") at any world size
+        zd.convert("checkpoints/", "hf/", to="safetensors", dtype="bf16")
+        ```
     """
     if to not in ("dcp", "safetensors"):
         raise ValueError(f"to={to!r}: 'dcp' or 'safetensors'")

@@ -44,12 +44,12 @@ def test_the_exclusions_are_the_reviewed_ones() -> None:
 def test_the_cases_cover_the_public_calls() -> None:
     """The registry holds the public communicating calls (a smoke check of the marks: these existed before the
     registry), and each has its arguments varied on every family."""
-    for name in ("ShardedTensors.full_tensors", "TensorMath.clip_grad_norm_", "TensorMath.clip_per_param_",
+    for name in ("ShardedTensors.full_tensors", "TensorReductions.clip_grad_norm_", "TensorReductions.clip_per_param_",
                  "TensorOwners.map_full_", "ParamView.full_tensor", "get_full_fp32_params", "save", "load"):
         assert name in COLLECTIVE_CALLS
     rows = set(signature.ROWS)
     for arg in ("max_norm", "norm_type", "error_if_nonfinite", "params"):
-        assert {f"TensorMath.clip_grad_norm_.{arg}@{f}" for f in signature.FAMILIES} <= rows
+        assert {f"TensorReductions.clip_grad_norm_.{arg}@{f}" for f in signature.FAMILIES} <= rows
     assert "TensorOwners.map_full_.names@grads" in rows and "TensorOwners.map_full_.fn@grads" not in rows
 
 

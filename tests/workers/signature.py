@@ -39,7 +39,7 @@ REVIEWED_EXCLUSIONS = {("*", "engine"), ("TensorOwners.map_full_", "fn"), ("Tens
                        ("save", "client_state"), ("set_state_dict", "model_state_dict")}
 
 #: the receiver of each class's marked methods: every family, or one parameter's view of it
-FAMILY_CLASSES = {"ShardedTensors", "TensorMath", "TensorOwners"}
+FAMILY_CLASSES = {"ShardedTensors", "TensorMath", "TensorReductions", "TensorOwners"}
 VIEW_CLASSES = {"ParamView"}
 FAMILIES = ("grads", "masters", "exp_avg")
 

@@ -51,7 +51,7 @@ def check_partition_reuse(case: EngineCase) -> dict[str, bool]:
         for name, value in expected.items():
             assert torch.equal(full[name], value), (step, name)
         pointers.append(grads.local_partitions[0].data_ptr())
-        rebound = engine.optimizer.averaged_gradients.get(0)
+        rebound = pieces and engine.optimizer.averaged_gradients.get(0)
         if step == 3 and in_place and hasattr(rebound, "move_flat_partition"):
             # GradPartitionBufferGroup's _view_specs (read by its move_flat_partition, after it moved the partition):
             # what its __init__ computes, relative to the partition as it lay before the move

@@ -162,6 +162,10 @@ def test_a_second_flat_group_adds_only_its_reading_kernels(ranks, name: str, dty
 # allocates inside itself (torch.profiler: a bf16 row reduction accumulating in float32 copied the whole input to
 # float32 on the CPU). The code before this test made dots' products (and bf16's float32 copy) the data's size.
 OFFLOAD_CASES = ((1, "fp16"), (2, "bf16"), (3, "fp32"), (3, "bf16"))
+#: allocations inside kernels: at most 1/8 of the data. The per-row float64 values of the CPU's 64-element rows are
+#: 8 bytes per row, 1/16 of bf16 data, and stats converts them (and checks their finiteness) a column at a time;
+#: a float32 copy of bf16 data is 2x the data, a product of a dots chunk the data's size was 0.5-1x
+HIDDEN_SHARE = 8
 _OFFLOAD: list = []
 
 
@@ -184,7 +188,7 @@ def test_offloaded_reductions_read_once_without_large_temporaries(ranks, name: s
             if r["data_read"] > (reads + 0.05) * data or r["data_written"] > writes * 1.01 * data:
                 problems.append(f"rank {rank} {case}: read {r['data_read'] / data:.2f}x, wrote "
                                 f"{r['data_written'] / data:.2f}x the data (at most {reads}x, {writes}x)")
-            if r["largest"] > data / 16 or r["hidden_largest"] > data / 16:
+            if r["largest"] > data / 16 or r["hidden_largest"] > data / HIDDEN_SHARE:
                 problems.append(f"rank {rank} {case}: a temporary of {r['largest'] / data:.2f}x the data "
                                 f"({r['hidden_largest'] / data:.2f}x counting allocations inside kernels)")
             if r["refused"]:

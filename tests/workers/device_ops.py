@@ -278,7 +278,8 @@ def check_traffic(cases: tuple[tuple[Any, ...], ...], dot_chunk: int | None = 20
                         fn(grads, other)
                 rows[name] = probe.summary()
                 if offload:
-                    rows[name]["hidden_largest"] = _largest_allocation(lambda: fn(grads, other), storages)
+                    rows[name]["hidden_largest"] = _largest_allocation(lambda: fn(grads, other), storages,
+                                                                       mine + theirs)
             out[f"z{stage}-{dtype}" + ("-1group" if one else "")] = rows
             engine.step()
             del engine, grads, other
@@ -291,15 +292,17 @@ def check_traffic(cases: tuple[tuple[Any, ...], ...], dot_chunk: int | None = 20
     return out
 
 
-def _largest_allocation(call: Callable[[], Any], storages: list[Any]) -> int:
+def _largest_allocation(call: Callable[[], Any], storages: list[Any], partitions: list[torch.Tensor]) -> int:
     """The largest single CPU allocation (bytes) ``torch.profiler`` records during ``call()`` under the same
-    simulated offload: it also sees the memory an operation allocates inside its kernel (a dispatch mode sees only
-    what operations return)."""
+    simulated offload (partitions tagged ``"host"``, so that no simulated move copies them): it also sees the memory
+    an operation allocates inside its kernel (a dispatch mode sees only what operations return)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with simulated_offload(storages, offload=True), profile(activities=[ProfilerActivity.CPU],
-                                                             profile_memory=True) as prof:
-        call()
+    with simulated_offload(storages, offload=True), DispatchProbe(simulate=True, nccl=True,
+                                                                  raise_on_mix=False) as probe:
+        probe.tag(partitions, "host")
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            call()
     return max([e.self_cpu_memory_usage for e in prof.events()] + [0])
 
 

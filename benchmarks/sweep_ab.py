@@ -51,16 +51,16 @@ def main() -> None:
                         if row.get("ratio_to_floor") is not None:
                             ratios[key].setdefault((row["stage"], row["row"]), []).append(row["ratio_to_floor"])
     print(f"÷ floor (bare all_gather beside each repetition), median [min-max] of {args.rounds} interleaved rounds; "
-          f"{args.nproc} ranks, {args.tensors} tensors, {args.dtype}; A: {trees['A']}, B: {trees['B']}")
-    print(f"{'stage':6} {'row':30} {'A':>20} {'B':>20} {'B/A':>6}")
+          f"{args.nproc} ranks, {args.tensors} tensors, {args.dtype}; " + ", ".join(f"{k}: {v}" for k, v in trees.items()))
+    print(f"{'stage':6} {'row':30} " + " ".join(f"{k:>20}" for k in trees) + " "
+          + " ".join(f"{k + '/A':>6}" for k in list(trees)[1:]))
     for stage, row in ratios["A"]:
-        a, b = ratios["A"][(stage, row)], ratios["B"].get((stage, row), [])
-        if not b:
+        got = [ratios[k].get((stage, row), []) for k in trees]
+        if not all(got):
             continue
-        ma, mb = statistics.median(a), statistics.median(b)
-        print(f"ZeRO-{stage:<1} {row:30} {ma:6.2f} [{min(a):.2f}-{max(a):.2f}] {mb:6.2f} [{min(b):.2f}-{max(b):.2f}] "
-              f"{mb / ma:6.2f}")
-
+        meds = [statistics.median(v) for v in got]
+        cells = " ".join(f"{m:6.2f} [{min(v):.2f}-{max(v):.2f}]" for m, v in zip(meds, got))
+        print(f"ZeRO-{stage:<1} {row:30} {cells} " + " ".join(f"{m / meds[0]:6.2f}" for m in meds[1:]))
 
 if __name__ == "__main__":
     main()

@@ -58,6 +58,7 @@ def worker(tree: str, out: str, dtype: str, hidden: int, reps: int, tensors: int
         if tensors:  # the tensor-count sweep's model (zero_dtensor.bench.sweep): tensors // 2 Linear(32, 32)
             from zero_dtensor.bench.sweep import sweep_model
 
+            torch.manual_seed(0)  # the same initial weights in every tree's process (values are compared)
             model = sweep_model(tensors, 32)
         else:
             model = timing_model(hidden, 16, torch.device("cpu"))

@@ -25,10 +25,12 @@ import tempfile
 from typing import Any
 
 
-def worker(tree: str, out: str, dtype: str, hidden: int, reps: int) -> None:
+def worker(tree: str, out: str, dtype: str, hidden: int, reps: int, tensors: int = 0,
+           stages: tuple[int, ...] = (1, 2, 3)) -> None:
     import time
 
-    sys.path[:0] = [tree, os.path.join(tree, "benchmarks"), os.path.join(tree, "tests")]
+    here = os.path.dirname(os.path.abspath(__file__))  # the helpers from this checkout, the library from the tree
+    sys.path[:0] = [tree, here, os.path.join(os.path.dirname(here), "tests")]
     from gpucheck.runtime import init_world_one, setup_runtime
 
     setup_runtime("cpu")
@@ -38,15 +40,28 @@ def worker(tree: str, out: str, dtype: str, hidden: int, reps: int) -> None:
 
     import zero_dtensor as zd
     from gpucheck.timings import timing_model
-    from workers.op_counts import OpCounter
-    from zero_dtensor.core.state import state_of
+
+    try:
+        from workers.op_counts import OpCounter
+    except ImportError:  # a tree whose test helpers this checkout's do not fit: no operation counts
+        OpCounter = None
+    try:
+        from zero_dtensor.core.state import state_of
+    except ImportError:  # a tree before the folders (e.g. 2d3c932)
+        from zero_dtensor.state import state_of
 
     if not zd.__file__.startswith(os.path.abspath(tree)):
         raise RuntimeError(f"zero_dtensor imported from {zd.__file__}, not from {tree}")
     torch.set_num_threads(1)
     results: dict[str, Any] = {}
-    for stage in (1, 2, 3):
-        model = timing_model(hidden, 16, torch.device("cpu"))
+    for stage in stages:
+        if tensors:  # the tensor-count sweep's model (zero_dtensor.bench.sweep): tensors // 2 Linear(32, 32)
+            from zero_dtensor.bench.sweep import sweep_model
+
+            torch.manual_seed(0)  # the same initial weights in every tree's process (values are compared)
+            model = sweep_model(tensors, 32)
+        else:
+            model = timing_model(hidden, 16, torch.device("cpu"))
         zero: dict[str, Any] = {"stage": stage}
         if stage == 3:
             zero["sub_group_size"] = sum(p.numel() for p in model.parameters()) // 2 + 1
@@ -56,7 +71,8 @@ def worker(tree: str, out: str, dtype: str, hidden: int, reps: int) -> None:
         torch.manual_seed(0)
         with contextlib.redirect_stdout(sys.stderr):
             engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
-        x = torch.randn(2, 8, hidden, generator=torch.Generator().manual_seed(0))
+        x = torch.randn(2, 32 if tensors else 8, *(() if tensors else (hidden,)),
+                        generator=torch.Generator().manual_seed(0))
         engine.backward(engine(x.to(next(engine.module.parameters()).dtype)).float().pow(2).mean())
         grads = zd.sharded_grads(engine)
         other = grads.clone()
@@ -69,15 +85,18 @@ def worker(tree: str, out: str, dtype: str, hidden: int, reps: int) -> None:
                  "dots": lambda: grads.dots(other), "dots(with_norms)": lambda: grads.dots(other, with_norms=True)}
         for name, fn in calls.items():
             value = fn()
-            with OpCounter() as counter:
-                fn()
+            ops = -1
+            if OpCounter is not None:
+                with OpCounter() as counter:
+                    fn()
+                ops = sum(counter.ops.values())
             times = []
             for _ in range(reps):
                 t = time.thread_time()
                 fn()
                 times.append(time.thread_time() - t)
             results[f"ZeRO-{stage} ({groups} group{'s' if groups > 1 else ''}) {name}"] = {
-                "ops": sum(counter.ops.values()), "ms": 1e3 * statistics.median(times), "value": _plain(value)}
+                "ops": ops, "ms": 1e3 * statistics.median(times), "value": _plain(value)}
         engine.step()
     torch.save(results, out)
 
@@ -117,10 +136,14 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=96)
     parser.add_argument("--reps", type=int, default=21)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--tensors", type=int, default=0,
+                        help="instead of the timing model: the sweep's model of this many tensors (e.g. 10000)")
+    parser.add_argument("--stages", default="1,2,3")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker[0], args.worker[1], args.dtype, args.hidden, args.reps)
+        worker(args.worker[0], args.worker[1], args.dtype, args.hidden, args.reps, args.tensors,
+               tuple(int(v) for v in args.stages.split(",")))
         return
     if not args.a:
         parser.error("--a (the old source tree) is required")
@@ -134,7 +157,8 @@ def main() -> None:
                 out = os.path.join(tmp, f"{key}{r}.pt")
                 env = dict(os.environ, PYTHONPATH=tree)
                 subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", tree, out, "--dtype",
-                                args.dtype, "--hidden", str(args.hidden), "--reps", str(args.reps)],
+                                args.dtype, "--hidden", str(args.hidden), "--reps", str(args.reps), "--tensors",
+                                str(args.tensors), "--stages", args.stages],
                                check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 runs[key].append(torch.load(out, weights_only=False))
     a, b = runs["A"], runs["B"]

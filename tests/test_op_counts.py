@@ -167,3 +167,44 @@ def test_forced_one_rank_issues_the_collectives_of_two_ranks(ranks, variant: str
               for name in op_counts.ROWS for n in (8, 64)
               if "error" in two[name][n] or one[name][n] != two[name][n]["comm_ops"]]
     assert not differ, f"{variant}: " + "; ".join(differ)
+
+
+# --- issue 55: the CPU recipe serves real users. Under ``offload_optimizer: cpu`` the partitions live in host memory
+# and the reductions run the CPU recipe there (next to a GPU). With the library's own chunk sizes (DOT_CHUNK not
+# lowered, unlike the test above), each reads its data as often as on an accelerator (dots: each operand once) and
+# makes no temporary over 1/16 of the data: neither one an operation returns (the dispatch probe) nor one a kernel
+# allocates inside itself (torch.profiler: a bf16 row reduction accumulating in float32 copied the whole input to
+# float32 on the CPU). The code before this test made dots' products (and bf16's float32 copy) the data's size.
+OFFLOAD_CASES = ((1, "fp16"), (2, "bf16"), (3, "fp32"), (3, "bf16"))
+#: allocations inside kernels: at most 1/8 of the data. The per-row float64 values of the CPU's 64-element rows are
+#: 8 bytes per row, 1/16 of bf16 data, and stats converts them (and checks their finiteness) a column at a time;
+#: a float32 copy of bf16 data is 2x the data, a product of a dots chunk the data's size was 0.5-1x
+HIDDEN_SHARE = 8
+_OFFLOAD: list = []
+
+
+def _offload_traffic(ranks) -> list:
+    from workers import device_ops
+
+    if not _OFFLOAD:
+        _OFFLOAD.append(ranks(2).run(device_ops.check_traffic, OFFLOAD_CASES, None, True))
+    return _OFFLOAD[0]
+
+
+@pytest.mark.parametrize("name", sorted(TRAFFIC_LIMITS))
+def test_offloaded_reductions_read_once_without_large_temporaries(ranks, name: str) -> None:
+    reads, writes = TRAFFIC_LIMITS[name]
+    problems = []
+    for rank, per_case in enumerate(_offload_traffic(ranks)):
+        for case, rows in per_case.items():
+            r = rows[name]
+            data = r["data_bytes"]
+            if r["data_read"] > (reads + 0.05) * data or r["data_written"] > writes * 1.01 * data:
+                problems.append(f"rank {rank} {case}: read {r['data_read'] / data:.2f}x, wrote "
+                                f"{r['data_written'] / data:.2f}x the data (at most {reads}x, {writes}x)")
+            if r["largest"] > data / 16 or r["hidden_largest"] > data / HIDDEN_SHARE:
+                problems.append(f"rank {rank} {case}: a temporary of {r['largest'] / data:.2f}x the data "
+                                f"({r['hidden_largest'] / data:.2f}x counting allocations inside kernels)")
+            if r["refused"]:
+                problems.append(f"rank {rank} {case}: {r['refused'][:2]}")
+    assert not problems, f"{name} (offloaded): " + "; ".join(problems)

@@ -225,18 +225,24 @@ TRAFFIC: dict[str, Call] = {
 WARM_UP = ("norms", "norms(half)", "found_inf")  #: the calls whose first run fills every cache the others use
 
 
-def check_traffic(cases: tuple[tuple[Any, ...], ...], dot_chunk: int = 2048) -> dict[str, dict[str, Any]]:
+def check_traffic(cases: tuple[tuple[Any, ...], ...], dot_chunk: int | None = 2048,
+                  offload: bool = False) -> dict[str, dict[str, Any]]:
     """``{"z{stage}-{dtype}": {call: DispatchProbe.summary()}}`` of each reduction and clip of :data:`TRAFFIC` on a
     :class:`Blocks` engine (two param groups) per ``(stage, dtype)`` (``(stage, dtype, 1)``: one param group, key
     ``"z{stage}-{dtype}-1group"``), measured on its second call (caches filled by the first, also simulated) with
     the gradient partitions (and the clone's, for ``dots``) watched as the data, under simulated devices without
     offload (partitions and results on the simulated accelerator: a read back to the host is a sync).
     ``dot_chunk``: :data:`zero_dtensor.layout.segments.DOT_CHUNK` meanwhile (small, so that a chunk is far smaller than
-    this model's data, as it is than a real model's)."""
+    this model's data, as it is than a real model's; ``None``: the library's own). ``offload``: the partitions on
+    the simulated host instead (``offload_optimizer: cpu``: the reductions run the CPU recipe there), and each call
+    also reports ``hidden_largest``, the largest single allocation ``torch.profiler`` sees during one more call
+    (allocations a kernel makes inside itself, such as a full float32 copy of bf16 data, included)."""
     from zero_dtensor.layout import segments
 
     out: dict[str, dict[str, Any]] = {}
-    chunk, segments.DOT_CHUNK = getattr(segments, "DOT_CHUNK", None), dot_chunk
+    chunk = getattr(segments, "DOT_CHUNK", None)
+    if dot_chunk is not None:
+        segments.DOT_CHUNK = dot_chunk
     try:
         for stage, dtype, *rest in cases:
             config = EngineCase(stage, dtype).config()
@@ -256,29 +262,48 @@ def check_traffic(cases: tuple[tuple[Any, ...], ...], dot_chunk: int = 2048) -> 
             storages = [state_of(grads).storage, state_of(other).storage]
             mine, theirs = list(storages[0].partitions), list(storages[1].partitions)
             rows = {}
-            with simulated_offload(storages, offload=False), DispatchProbe(simulate=True, nccl=True,
-                                                                            raise_on_mix=False) as warm:
+            where = "host" if offload else "dev"
+            with simulated_offload(storages, offload=offload), DispatchProbe(simulate=True, nccl=True,
+                                                                              raise_on_mix=False) as warm:
                 # first calls: the caches (plans' index tensors on the simulated device, selection orders) the
                 # measured calls use filled, as a GPU run's first call fills them (a call building one of its own
                 # shows its host-to-device copy)
-                warm.tag(mine + theirs, "dev")
+                warm.tag(mine + theirs, where)
                 for name in WARM_UP:
                     TRAFFIC[name](grads, other)
             for name, fn in TRAFFIC.items():
-                with simulated_offload(storages, offload=False):
+                with simulated_offload(storages, offload=offload):
                     with DispatchProbe(simulate=True, nccl=True, raise_on_mix=False) as probe:
-                        probe.tag(mine + theirs, "dev").watch(mine + (theirs if name.startswith("dots") else []))
+                        probe.tag(mine + theirs, where).watch(mine + (theirs if name.startswith("dots") else []))
                         fn(grads, other)
                 rows[name] = probe.summary()
+                if offload:
+                    rows[name]["hidden_largest"] = _largest_allocation(lambda: fn(grads, other), storages,
+                                                                       mine + theirs)
             out[f"z{stage}-{dtype}" + ("-1group" if one else "")] = rows
             engine.step()
             del engine, grads, other
     finally:
         if chunk is None:  # (a library without chunked dots)
-            del segments.DOT_CHUNK
+            if hasattr(segments, "DOT_CHUNK"):
+                del segments.DOT_CHUNK
         else:
             segments.DOT_CHUNK = chunk
     return out
+
+
+def _largest_allocation(call: Callable[[], Any], storages: list[Any], partitions: list[torch.Tensor]) -> int:
+    """The largest single CPU allocation (bytes) ``torch.profiler`` records during ``call()`` under the same
+    simulated offload (partitions tagged ``"host"``, so that no simulated move copies them): it also sees the memory
+    an operation allocates inside its kernel (a dispatch mode sees only what operations return)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with simulated_offload(storages, offload=True), DispatchProbe(simulate=True, nccl=True,
+                                                                  raise_on_mix=False) as probe:
+        probe.tag(partitions, "host")
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            call()
+    return max([e.self_cpu_memory_usage for e in prof.events()] + [0])
 
 
 def time_calls(stage: int, dtype: str, width: int, depth: int, reps: int) -> dict[str, list[float]]:

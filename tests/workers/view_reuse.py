@@ -51,6 +51,15 @@ def check_partition_reuse(case: EngineCase) -> dict[str, bool]:
         for name, value in expected.items():
             assert torch.equal(full[name], value), (step, name)
         pointers.append(grads.local_partitions[0].data_ptr())
+        rebound = pieces and engine.optimizer.averaged_gradients.get(0)
+        if step == 3 and in_place and hasattr(rebound, "move_flat_partition"):
+            # GradPartitionBufferGroup's _view_specs (read by its move_flat_partition, after it moved the partition):
+            # what its __init__ computes, relative to the partition as it lay before the move
+            flat = rebound.flat_partition
+            want = [(b.storage_offset() - flat.storage_offset(), b.shape, getattr(b, "_zero_padding", False))
+                    for b in rebound]
+            flat.data = flat.data.clone()  # as a move to another device leaves it (same values)
+            assert rebound._view_specs == want, step
         if step == 1:  # hold a live view into the next step: its memory must not be handed out again meanwhile
             held_name = next(n for n in grads.names if grads[n].local_range[1] > grads[n].local_range[0])
             held = grads[held_name].to_local()

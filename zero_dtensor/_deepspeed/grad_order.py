@@ -161,7 +161,25 @@ def placed(pieces: Sequence[torch.Tensor], key: PieceKey, partition_numel: int) 
     return start, key
 
 
+#: the last answer of :func:`_in_place_start` per (element size, partition size): DeepSpeed lays the pieces out the
+#: same way every step (a new buffer, the same offsets in it), so the key repeats and one comparison of it (C-level)
+#: replaces the pass over the pieces
+_LAST_START: dict[tuple[int, int], tuple[PieceKey, int | None]] = {}
+
+
 def _in_place_start(key: PieceKey, element_size: int, partition_numel: int) -> int | None:
+    """:func:`_find_in_place_start`, remembered for the last key of each (element size, partition size)."""
+    last = _LAST_START.get((element_size, partition_numel))
+    if last is not None and last[0] == key:
+        return last[1]
+    found = _find_in_place_start(key, element_size, partition_numel)
+    if len(_LAST_START) > 64:
+        _LAST_START.clear()
+    _LAST_START[(element_size, partition_numel)] = (key, found)
+    return found
+
+
+def _find_in_place_start(key: PieceKey, element_size: int, partition_numel: int) -> int | None:
     """Where (in elements of the first piece's storage) the partition starts when DeepSpeed's ``pieces`` (of
     :func:`piece_key` ``key``) already lie one after the other in one buffer and fill the partition (ZeRO-1's
     ``grads_in_partition``, in flat order; no zero-padding tensor of its own), else ``None``. A few C-level passes

@@ -15,7 +15,7 @@ Facts used (``deepspeed/runtime/zero/stage_1_and_2.py``, DeepSpeed 0.19.8; 0.18.
 
 from __future__ import annotations
 
-import itertools
+import functools
 import operator
 import weakref
 from collections.abc import Callable, Sequence
@@ -179,9 +179,7 @@ def _in_place(pieces: Sequence[torch.Tensor], key: PieceKey, cache: ViewCache) -
     holds a view of the zeroed memory after the pieces in its place (one view). DeepSpeed's step drops the list;
     it also holds ``cache``, so that a second call of this step finds it, and nothing of zero_dtensor's keeps it
     (:func:`grad_storage` refers to it weakly) or DeepSpeed's buffer (a new one every backward) past the step."""
-    from deepspeed.runtime.zero import stage_1_and_2
-
-    buffer_group = getattr(stage_1_and_2, "GradPartitionBufferGroup", None)
+    buffer_group = _lazy_buffer_group()
     flat = cache.buffer
     rebound = _FlatViews() if buffer_group is None else buffer_group.__new__(buffer_group)
     list.extend(rebound, pieces)
@@ -192,17 +190,37 @@ def _in_place(pieces: Sequence[torch.Tensor], key: PieceKey, cache: ViewCache) -
         padding = flat.narrow(0, flat.numel() - numel, numel)
         padding._zero_padding = True
         rebound[-1] = padding
-    if buffer_group is not None:
-        # what GradPartitionBufferGroup.__init__ computes piece by piece (offset in the partition, shape,
-        # padding), from the key's byte offsets: the pieces lie in one block, the padding (if any) right after them
-        element, first = flat.element_size(), key[1][0]
-        starts = [(offset - first) // element for offset in key[1]]
-        specs = list(zip(starts, map(_SHAPE, pieces), itertools.repeat(False)))
-        if padded:
-            specs.append((flat.numel() - numel, padding.shape, True))
-        rebound._view_specs = specs
     rebound._zero_dtensor_cache = cache
+    rebound._zero_dtensor_start = flat.storage_offset()  # where the partition started when the pieces were taken
     return rebound
+
+
+@functools.cache
+def _lazy_buffer_group() -> type | None:
+    """DeepSpeed's ``GradPartitionBufferGroup`` (``None`` where it lacks it), subclassed so that its
+    ``_view_specs`` (each piece's offset in the partition, shape and padding flag, which only its
+    ``move_flat_partition`` reads: offloading the optimizer's states) is computed on first read, as its
+    ``__init__`` computes it, instead of by a pass over thousands of pieces in every first call of a step."""
+    from deepspeed.runtime.zero import stage_1_and_2
+
+    base = getattr(stage_1_and_2, "GradPartitionBufferGroup", None)
+    if base is None:
+        return None
+
+    def specs(self: Any) -> list:
+        found = self.__dict__.get("_zero_dtensor_specs")
+        if found is None:
+            # relative to the partition as it lay when built (move_flat_partition reads this after moving it)
+            start = self.__dict__.get("_zero_dtensor_start", 0)
+            found = self.__dict__["_zero_dtensor_specs"] = [
+                (b.storage_offset() - start, b.shape, getattr(b, "_zero_padding", False)) for b in self]
+        return found
+
+    def set_specs(self: Any, value: list) -> None:
+        self.__dict__["_zero_dtensor_specs"] = value
+
+    return type(base.__name__, (base,), {"_view_specs": property(specs, set_specs), "__module__": __name__,
+                                         "__qualname__": base.__qualname__})
 
 
 def _for_this_step(rebound: list, replaced: Any) -> list:

@@ -10,6 +10,8 @@ reads one), and no ``torch.distributed`` call is made here.
 - :mod:`.tiling`, :mod:`.rows`, :mod:`.segments` (planned by :mod:`.segment_plan`): how a 1-D buffer is cut into
   pieces, copied by rows, reduced per piece; :mod:`.fused_rows`: the optional fused row pass of ``stats`` and
   ``dots`` (``torch.compile``; off unless :func:`~zero_dtensor.settings.set_fused_reductions` turns it on);
+  :mod:`.cpu_rows`: the row passes' CPU recipe (offloaded partitions: chunks through one scratch, no full-size
+  float32 copy or product);
 - :mod:`.views`: views kept across steps; :mod:`.devices`: storage and communication devices, the one seam for
   device moves.
 """

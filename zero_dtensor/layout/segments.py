@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import fused_rows
+from . import cpu_rows, fused_rows
 from .segment_plan import (BLOCK, COUNT_ROWS, COUNT_SHARE, DEVICE_BLOCK, JointPlan, SegmentPlan, acc_dtype, block_for,
                            count_budget, joint_plan, offsets_of, param_index, segment_plan, sizes_plan)
 
@@ -138,6 +138,20 @@ def _row_sums(rows: torch.Tensor) -> torch.Tensor:
     return rows.sum(1, dtype=acc_dtype(rows.dtype))
 
 
+def _row_passes(rows: Sequence[torch.Tensor], kinds: Sequence[str | float]) -> list[list[torch.Tensor]]:
+    """Per kind (``"norm"``, ``"sum"``, ``"max"``, or ``p`` for ``sum |x|^p``) the per-row values of every
+    buffer's rows, to concatenate. Accelerators: one row-wise reduction per buffer and kind (:func:`_row_norms`,
+    :func:`_row_sums`, :func:`_row_max_abs`, ``linalg._powsum``); the CPU: :func:`.cpu_rows.row_values` (chunks
+    through one scratch: no float32 copy of bf16/fp16 data, no ``vector_norm(ord=inf)``), the same values."""
+    if rows and rows[0].device.type == "cpu":
+        return cpu_rows.row_values(rows, kinds)
+    return [[_ROW_PASS[kind](r) if isinstance(kind, str) else
+             torch.linalg._powsum(r, kind, dim=1, dtype=acc_dtype(r.dtype)) for r in rows] for kind in kinds]
+
+
+_ROW_PASS = {"norm": _row_norms, "sum": _row_sums, "max": _row_max_abs}
+
+
 # --- the reductions ------------------------------------------------------------------------------------------------
 def joint_pow_sums(bufs: Sequence[torch.Tensor], segs: Sequence[SegmentPlan], p: float = 2.0,
                    device: torch.device | None = None) -> torch.Tensor:
@@ -151,9 +165,10 @@ def joint_pow_sums(bufs: Sequence[torch.Tensor], segs: Sequence[SegmentPlan], p:
     j = _prepare(bufs, segs, device)
     rows = _row_views(bufs, segs)
     if p == 2.0:  # row norms and raw bits squared together
-        values = torch.cat([*map(_row_norms, rows), *_bit_parts(bufs, segs, j)]).to(torch.float64).square_()
+        (norms,) = _row_passes(rows, ("norm",))
+        values = torch.cat([*norms, *_bit_parts(bufs, segs, j)]).to(torch.float64).square_()
         return _joined(values, j, "sum")
-    acc = [torch.linalg._powsum(r, p, dim=1, dtype=acc_dtype(r.dtype)) for r in rows]
+    (acc,) = _row_passes(rows, (p,))
     bits = torch.cat(_bit_parts(bufs, segs, j)).to(torch.float64).abs_().pow_(p)
     values = torch.cat([_cat(acc).to(torch.float64), bits]) if acc else bits
     return _joined(values, j, "sum")
@@ -164,7 +179,8 @@ def joint_max_abs(bufs: Sequence[torch.Tensor], segs: Sequence[SegmentPlan],
     """(pieces of all plans,) float64: ``max |x|`` of each piece, 0 for an empty one, ``nan`` where the piece holds
     a nan. Rows by one ``vector_norm(ord=inf)`` per buffer (one read, no full-size temporary)."""
     j = _prepare(bufs, segs, device)
-    values = torch.cat([*map(_row_max_abs, _row_views(bufs, segs)), *_bit_parts(bufs, segs, j)])
+    (maxima,) = _row_passes(_row_views(bufs, segs), ("max",))
+    values = torch.cat([*maxima, *_bit_parts(bufs, segs, j)])
     return _joined(values.to(torch.float64).abs_(), j, "max")
 
 
@@ -173,7 +189,8 @@ def joint_sums(bufs: Sequence[torch.Tensor], segs: Sequence[SegmentPlan],
     """(pieces of all plans,) float64: ``sum x`` of each piece (0 for an empty one); buffers may be bool (counts).
     Rows summed in float32 (float64 for float64 buffers), everything above them in float64."""
     j = _prepare(bufs, segs, device)
-    values = torch.cat([*map(_row_sums, _row_views(bufs, segs)), *_bit_parts(bufs, segs, j)])
+    (sums,) = _row_passes(_row_views(bufs, segs), ("sum",))
+    values = torch.cat([*sums, *_bit_parts(bufs, segs, j)])
     return _joined(values.to(torch.float64), j, "sum")
 
 
@@ -212,10 +229,11 @@ def joint_stats(bufs: Sequence[torch.Tensor], segs: Sequence[SegmentPlan], devic
     bits = _bit_parts(bufs, segs, j)
     if fused_rows.applies(rows):  # one read of the rows, exact counts (settings.set_fused_reductions)
         return _fused_stats(rows, bits, j, counts=counts, order=order)
-    squares = torch.cat([*map(_row_norms, rows), *bits]).to(torch.float64).square_()
+    norms, sums, maxima = _row_passes(rows, ("norm", "sum", "max"))
+    squares = torch.cat([*norms, *bits]).to(torch.float64).square_()
     columns = [_joined(squares, j, "sum"),
-               _joined(torch.cat([*map(_row_sums, rows), *bits]).to(torch.float64), j, "sum"),
-               _joined(torch.cat([*map(_row_max_abs, rows), *bits]).to(torch.float64).abs_(), j, "max")]
+               _joined(torch.cat([*sums, *bits]).to(torch.float64), j, "sum"),
+               _joined(torch.cat([*maxima, *bits]).to(torch.float64).abs_(), j, "max")]
     columns = [c.unsqueeze(1) for c in columns]
     if counts:
         raw = torch.cat(bits)
@@ -302,17 +320,35 @@ def _dot_rows(x: torch.Tensor, y: torch.Tensor, *, in_kernel_cast: bool | None =
 
 
 def joint_dots(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], segs: Sequence[SegmentPlan],
-               device: torch.device | None = None) -> torch.Tensor:
+               device: torch.device | None = None, *, with_norms: bool = False) -> torch.Tensor:
     """(pieces of all plans,) float64: ``sum a·b`` of each piece (``a[i]`` and ``b[i]`` on one device, cut by
     ``segs[i]``). Rows chunk by chunk (:func:`_dot_rows`; chunks of ``max(DOT_CHUNK elements, all buffers' rows /
     DOT_PARTS)`` rows, each buffer's last one shorter: at most :data:`DOT_PARTS` plus one per buffer in all):
     accumulation in float32 (float64 if either is float64) of exact products for lower-precision data, no
-    temporary over 1/DOT_PARTS of the rows' float32 size, a number of operations bounded whatever the size."""
+    temporary over 1/DOT_PARTS of the rows' float32 size, a number of operations bounded whatever the size.
+
+    On the CPU the rows go through :func:`.cpu_rows.dot_rows` instead (chunks bounded by the data: each operand read
+    once, no temporary over 1/16 of both). ``with_norms``: (pieces, 3), the dot products then each operand's sums of
+    squares (:func:`joint_pow_sums`; on the CPU from the same chunks: bf16/fp16 operands read once for all three)."""
+    if with_norms and not (a and a[0].device.type == "cpu"):
+        return torch.stack([joint_dots(a, b, segs, device), joint_pow_sums(a, segs, 2.0, device),
+                            joint_pow_sums(b, segs, 2.0, device)], dim=1)
     j = _prepare(a, segs, device)
     _prepare(b, segs, device)
     rows_a, rows_b = _row_views(a, segs), _row_views(b, segs)
     if fused_rows.applies(rows_a + rows_b):  # each operand read once (settings.set_fused_reductions)
-        return _fused_dots(rows_a, rows_b, _bit_parts(a, segs, j), _bit_parts(b, segs, j), j)
+        dots = _fused_dots(rows_a, rows_b, _bit_parts(a, segs, j), _bit_parts(b, segs, j), j)
+        return dots if not with_norms else torch.stack(
+            [dots, joint_pow_sums(a, segs, 2.0, device), joint_pow_sums(b, segs, 2.0, device)], dim=1)
+    if a[0].device.type == "cpu":  # chunks bounded by the data, through one scratch
+        found = cpu_rows.dot_rows(rows_a, rows_b, with_norms) if rows_a else [[], [], []]
+        bits_a, bits_b = (torch.cat(_bit_parts(x, segs, j)).to(torch.float64) for x in (a, b))
+        columns = [torch.cat([*found[0], bits_a * bits_b]).to(torch.float64)]
+        if with_norms:
+            columns += [torch.cat([*found[1], bits_a]).to(torch.float64).square_(),
+                        torch.cat([*found[2], bits_b]).to(torch.float64).square_()]
+        joined = [_joined(c, j, "sum") for c in columns]
+        return joined[0] if not with_norms else torch.stack(joined, dim=1)
     step = max(1, DOT_CHUNK // segs[0].block, j.rows // DOT_PARTS)
     sums = [_dot_rows(x, y) for ra, rb in zip(rows_a, rows_b) for x, y in zip(ra.split(step), rb.split(step))]
     bits = torch.cat(_bit_parts(a, segs, j)).to(torch.float64)

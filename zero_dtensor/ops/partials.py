@@ -133,13 +133,13 @@ def reduce_across(state: FlatState, sel: Selection, local: torch.Tensor, op: Any
 
 
 def reduce_rows_across(state: FlatState, sel: Selection, local: torch.Tensor,
-                 reduce: Callable[[torch.Tensor, list[int], Any], None]) -> torch.Tensor:
+                 reduce: Callable[[torch.Tensor, Sequence[int], Any], None]) -> torch.Tensor:
     """``reduce(local, rows, process group)`` over each distinct process group of the multi-rank sharded groups,
     ``rows`` those of its selected parameters. Returns ``local``, moved to the communication device."""
     local = to_comm(local, state.storage.devices)  # where the process group communicates (and results live)
     for pg, members in communicating_by_process_group(state):
         if len(members) == len(state.layout.groups):  # every row takes part (the usual case): no row lookup
-            rows = list(range(len(sel.params)))
+            rows = range(len(sel.params))  # (only its length is read then: no list of 10,000 ints per call)
         else:
             rows = [i for i, p in enumerate(sel.params) if p.group in members]
         if rows:

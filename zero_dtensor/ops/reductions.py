@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from ..comm.collectives import all_reduce_rows, sum_max_rows
 from ..comm.agreement import distinct_groups
+from ..layout import cpu_rows
 from ..layout.devices import to_comm, to_host, to_storage
 from ..core.param_values import ParamStatsMap, ParamValues
 from ..layout.segments import block_for, joint_dots, joint_max_abs, joint_pow_sums, joint_stats, joint_sums
@@ -196,7 +197,10 @@ def _run_norms(runs: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
 
 
 def _run_max(runs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per run ``max |x|``, a (runs,) float64 (0 for an empty run)."""
+    """Per run ``max |x|``, a (runs,) float64 (0 for an empty run). On the CPU chunk by chunk
+    (:func:`~zero_dtensor.layout.cpu_rows.max_abs`: its ``vector_norm(ord=inf)`` is unvectorized there)."""
+    if runs and runs[0].device.type == "cpu":
+        return torch.stack([cpu_rows.max_abs(run) for run in runs]).to(torch.float64)
     return torch.stack([torch.linalg.vector_norm(run, math.inf) if run.numel()
                         else torch.zeros((), dtype=run.dtype, device=run.device) for run in runs]).to(torch.float64)
 
@@ -263,11 +267,8 @@ def dots(state: FlatState, other: FlatState, sel: Selection, with_norms: bool) -
 
     def values(parts: Parts) -> torch.Tensor:
         a, b = parts.bufs
-        columns = [joint_dots(a, b, parts.segs, parts.device)]
-        if with_norms:
-            columns += [joint_pow_sums(a, parts.segs, 2.0, parts.device),
-                        joint_pow_sums(b, parts.segs, 2.0, parts.device)]
-        return columns[0].unsqueeze(1) if len(columns) == 1 else torch.stack(columns, dim=1)
+        found = joint_dots(a, b, parts.segs, parts.device, with_norms=with_norms)
+        return found if with_norms else found.unsqueeze(1)
 
     width = 3 if with_norms else 1
     local = per_param(state, parts_of((state, other), sel), values, torch.float32, (width,))

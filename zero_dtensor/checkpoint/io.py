@@ -14,6 +14,8 @@ DCP key                             value
 ``zero_dtensor.lr_scheduler``       ``engine.lr_scheduler.state_dict()`` (``None`` without a scheduler)
 ``zero_dtensor.loss_scaler``        the fp16 loss scaler's numbers (``cur_scale``, ``cur_iter``, ...) or ``None``
 ``zero_dtensor.client_state``       the ``client_state`` given to :func:`save` (as rank 0 had it)
+``zero_dtensor.save_id.<r>``        in rank ``r``'s file: the checkpoint's ``save_id`` (:mod:`.binding`), which
+                                    :func:`load` checks in every file it reads
 ==================================  ================================================================================
 
 The ``model.*`` and ``optim.*`` keys are those of FSDP2 + a torch optimizer saved with
@@ -50,6 +52,7 @@ from ..errors import (
 )
 from ..families.master import clear_write_mark
 from ..comm.process_groups import cpu_group_for, group_ranks, rank_in, world_size_of
+from .binding import FileBindings, bind
 from .boxes import storage_exact_entry
 from .metadata import METADATA, check_metadata, collector_paused, identity, read_metadata
 from .planners import CachingLoadPlanner, CachingSavePlanner, PlansNotCachedError, forget_plans, plan_key
@@ -158,6 +161,7 @@ def save(engine: Any, path: str | os.PathLike, *, async_: bool = False, client_s
                              for k, d in (("model", model), ("optim", optim))}
     if first:  # the engine's counters, scheduler, scaler and the client state: as rank 0 has them
         state["zero_dtensor"] = _engine_extras(engine, client_state)
+    bind(state, rank)  # this rank's file holds the checkpoint's save_id (:mod:`.binding`)
     if first and os.path.exists(os.path.join(path, METADATA)):
         os.remove(os.path.join(path, METADATA))
     if async_:
@@ -217,11 +221,12 @@ def _read(staged: dict[str, Any], path: str, metadata: Metadata, in_engine: set[
                   if index.offset is None and index.fqn.startswith("optim.param_groups.")}
         bulk = {k: info for k in optim if (info := stored.get(k)) is not None and not info.transform_descriptors}
         planner = CachingLoadPlanner(allow_partial_load=False)
-        for key, data in read_bytes_entries(path, bulk).items():
+        bindings = FileBindings.of(metadata)  # each file read must hold this checkpoint's save_id
+        for key, data in read_bytes_entries(path, bulk, bindings).items():
             optim[key] = planner.objects.load(data)
         rest = {**staged, "optim": {k: v for k, v in optim.items() if k not in bulk}}
         reader = _CheckedReader(path, metadata, defer=lambda t: t.untyped_storage().data_ptr() in in_engine,
-                                between=between)
+                                between=between, bindings=bindings)
         with warnings.catch_warnings():  # no_dist warns that it assumes a single process: here it is each rank's
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(rest, storage_reader=reader, no_dist=True, planner=planner)

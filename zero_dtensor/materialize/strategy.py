@@ -117,6 +117,8 @@ WINDOW_BYTES = 64 * 2**20
 #: a windowed transfer of ``S`` bytes travels in windows of ``max(WINDOW_BYTES, S / WINDOW_SHARE)``: about this many
 #: collectives (at most ``2·WINDOW_SHARE`` per flat group, where parameters cut the windows short), not ``S / 64 MiB``
 WINDOW_SHARE = 8
+#: windows of a synchronous windowed gather in flight at once (each of at most 1/this of the staging buffer)
+WINDOWS_IN_FLIGHT = 2
 #: Below this size ``auto`` does not calibrate and uses all_gather (fewer bytes): small transfers are latency-bound.
 CALIBRATION_MIN_BYTES = 2**20
 

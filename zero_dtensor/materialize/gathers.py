@@ -21,7 +21,7 @@ from ..core.state import FlatState
 from ..layout.views import ViewCache
 from .buffers import BUFFERS
 from . import strategy as _strategy
-from .transfers import Transfer, pipeline_pieces, view_cache, window_pieces
+from .transfers import Transfer, pipeline_pieces, view_cache, window_cut
 
 __all__ = ["copy_whole", "fill_for_reduce", "gather_by_peers", "pipelined_gather", "send_only", "windowed_gather"]
 
@@ -78,11 +78,15 @@ def _gather_rows(strategy: str) -> Callable[..., list[Any]]:
     """How one window's ``(N, width)`` rows are gathered rank after rank by ``strategy`` (all_gather by
     ``all_gather_into_tensor``, all_to_all and send_recv as their whole-transfer forms gather one flat group)."""
     if strategy == "all_to_all":
-        return all_gather_by_all_to_all
+        def by_all_to_all(out: torch.Tensor, inp: torch.Tensor, pg: Any, *, async_op: bool = False,
+                          pollable: bool = False) -> list[Any]:
+            return all_gather_by_all_to_all(out, inp, pg, async_op=async_op)
+        return by_all_to_all
     if strategy == "send_recv":
         return all_gather_by_send_recv
 
-    def by_all_gather(out: torch.Tensor, inp: torch.Tensor, pg: Any, *, async_op: bool = False) -> list[Any]:
+    def by_all_gather(out: torch.Tensor, inp: torch.Tensor, pg: Any, *, async_op: bool = False,
+                      pollable: bool = False) -> list[Any]:
         work = all_gather_single(out, inp, pg, async_op=async_op)
         return [work] if work is not None else []
     return by_all_gather
@@ -113,8 +117,8 @@ class WindowedGather:
         self.state, self.t, self.regions, self.result = state, t, regions, result
         self.steps: list[Step] | None = steps
         limit = _strategy.window_bytes(t.nbytes)
-        self.windows = [(g, part, piece) for g, part in zip(t.groups, t.partitions)
-                        for piece in window_pieces(state, g, limit // _strategy.WINDOWS_IN_FLIGHT)]
+        cut, self.in_flight_max = window_cut(state, t.groups, limit)
+        self.windows = [(g, part, piece) for g, part, pieces in zip(t.groups, t.partitions, cut) for piece in pieces]
         self.sizes = [state.group(g).world_size * piece.width for g, _, piece in self.windows]
         esize = t.partitions[0].element_size()
         self.capacity = max(limit // esize, max(self.sizes))
@@ -154,7 +158,7 @@ class WindowedGather:
         size = self.sizes[k]
         if not self.in_flight:
             return 0
-        if len(self.in_flight) > 1:
+        if len(self.in_flight) >= self.in_flight_max:
             return None
         j, at = self.in_flight[0]
         if at >= size:
@@ -182,7 +186,7 @@ class WindowedGather:
         assert self.staging is not None and self.steps is not None
         rows = self.staging.narrow(0, 0, self.sizes[k]) if k == 0 else self._target(k)
         _, inp = self._rows_input(k)
-        works = self.gather(rows, inp, self.t.pg, async_op=True)
+        works = self.gather(rows, inp, self.t.pg, async_op=True, pollable=True)
         self.issued += 1
         staging = self.staging
 
@@ -240,7 +244,7 @@ def gather_by_peers(state: FlatState, t: Transfer, regions: Regions, result: Mut
     Elsewhere the group is gathered rank after rank and reordered as an all_gather is. The regions of the first
     kind then hold their areas."""
     if by_send_recv:
-        return _gather_by_send_recv(state, t, regions, result)
+        return _gather_by_send_recv(state, t, regions, result, async_op)
     works: list[Any] = []
     local: list[Callable[[], Any]] = []  # this rank's own partitions into place, once the peers' are under way
     after: list[tuple[Any, torch.Tensor, torch.Tensor]] = []  # (peer row copy, received, area)
@@ -270,7 +274,7 @@ def gather_by_peers(state: FlatState, t: Transfer, regions: Regions, result: Mut
 
 
 def _gather_by_send_recv(state: FlatState, t: Transfer, regions: Regions,
-                         result: MutableMapping[str, torch.Tensor]) -> list[Step]:
+                         result: MutableMapping[str, torch.Tensor], async_op: bool = False) -> list[Step]:
     """The whole transfer by **one** batch of point-to-point ops (:func:`~zero_dtensor.comm.point_to_point.send_recv`:
     ``2(N-1)`` per flat group): each partition sent as it is, every peer's received straight into its row of the
     group's region, no copy of ``S``, no scratch; issued asynchronously even for a synchronous call (the steps
@@ -297,7 +301,7 @@ def _gather_by_send_recv(state: FlatState, t: Transfer, regions: Regions,
                      assembly_of(group).rank_to_param_order(part, me, group, plan, area, cache))
         placing.append((g, region, area, cache))
         regions[g] = (area, None)
-    works = send_recv(sends, recvs, t.pg, async_op=True)
+    works = send_recv(sends, recvs, t.pg, async_op=True, pollable=async_op)  # polled by the caller's handle
     for copy in local:
         copy()
     peers = [r for r in range(world_size_of(t.pg)) if r != me]

@@ -89,7 +89,11 @@ def _calls(engine: Any, timed: Callable[[Callable[[], Any]], float]) -> dict[str
         calls["exp_avg full_tensors"] = lambda: exp_avg.full_tensors()
     with contextlib.suppress(Exception):
         from zero_dtensor.bench.floors import bare_gathers, cheapest
-        from zero_dtensor.core.state import state_of
+
+        try:
+            from zero_dtensor.core.state import state_of
+        except ImportError:  # trees before the folders by role (issue 43)
+            from zero_dtensor.state import state_of  # type: ignore[no-redef]
 
         sharded = [g for g in grads.layout.groups if g.placement.is_sharded]
         if sharded and dist.get_world_size() > 1:

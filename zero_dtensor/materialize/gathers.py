@@ -97,8 +97,9 @@ class WindowedGather:
 
     The staging buffer holds :func:`~.strategy.window_bytes` (``C``: ``max(WINDOW_BYTES, S/WINDOW_SHARE)``, or the
     widest parameter's ``(N, chunk)`` block where one is wider) and is kept between calls
-    (:meth:`~.buffers.BufferPool.scratch`: a fresh one would cost a page fault per 4 KiB on the CPU, every call).
-    The windows (:func:`~.transfers.window_pieces`) hold at most ``C/2`` each, so that two fit in it at once.
+    (:meth:`~.buffers.BufferPool.lend`: a fresh one would cost a page fault per 4 KiB on the CPU, every call).
+    The windows (:func:`~.transfers.window_cut`) hold at most ``C/2`` each, so that two fit in it at once, where
+    that keeps the collective count within its bound; else ``C`` each, one at a time.
 
     Synchronous (``async_op=False``): two windows in flight, one at each end of the staging buffer; once one has
     arrived it is reordered by one row copy into its part of the group's parameter-order result while the other

@@ -179,7 +179,8 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
                 allocates ``S``. ``all_reduce``: one sum ``reduce`` per transfer of a zero-padded ``S`` buffer that
                 every rank allocates.
             async_op: return a :class:`~zero_dtensor.materialize.PendingFullTensors` whose ``wait()`` gives the
-                dict; do not change the values (e.g. ``engine.step()``) before ``wait()``.
+                dict; every collective is issued by the call, so its ``is_completed()`` turns true without
+                ``wait()``; do not change the values (e.g. ``engine.step()``) before ``wait()``.
             strategy: ``"all_gather"``, ``"all_to_all"``, ``"send_recv"``, ``"all_reduce"`` or ``"auto"`` (see
                 :mod:`zero_dtensor.materialize.strategy`).
 
@@ -194,8 +195,11 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         bytes; each part is reordered into parameter order once it has arrived, the first while the second travels
         where the group runs collectives in issue order, as NCCL does; gloo moves both at once,
         :func:`~zero_dtensor.materialize.strategy.pipelines`; ZeRO-3 transfers of more than ``WINDOW_BYTES``, 64 MiB,
-        with every gather strategy: one collective per column window of at most ``max(64 MiB, S/8)`` (about 8 for
-        a large transfer), one at a time, each reordered into the result as it arrives,
+        with every gather strategy: one collective per column window through a staging buffer of
+        ``max(64 MiB, S/8)`` (two windows of half of it in flight, about 16 collectives for a large transfer, where
+        that keeps within ``2·S/window`` plus one per flat group; else one window of all of it at a time), each
+        reordered into the result as it arrives while the next travels; with ``async_op`` every window is issued
+        at the call,
         :func:`~zero_dtensor.materialize.strategy.windowed`; a process group of one rank: no collective, each
         partition copied, ZeRO-3 reordered, straight into the result).
         ``all_to_all``: the same gather by one
@@ -218,7 +222,9 @@ class ShardedTensors(TensorMath, TensorOwners, Mapping[str, ParamView]):
         ``engine.step()`` does not change them. Entries are views of one parameter-order buffer per flat group
         (ZeRO-1/2: the gathered buffer itself; ZeRO-3: one reordering copy after an all_gather, all_to_all or
         send_recv, from a staging area of the result's size kept with it up to 64 MiB, beyond that from one
-        window buffer of at most ``max(64 MiB, S/8)`` freed on return; one rank: the partition copied straight
+        window buffer of at most ``max(64 MiB, S/8)`` kept between calls, ``release_workspace()`` frees it; with
+        ``async_op`` the later windows travel in the result itself and ``wait()`` stages each once more to reorder
+        it; one rank: the partition copied straight
         into the result, no staging; on the communication device;
         replicated: one local copy). Without ``out=`` the buffers are recycled from the previous call once none of that call's
         tensors (nor its dict) is alive, so a loop that drops each step's result allocates only once; a live result

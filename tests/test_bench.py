@@ -178,3 +178,32 @@ def test_families_rows_run_and_count(background_run: Callable[[], background.Don
     for name in ("masters full_tensors", "exp_avg full_tensors", "ema.lerp_(masters)", "masters to_dtensors",
                  "masters owned"):
         assert rows[name]["relative_to_reference"]["ratio"] > 0, name
+
+
+def _ab(params: dict[str, Any], tmp_path: Path) -> background.Run:
+    root = str(Path(__file__).resolve().parents[1])
+    return background.Run(
+        [sys.executable, os.path.join(root, "benchmarks", "ab.py"), "--a", root, "--b", root, "--world", "2",
+         "--rounds", "1", "--reps", "1", "--stages", "3", "--hidden", "16", "--layers", "1", "--tensors", "0",
+         "--rows", "z3 full_tensors,z3 norms", "--json", str(tmp_path / "ab.json")],
+        timeout=600, env=_env(),
+    )
+
+
+@background.job(_ab)
+def test_ab_compares_a_tree_with_itself(background_run: Callable[[], background.Done]) -> None:
+    """Issue 55: ``benchmarks/ab.py`` runs two trees' pools interleaved (here this tree twice, tiny model, 2 ranks,
+    1 round) and prints each row's ratio B/A; its JSON holds every round's times of both trees."""
+    done = background_run()
+    proc = done.proc
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "B/A" in proc.stdout and "z3 full_tensors out=" in proc.stdout and "z3 norms" in proc.stdout
+    data = json.loads((done.workdir / "ab.json").read_text())
+    rows = {e["row"]: e for e in data["summary"]}
+    assert set(rows) == {"z3 full_tensors", "z3 full_tensors out=", "z3 norms"}, set(rows)
+    for e in rows.values():
+        assert e["world"] == 2 and e["a_ms"] > 0 and e["b_ms"] > 0, e
+        assert e["ratio"] == e["ratio_min"] == e["ratio_max"] == pytest.approx(e["b_ms"] / e["a_ms"]), e
+    (result,) = data["results"]
+    assert result["zero_dtensor"]["A"] == result["zero_dtensor"]["B"]  # both pools imported the tree given
+    assert result["zero_dtensor"]["A"].startswith(str(Path(__file__).resolve().parents[1]))

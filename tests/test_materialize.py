@@ -115,6 +115,18 @@ def test_zero3_gathers_in_bounded_windows(ranks, case: EngineCase) -> None:
     assert all(r[family]["all_gather"]["collectives"] > 1 for r in reports for family in ("grads", "masters"))
 
 
+@pytest.mark.parametrize("case", [EngineCase(2, "fp32", model="deep"), EngineCase(3, "fp32", model="deep")],
+                         ids=lambda c: c.id)
+def test_async_gather_completes_when_polled(ranks, case: EngineCase) -> None:
+    """Issue 51 item 4: polling ``is_completed()`` of ``full_tensors(async_op=True)`` terminates without ``wait()``,
+    over the window threshold (forced small) too, for every gather strategy, gradients and fp32 masters, with
+    DeepSpeed's values; ``wait()`` then communicates nothing. (Before: only ``wait()`` issued the later windows, and
+    the poll loop spun until its deadline.)"""
+    reports = ranks(case.world).run(materialize.check_async_polled, case)
+    if case.stage == 3:  # the windowed path ran: several windows per call
+        assert all(r[k]["windows"] > 1 for r in reports for k in r), reports
+
+
 def test_set_full_writes_each_byte_once(ranks) -> None:
     """Issue 42 item 2 / issue 44: set_full_ of gradients and fp32 masters on ZeRO-1/2/3 writes each byte of the
     partitions at most once; the per-parameter path writes nothing else and allocates nothing (DispatchProbe).

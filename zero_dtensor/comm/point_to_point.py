@@ -10,7 +10,9 @@ of the group, in the same order, each pair of ranks posting matching exchanges; 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,13 +58,55 @@ def counting_p2p() -> Iterator[P2PCounts]:
 Exchange = tuple[torch.Tensor, int]
 
 
+class _Polled:
+    """A point-to-point work whose :meth:`is_completed` turns true once it is done, without :meth:`wait`: gloo's
+    send and receive works answer False until they are waited for (torch's ``SendWork`` / ``RecvWork`` do not
+    override ``isCompleted``), so a poll-then-wait loop over them would spin forever. A thread waits for the
+    batch's works in order (:func:`_polled`); this one's :meth:`wait` waits for that thread to get past it."""
+
+    __slots__ = ("_work", "_done", "_errors", "_index")
+
+    def __init__(self, work: dist.Work, done: threading.Event, errors: list[BaseException | None], index: int):
+        self._work, self._done, self._errors, self._index = work, done, errors, index
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, *args: Any) -> bool:
+        self._done.wait()
+        error = self._errors[self._index]
+        if error is not None:
+            raise error
+        return True
+
+
+def _polled(works: list[dist.Work]) -> list[Any]:
+    """``works`` as :class:`_Polled` works, waited for in order by one daemon thread (it issues nothing: waiting
+    releases the GIL, and no collective order between ranks depends on it)."""
+    events = [threading.Event() for _ in works]
+    errors: list[BaseException | None] = [None] * len(works)
+
+    def run() -> None:
+        for i, work in enumerate(works):
+            try:
+                work.wait()
+            except BaseException as e:  # noqa: BLE001 - raised by the waiting caller instead
+                errors[i] = e
+            events[i].set()
+
+    threading.Thread(target=run, name="zero_dtensor p2p waiter", daemon=True).start()
+    return [_Polled(w, ev, errors, i) for i, (w, ev) in enumerate(zip(works, events))]
+
+
 def send_recv(sends: Sequence[Exchange], recvs: Sequence[Exchange], group: dist.ProcessGroup, *,
-              async_op: bool = False) -> list[dist.Work]:
+              async_op: bool = False, pollable: bool = False) -> list[dist.Work]:
     """**One** batch of point-to-point ops over ``group`` (``dist.batch_isend_irecv``: coalesced on NCCL, posted
     one by one on gloo): every ``(tensor, peer)`` of ``recvs`` received, every one of ``sends`` sent. Every rank
     of the group must post the matching batch (the same order of ops per pair of ranks). Bytes: what is listed.
     Returns the pending works when async (one per op where the backend gives one, gloo: the receives first, in
-    the order listed; else fewer); else waits for them. Raises ``RuntimeError`` before posting anything where the
+    the order listed; else fewer); else waits for them. ``pollable`` (with ``async_op``): the works answer
+    ``is_completed()`` once done without ``wait()`` where the backend's do not (gloo: one thread per batch waits for
+    them, :class:`_Polled`). Raises ``RuntimeError`` before posting anything where the
     backend has no point-to-point ops for a tensor's device (:func:`~zero_dtensor.comm.process_groups.comm_support`)."""
     for device in {t.device for t, _ in (*sends, *recvs)}:
         if not comm_support_of(group, device).point_to_point:
@@ -78,7 +122,7 @@ def send_recv(sends: Sequence[Exchange], recvs: Sequence[Exchange], group: dist.
         counts.ops += len(ops)
     works = [w for w in dist.batch_isend_irecv(ops) if w is not None]
     if async_op:
-        return works
+        return _polled(works) if pollable and works and backend_of(group) == "gloo" else works
     for work in works:
         work.wait()
     return []
@@ -101,20 +145,20 @@ def gather_exchanges(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGr
 
 
 def all_gather_by_send_recv(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *,
-                            async_op: bool = False) -> list[dist.Work]:
+                            async_op: bool = False, pollable: bool = False) -> list[dist.Work]:
     """What ``all_gather_single(out, inp)`` leaves in ``out`` (rank after rank), by **one** batch of ``2(N-1)``
     point-to-point ops (:func:`send_recv`): every other rank's partition received in place, ``inp`` copied locally
     into this rank's row (unless ``inp`` already is that row); ``(N-1)·S`` bytes sent and received per rank, no
     scratch memory. Measured on gloo
     (torchrun, 2/3/4 ranks sharing 2 cores, 80 MB gathered): 0.32/0.38/0.41 of an ``all_gather_into_tensor``'s
     time, 0.38/0.42/0.46 of an ``all_to_all_single`` of the repeated partition's. Returns the pending works when
-    async."""
+    async (``pollable``: see :func:`send_recv`)."""
     sends, recvs = gather_exchanges(out, inp, group)
     n = inp.numel()
     own = out.narrow(0, dist.get_rank(group) * n, n)
     if own.data_ptr() != inp.data_ptr():
         own.copy_(inp)
-    return send_recv(sends, recvs, group, async_op=async_op)
+    return send_recv(sends, recvs, group, async_op=async_op, pollable=pollable)
 
 
 def peer_partitions_by_send_recv(peers: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *,

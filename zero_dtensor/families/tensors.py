@@ -197,7 +197,8 @@ class ShardedTensors(TensorMath, TensorReductions, TensorOwners, Mapping[str, Pa
             dtype: result dtype (default: the stored dtype; float32 under fp16). The collective uses the stored dtype.
             out: a dict to fill in place, e.g. the previous result: no allocation on later steps.
             dst: a global rank: only it receives the tensors (one ``gather`` per flat group); the others get ``{}``.
-            async_op: return a handle whose ``wait()`` gives the dict; change nothing before ``wait()``.
+            async_op: return a handle whose ``wait()`` gives the dict; every collective is issued by the call, so
+                its ``is_completed()`` turns true without ``wait()``. Change nothing before ``wait()``.
             strategy: ``"auto"``, ``"all_gather"``, ``"all_to_all"``, ``"send_recv"`` or ``"all_reduce"``.
 
         Returns:

@@ -60,6 +60,7 @@ class BufferPool:
         self.workspace: dict[tuple[Any, ...], torch.Tensor] = {}
         self._scratch: dict[tuple[Any, ...], ViewCache] = {}
         self._transient: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._lent: set[tuple[Any, ...]] = set()
 
     def alloc(self, numel: int, dtype: torch.dtype, device: torch.device, *, zero: bool = False) -> torch.Tensor:
         nbytes = int(numel) * torch.empty((), dtype=dtype).element_size()
@@ -149,6 +150,21 @@ class BufferPool:
                 self._transient[key] = kept
         return kept.narrow(0, 0, numel)
 
+    def lend(self, key: tuple[Any, ...], numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A kept 1-D buffer of ``numel`` elements lent to one call until it hands it back (:meth:`give_back`),
+        asynchronous collectives included: the one kept under ``key`` (:meth:`transient`, grown where too small)
+        unless it is lent (then a new one, not kept: two pending calls never share it). For a call's staging
+        buffer, which a fresh allocation would page in anew every call on the CPU. Kept with the workspace:
+        :func:`release_workspace` frees it."""
+        if key in self._lent or not self.recycle:
+            return self.alloc(numel, dtype, device)
+        self._lent.add(key)
+        return self.transient(key, numel, dtype, device)
+
+    def give_back(self, key: tuple[Any, ...]) -> None:
+        """The buffer :meth:`lend` lent under ``key`` is no longer used (every collective into it waited for)."""
+        self._lent.discard(key)
+
     def view_cache(self, t: torch.Tensor) -> ViewCache | None:
         """The view cache of the recycled buffer ``t`` is a view of (its per-parameter cuts are made once), or None
         for memory the pool does not keep (cutting it anew is the only safe choice)."""
@@ -166,6 +182,7 @@ class BufferPool:
         self.workspace.clear()
         self._scratch.clear()
         self._transient.clear()
+        self._lent.clear()
         self._recycled.clear()
         self._by_storage.clear()
         self._stuck.clear()

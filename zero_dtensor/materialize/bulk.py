@@ -28,7 +28,7 @@ from .placements import assembly_of
 from ..comm.process_groups import global_rank, global_world_size, group_rank_of
 from ..core.state import FlatState
 from .emit import emit, request_names, target_dtype
-from .gathers import WindowedGather, copy_whole, fill_for_reduce, gather_by_peers, pipelined_gather, send_only, windowed_gather
+from .gathers import copy_whole, fill_for_reduce, gather_by_peers, pipelined_gather, send_only, windowed_gather
 from .results import GatheredGrads, PendingFullTensors, run_steps
 from .strategy import CALIBRATES, check_strategy, resolve
 from .transfers import Buffers, Transfer, narrower, plan_transfers, view_cache
@@ -119,7 +119,6 @@ def full_tensors(
     buffers = Buffers(out, result)
     regions: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # group -> (assembled, reorder area)
     steps: list[tuple[list[Any], Callable[[], None] | None]] = []  # what async or pipelined collectives await
-    windowed: list[WindowedGather] = []
     for t in transfers:
         if not (is_dst or t.strategy == "all_reduce"):
             steps.append((send_only(t, dst, async_op), None))
@@ -136,7 +135,7 @@ def full_tensors(
             narrow = narrower(buf, view_cache(result, buf))
             for g in t.groups:
                 regions[g] = (narrow(t.offsets[g], state.group(g).flat_numel), None)
-            windowed.append(windowed_gather(state, t, regions, result, steps))
+            windowed_gather(state, t, regions, result, steps, async_op)
             continue
         # smaller ZeRO-3 gathered results are reordered into a second area of the same buffer (at most
         # WINDOW_BYTES), so that a kept result pins (and a recycled one frees) all of the call's memory at once
@@ -177,7 +176,7 @@ def full_tensors(
         return emit(state, params, regions, result, dtype, buffers, out is not None)
 
     if async_op:
-        return PendingFullTensors(steps, finish, lambda: sum(w.pending for w in windowed))
+        return PendingFullTensors(steps, finish)
     run_steps(steps)
     return finish()
 

@@ -21,7 +21,7 @@ from ..core.state import FlatState
 from ..layout.views import ViewCache
 from .buffers import BUFFERS
 from . import strategy as _strategy
-from .transfers import Transfer, pipeline_pieces, view_cache, window_pieces
+from .transfers import Transfer, pipeline_pieces, view_cache, window_cut
 
 __all__ = ["copy_whole", "fill_for_reduce", "gather_by_peers", "pipelined_gather", "send_only", "windowed_gather"]
 
@@ -78,70 +78,157 @@ def _gather_rows(strategy: str) -> Callable[..., list[Any]]:
     """How one window's ``(N, width)`` rows are gathered rank after rank by ``strategy`` (all_gather by
     ``all_gather_into_tensor``, all_to_all and send_recv as their whole-transfer forms gather one flat group)."""
     if strategy == "all_to_all":
-        return all_gather_by_all_to_all
+        def by_all_to_all(out: torch.Tensor, inp: torch.Tensor, pg: Any, *, async_op: bool = False,
+                          pollable: bool = False) -> list[Any]:
+            return all_gather_by_all_to_all(out, inp, pg, async_op=async_op)
+        return by_all_to_all
     if strategy == "send_recv":
         return all_gather_by_send_recv
 
-    def by_all_gather(out: torch.Tensor, inp: torch.Tensor, pg: Any, *, async_op: bool = False) -> list[Any]:
+    def by_all_gather(out: torch.Tensor, inp: torch.Tensor, pg: Any, *, async_op: bool = False,
+                      pollable: bool = False) -> list[Any]:
         work = all_gather_single(out, inp, pg, async_op=async_op)
         return [work] if work is not None else []
     return by_all_gather
 
 
 class WindowedGather:
-    """A ZeRO-3 transfer gathered in bounded column windows (:func:`~.strategy.windowed`): every group's windows
-    (:func:`~.transfers.window_pieces`, at most :func:`~.strategy.window_bytes` of gathered rows each:
-    ``max(WINDOW_BYTES, S/WINDOW_SHARE)``, so about ``WINDOW_SHARE`` windows for a large transfer) one after the
-    other, each one collective of the transfer's strategy into the one staging buffer, reordered by one row copy
-    into its part of the group's parameter-order result once it has arrived; the next window is issued into the same
-    buffer once it is reordered (one window in flight: the memory beyond the result is one window).
-    :attr:`pending` counts the windows not yet issued (issued from the steps, :func:`~.results.run_steps`)."""
+    """A ZeRO-3 transfer gathered in bounded column windows (:func:`~.strategy.windowed`).
+
+    The staging buffer holds :func:`~.strategy.window_bytes` (``C``: ``max(WINDOW_BYTES, S/WINDOW_SHARE)``, or the
+    widest parameter's ``(N, chunk)`` block where one is wider) and is kept between calls
+    (:meth:`~.buffers.BufferPool.lend`: a fresh one would cost a page fault per 4 KiB on the CPU, every call).
+    The windows (:func:`~.transfers.window_cut`) hold at most ``C/2`` each, so that two fit in it at once, where
+    that keeps the collective count within its bound; else ``C`` each, one at a time.
+
+    Synchronous (``async_op=False``): two windows in flight, one at each end of the staging buffer; once one has
+    arrived it is reordered by one row copy into its part of the group's parameter-order result while the other
+    travels, then the next window is issued into the end it freed (where two consecutive windows do not fit side by
+    side, the next waits for both). The memory beyond the result stays ``C``.
+
+    Asynchronous: every window is issued at the call (so that :meth:`~.results.PendingFullTensors.is_completed`
+    completes without ``wait()``, and no collective is issued later): the first into the staging buffer, every
+    later one into its own part of the result (its gathered rows are exactly as large), from where ``wait()`` copies
+    it into the staging buffer and reorders it back: one more copy of those windows, the same memory bound.
+
+    :attr:`pending` counts the windows not yet issued."""
 
     def __init__(self, state: FlatState, t: Transfer, regions: Regions, result: MutableMapping[str, torch.Tensor],
-                 steps: list[Step]) -> None:
-        self.state, self.t, self.regions, self.result, self.steps = state, t, regions, result, steps
+                 steps: list[Step], async_op: bool) -> None:
+        self.state, self.t, self.regions, self.result = state, t, regions, result
+        self.steps: list[Step] | None = steps
         limit = _strategy.window_bytes(t.nbytes)
-        self.windows = [(g, part, piece) for g, part in zip(t.groups, t.partitions)
-                        for piece in window_pieces(state, g, limit)]
-        widest = max(state.group(g).world_size * piece.width for g, _, piece in self.windows)
-        self.staging: torch.Tensor | None = BUFFERS.alloc(widest, t.dtype, t.device)
+        cut, self.in_flight_max = window_cut(state, t.groups, limit)
+        self.windows = [(g, part, piece) for g, part, pieces in zip(t.groups, t.partitions, cut) for piece in pieces]
+        self.sizes = [state.group(g).world_size * piece.width for g, _, piece in self.windows]
+        esize = t.partitions[0].element_size()
+        self.capacity = max(limit // esize, max(self.sizes))
+        staged = max(self.sizes) if async_op else self.capacity
+        self.key = ("window staging", t.device, t.dtype)
+        self.staging: torch.Tensor | None = BUFFERS.lend(self.key, staged, t.dtype, t.device)
         self.gather = _gather_rows(t.strategy)
+        self.async_op = async_op
         self.issued = 0
+        self.in_flight: list[tuple[int, int]] = []  # (window, offset in the staging buffer), issue order
 
     @property
     def pending(self) -> int:
         return len(self.windows) - self.issued
 
     def start(self) -> None:
-        """Issue the first window (asynchronously: the steps await it)."""
-        self._issue()
+        """Issue the first windows (asynchronously: the steps await them); every window where ``async_op``."""
+        if self.async_op:
+            while self.issued < len(self.windows):
+                self._issue_async()
+            self._done()
+        else:
+            self._pump()
 
-    def _issue(self) -> None:
-        k = self.issued
+    def _rows_input(self, k: int) -> tuple[int, torch.Tensor]:
         g, part, piece = self.windows[k]
-        assert self.staging is not None
-        rows = self.staging.narrow(0, 0, self.state.group(g).world_size * piece.width)
-        works = self.gather(rows, part.narrow(0, piece.lo, piece.width), self.t.pg, async_op=True)
-        self.issued += 1
-        self.steps.append((works, lambda: self._arrived(k, rows)))
+        return g, part.narrow(0, piece.lo, piece.width)
 
-    def _arrived(self, k: int, rows: torch.Tensor) -> None:
+    def _target(self, k: int) -> torch.Tensor:
+        """Window ``k``'s part of its group's parameter-order result (as many elements as its gathered rows)."""
+        g, _, piece = self.windows[k]
+        n = self.state.group(g).world_size
+        return self.regions[g][0].narrow(0, n * piece.lo, n * piece.width)
+
+    def _place(self, k: int) -> int | None:
+        """Where window ``k`` goes in the staging buffer beside the windows in flight (None: not now)."""
+        size = self.sizes[k]
+        if not self.in_flight:
+            return 0
+        if len(self.in_flight) >= self.in_flight_max:
+            return None
+        j, at = self.in_flight[0]
+        if at >= size:
+            return 0
+        end = self.capacity - size
+        return end if end >= at + self.sizes[j] else None
+
+    def _pump(self) -> None:
+        """Issue the next windows while they fit beside those in flight."""
+        while self.issued < len(self.windows):
+            at = self._place(self.issued)
+            if at is None:
+                return
+            k = self.issued
+            assert self.staging is not None and self.steps is not None
+            rows = self.staging.narrow(0, at, self.sizes[k])
+            _, inp = self._rows_input(k)
+            works = self.gather(rows, inp, self.t.pg, async_op=True)
+            self.issued += 1
+            self.in_flight.append((k, at))
+            self.steps.append((works, lambda k=k, rows=rows: self._arrived(k, rows)))
+
+    def _issue_async(self) -> None:
+        k = self.issued
+        assert self.staging is not None and self.steps is not None
+        rows = self.staging.narrow(0, 0, self.sizes[k]) if k == 0 else self._target(k)
+        _, inp = self._rows_input(k)
+        works = self.gather(rows, inp, self.t.pg, async_op=True, pollable=True)
+        self.issued += 1
+        staging = self.staging
+
+        last = self.issued == len(self.windows)
+
+        def arrived(k: int = k, rows: torch.Tensor = rows) -> None:
+            if k:  # gathered into its own part of the result: staged out, then reordered back
+                rows = staging.narrow(0, 0, self.sizes[k]).copy_(rows)
+            self._reorder(k, rows)
+            if last:  # the steps run in issue order: every window is in place
+                BUFFERS.give_back(self.key)
+        self.steps.append((works, arrived))
+
+    def _reorder(self, k: int, rows: torch.Tensor) -> None:
         g, _, piece = self.windows[k]
         group, area = self.state.group(g), self.regions[g][0]
-        target = area.narrow(0, group.world_size * piece.lo, group.world_size * piece.width)
-        assembly_of(group).to_param_order(rows, group, self.state.plan.groups[g], target,
-                                       view_cache(self.result, area), piece)
-        if self.issued < len(self.windows):
-            self._issue()
-        else:
-            self.staging = None  # the last window is in place: the staging buffer goes
+        assembly_of(group).to_param_order(rows, group, self.state.plan.groups[g], self._target(k),
+                                          view_cache(self.result, area), piece)
+
+    def _arrived(self, k: int, rows: torch.Tensor) -> None:
+        self._reorder(k, rows)
+        self.in_flight = [(j, at) for j, at in self.in_flight if j != k]
+        self._pump()
+        if self.issued == len(self.windows) and not self.in_flight:
+            self._done()
+
+    def _done(self) -> None:
+        """Every window issued (and, synchronously, in place): let go of the steps (their closures refer to this
+        object: a cycle that would keep the result's buffer from being recycled until the garbage collector runs)
+        and of the staging buffer (kept by the pool)."""
+        self.steps = None
+        if not self.async_op:
+            self.staging = None
+            BUFFERS.give_back(self.key)
 
 
 def windowed_gather(state: FlatState, t: Transfer, regions: Regions, result: MutableMapping[str, torch.Tensor],
-                    steps: list[Step]) -> WindowedGather:
+                    steps: list[Step], async_op: bool = False) -> WindowedGather:
     """Start a :class:`WindowedGather` of ``t`` into ``regions`` (each group's region is its parameter-order
     result), its steps appended to ``steps`` as its windows are issued."""
-    gather = WindowedGather(state, t, regions, result, steps)
+    gather = WindowedGather(state, t, regions, result, steps, async_op)
     gather.start()
     return gather
 
@@ -158,7 +245,7 @@ def gather_by_peers(state: FlatState, t: Transfer, regions: Regions, result: Mut
     Elsewhere the group is gathered rank after rank and reordered as an all_gather is. The regions of the first
     kind then hold their areas."""
     if by_send_recv:
-        return _gather_by_send_recv(state, t, regions, result)
+        return _gather_by_send_recv(state, t, regions, result, async_op)
     works: list[Any] = []
     local: list[Callable[[], Any]] = []  # this rank's own partitions into place, once the peers' are under way
     after: list[tuple[Any, torch.Tensor, torch.Tensor]] = []  # (peer row copy, received, area)
@@ -188,7 +275,7 @@ def gather_by_peers(state: FlatState, t: Transfer, regions: Regions, result: Mut
 
 
 def _gather_by_send_recv(state: FlatState, t: Transfer, regions: Regions,
-                         result: MutableMapping[str, torch.Tensor]) -> list[Step]:
+                         result: MutableMapping[str, torch.Tensor], async_op: bool = False) -> list[Step]:
     """The whole transfer by **one** batch of point-to-point ops (:func:`~zero_dtensor.comm.point_to_point.send_recv`:
     ``2(N-1)`` per flat group): each partition sent as it is, every peer's received straight into its row of the
     group's region, no copy of ``S``, no scratch; issued asynchronously even for a synchronous call (the steps
@@ -215,7 +302,7 @@ def _gather_by_send_recv(state: FlatState, t: Transfer, regions: Regions,
                      assembly_of(group).rank_to_param_order(part, me, group, plan, area, cache))
         placing.append((g, region, area, cache))
         regions[g] = (area, None)
-    works = send_recv(sends, recvs, t.pg, async_op=True)
+    works = send_recv(sends, recvs, t.pg, async_op=True, pollable=async_op)  # polled by the caller's handle
     for copy in local:
         copy()
     peers = [r for r in range(world_size_of(t.pg)) if r != me]

@@ -128,21 +128,19 @@ class GatheredGrads(dict):
 
 
 class PendingFullTensors:
-    """Pending result of ``full_tensors(..., async_op=True)``. :meth:`wait` completes the collectives already
-    issued, cuts the buffers into parameters and returns the dict (idempotent). It issues new collectives only for a
-    ZeRO-3 transfer gathered in bounded windows (larger than ``WINDOW_BYTES``): the first window travels from the
-    call on, each later one is issued by ``wait()`` once the window before it is in place (so ``wait()`` is then
-    collective: every rank must call it, in the same order relative to its other collectives). The gradients must
-    not change (no ``engine.step()``) before ``wait()``.
+    """Pending result of ``full_tensors(..., async_op=True)``. Every collective is issued by the call (a ZeRO-3
+    transfer gathered in bounded windows too: every window at once, see
+    :class:`~zero_dtensor.materialize.gathers.WindowedGather`), so :meth:`is_completed` turns true once they have
+    finished, without :meth:`wait`, and ``wait()`` issues none (it is local). :meth:`wait` waits for them, puts
+    the gathered values in parameter order, cuts the buffers into parameters and returns the dict (idempotent). The
+    gradients must not change (no ``engine.step()``) before ``wait()``.
 
     ``steps``: pending collectives in issue order, each with what to do once they are done (a pipelined gather's
-    reorder of the part that has arrived, a window's reorder and the issue of a later window; ``None``: nothing);
-    then ``finish``. ``unissued``: how many windows are still to be issued."""
+    or a window's reorder of the part that has arrived; ``None``: nothing); then ``finish``."""
 
     def __init__(self, steps: list[tuple[list[Any], Callable[[], None] | None]],
-                 finish: Callable[[], dict[str, torch.Tensor]], unissued: Callable[[], int] | None = None) -> None:
+                 finish: Callable[[], dict[str, torch.Tensor]]) -> None:
         self._steps = steps
-        self._unissued = unissued
         self._finish: Callable[[], dict[str, torch.Tensor]] | None = finish
         self._result: dict[str, torch.Tensor] | None = None
 
@@ -150,8 +148,6 @@ class PendingFullTensors:
         """Whether every collective issued for this result has finished (non-blocking; no communication)."""
         if self._result is not None:
             return True
-        if self._unissued is not None and self._unissued():
-            return False  # windows of a windowed ZeRO-3 gather still to be issued (by wait())
         return all(w.is_completed() for works, _ in self._steps for w in works)
 
     def wait(self) -> dict[str, torch.Tensor]:

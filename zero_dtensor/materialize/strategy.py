@@ -110,14 +110,18 @@ CALIBRATION_SEND_RECV_BATCHES = 4
 #: ZeRO-3 all_gathers of at least this many bytes (a power of two: a size class of calibration) are pipelined.
 PIPELINE_MIN_BYTES = 16 * 2**20
 CALIBRATION_MAX_BYTES = 128 * 2**20
-#: ZeRO-3 gathers (every gather strategy) of more than this many bytes travel in column windows (:func:`windowed`),
-#: each of at most :func:`window_bytes` (this, or 1/:data:`WINDOW_SHARE` of the transfer where that is more), one at a
-#: time: the staging memory beyond the result is one window (or the widest parameter's ``(N, chunk)`` block, where
-#: one is wider).
+#: ZeRO-3 gathers (every gather strategy) of more than this many bytes travel in column windows (:func:`windowed`)
+#: through one staging buffer of :func:`window_bytes` (this, or 1/:data:`WINDOW_SHARE` of the transfer where that is
+#: more; kept between calls): the staging memory beyond the result is one such buffer (or the widest parameter's
+#: ``(N, chunk)`` block, where one is wider). It holds :data:`WINDOWS_IN_FLIGHT` windows at once where that keeps
+#: the collective count (:func:`~zero_dtensor.materialize.transfers.window_cut`), else one window of all of it.
 WINDOW_BYTES = 64 * 2**20
-#: a windowed transfer of ``S`` bytes travels in windows of ``max(WINDOW_BYTES, S / WINDOW_SHARE)``: about this many
-#: collectives (at most ``2·WINDOW_SHARE`` per flat group, where parameters cut the windows short), not ``S / 64 MiB``
+#: a windowed transfer of ``S`` bytes stages through ``max(WINDOW_BYTES, S / WINDOW_SHARE)``: at most
+#: ``2·WINDOW_SHARE`` collectives plus one per flat group, not ``S / 64 MiB``
 WINDOW_SHARE = 8
+#: windows of a synchronous windowed gather in flight at once (each of at most 1/this of the staging buffer): the
+#: next window's collective travels while the one before is reordered
+WINDOWS_IN_FLIGHT = 2
 #: Below this size ``auto`` does not calibrate and uses all_gather (fewer bytes): small transfers are latency-bound.
 CALIBRATION_MIN_BYTES = 2**20
 
@@ -158,16 +162,17 @@ def pipelines(nbytes: int, reorder: bool) -> bool:
 def windowed(nbytes: int, reorder: bool) -> bool:
     """Whether a gather of a bulk transfer of ``nbytes`` (the gathered bytes) travels in bounded column windows:
     ZeRO-3 (``reorder``) transfers of more than :data:`WINDOW_BYTES`. Each window is one collective of the
-    transfer's strategy into one staging buffer of at most :func:`window_bytes`, then one reordering copy into its
-    part of the result, before the next window is issued into the same buffer, so that no staging twin of the
-    result is ever allocated. No communication."""
+    transfer's strategy into a staging buffer of :func:`window_bytes` (two windows of half of it in flight, or one of
+    all of it: :func:`~zero_dtensor.materialize.transfers.window_cut`), then one reordering copy into its part of
+    the result, while the next travels, so that no staging twin of the result is ever allocated. No
+    communication."""
     return reorder and nbytes > WINDOW_BYTES
 
 
 def window_bytes(nbytes: int) -> int:
-    """The most gathered bytes one window of a windowed transfer of ``nbytes`` holds: ``max(WINDOW_BYTES,
-    ceil(nbytes / WINDOW_SHARE))`` (a 2 GiB transfer: 256 MiB windows, 8-9 collectives; the staging memory beyond
-    the result is one window). No communication."""
+    """The staging buffer of a windowed transfer of ``nbytes`` (gathered bytes): ``max(WINDOW_BYTES,
+    ceil(nbytes / WINDOW_SHARE))`` (a 2 GiB transfer: 256 MiB, two windows of 128 MiB in flight, 16-17
+    collectives; the staging memory beyond the result). No communication."""
     return max(WINDOW_BYTES, -(-int(nbytes) // WINDOW_SHARE))
 
 

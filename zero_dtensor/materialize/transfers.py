@@ -21,9 +21,11 @@ from ..core.state import FlatState
 from ..layout.views import ViewCache
 from .buffers import BUFFERS
 from .results import GatheredGrads
+from . import strategy as _strategy
 from .strategy import explicit, pipelines, planned, windowed
 
-__all__ = ["Buffers", "Transfer", "narrower", "pipeline_pieces", "plan_transfers", "view_cache", "window_pieces"]
+__all__ = ["Buffers", "Transfer", "narrower", "pipeline_pieces", "plan_transfers", "view_cache", "window_cut",
+           "window_pieces"]
 
 
 @dataclass
@@ -97,6 +99,20 @@ def window_pieces(state: FlatState, g: int, window_bytes: int) -> tuple[ColumnPi
     element_size = state.storage.partitions[g].element_size()
     max_width = window_bytes // (element_size * group.world_size)
     return assembly_of(group).window_pieces(state.plan.groups[g], element_size, max_width)
+
+
+def window_cut(state: FlatState, groups: Sequence[int], window_bytes: int) -> tuple[list[tuple[ColumnPiece, ...]], int]:
+    """How a windowed transfer of ``groups`` with a staging buffer of ``window_bytes`` travels: each group's windows
+    and how many are in flight at once. Two windows of at most half the buffer each (the next one's collective
+    overlaps the reorder of the one before, :class:`~.gathers.WindowedGather`) where that keeps the transfer of
+    ``S`` bytes within ``2·S/window_bytes`` windows plus one per group (the count :func:`~.strategy.window_bytes`
+    promises; parameters as wide as half the buffer would double it), else one window of the whole buffer at a
+    time. No communication."""
+    halves = [window_pieces(state, g, window_bytes // _strategy.WINDOWS_IN_FLIGHT) for g in groups]
+    nbytes = sum(state.group(g).flat_numel * state.storage.partitions[g].element_size() for g in groups)
+    if sum(map(len, halves)) <= 2 * nbytes // window_bytes + len(groups):
+        return halves, _strategy.WINDOWS_IN_FLIGHT
+    return [window_pieces(state, g, window_bytes) for g in groups], 1
 
 
 def pipeline_pieces(state: FlatState, g: int) -> tuple[ColumnPiece, ...]:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..core.state import FlatState
+from ..core.storage import shares_memory
 from ..layout.plan import GroupPlan
 
 __all__ = ["write_direct"]
@@ -174,13 +175,16 @@ def write_direct(state: FlatState, plan: GroupPlan, names: tuple[str, ...], valu
 
 def _concatenable(sources: list[torch.Tensor], buffer: torch.Tensor) -> bool:
     """Whether one ``torch.cat(..., out=)`` can write ``sources`` into their run of ``buffer``: every source
-    contiguous (``flatten`` is then a view) on the buffer's device (none is in the buffer's own memory:
-    :func:`~zero_dtensor.ops.writes.set_full_` copied those first). Two C-level passes over the sources, no device
-    operation."""
+    contiguous (``flatten`` is then a view) on the buffer's device, and none in the buffer's own memory (``cat``
+    refuses an input overlapping its output; ``copy_`` of a fragment onto itself is allowed; values that alias
+    elsewhere were copied first by :func:`~zero_dtensor.ops.writes.set_full_`). Three C-level passes over the
+    sources (and a sort of their addresses), no device operation."""
     if not all(map(torch.Tensor.is_contiguous, sources)):
         return False
     device = buffer.device
-    return all(map(operator.eq, map(_DEVICE, sources), repeat(device)))
+    if not all(map(operator.eq, map(_DEVICE, sources), repeat(device))):
+        return False
+    return not shares_memory(sources, (buffer,))
 
 
 def _direct_views(state: FlatState, plan: GroupPlan, direct: _DirectWrite) -> list[torch.Tensor]:

@@ -236,7 +236,7 @@ def set_full_(state: FlatState, checked: CheckedValues) -> None:
         if direct and not checked.exact:
             check_shapes(state, checked)
         if direct:
-            direct = _unaliased(direct, state.storage.partitions)
+            direct = _unaliased(state, direct)
         for write, buffer in staged:  # nothing was written before this point
             write.commit(state, buffer)
         for plan, names, vs in direct:
@@ -248,17 +248,34 @@ def set_full_(state: FlatState, checked: CheckedValues) -> None:
     state.storage.after_write(checked.names)
 
 
-def _unaliased(direct: list[tuple[GroupPlan, tuple[str, ...], list[torch.Tensor]]],
-               partitions: tuple[torch.Tensor, ...]) -> list[tuple[GroupPlan, tuple[str, ...], list[torch.Tensor]]]:
+def _unaliased(state: FlatState, direct: list[tuple[GroupPlan, tuple[str, ...], list[torch.Tensor]]]
+               ) -> list[tuple[GroupPlan, tuple[str, ...], list[torch.Tensor]]]:
     """The per-parameter path's values, each one that lies in the family's memory (a view of a partition, at any
     offset: :func:`~zero_dtensor.core.storage.shares_memory`, the redistribution writes' check) copied first, so that
     no write reads what another already overwrote (and ``copy_`` meets no partial overlap on the rank that has
-    one). Staged values need nothing: every group is staged before the first write. One C-level check per group;
-    a copy only of the values that alias."""
+    one); except a value that is exactly its own fragment (:func:`_in_own_place`), whose copy onto itself is
+    allowed and reads nothing another write changes. Staged values need nothing: every group is staged before the
+    first write. One C-level check per group; a copy only of the values that alias elsewhere."""
+    partitions = state.storage.partitions
     if not any(shares_memory(vs, partitions) for _, _, vs in direct):
         return direct
-    return [(plan, names, [v.clone() if shares_memory((v,), partitions) else v for v in vs])
+    return [(plan, names, [v.clone() if shares_memory((v,), partitions) and not _in_own_place(state, n, v) else v
+                           for n, v in zip(names, vs)])
             for plan, names, vs in direct]
+
+
+def _in_own_place(state: FlatState, name: str, value: torch.Tensor) -> bool:
+    """Whether ``value`` is exactly the memory of parameter ``name``'s whole fragment on this rank (a parameter this
+    rank holds whole, ``value`` contiguous, starting where the fragment starts): writing it is a copy onto itself."""
+    layout = state.layout
+    param = layout.by_name[name]
+    group = layout.groups[param.group]
+    start, stop = param.rank_range(group, group.rank)
+    if (start, stop) != (0, param.numel) or not value.is_contiguous() or value.numel() != param.numel:
+        return False
+    partition = state.storage.partitions[param.group]
+    offset = param.local_offset(group, group.rank)
+    return value.data_ptr() == partition.data_ptr() + offset * partition.element_size()
 
 
 def check_shapes(state: FlatState, checked: CheckedValues) -> None:

@@ -104,6 +104,15 @@ def _traffic(ranks) -> list:
     return _TRAFFIC[0]
 
 
+def _over_traffic(where: str, row: dict, reads: float, writes: float) -> list[str]:
+    """The problem with one traffic row, if it reads or writes more of its data than ``reads`` / ``writes`` times."""
+    data = row["data_bytes"]
+    if row["data_read"] > (reads + 0.05) * data or row["data_written"] > writes * 1.01 * data:
+        return [f"{where}: read {row['data_read'] / data:.2f}x, wrote {row['data_written'] / data:.2f}x the data "
+                f"(at most {reads}x, {writes}x)"]
+    return []
+
+
 @pytest.mark.parametrize("name", sorted(TRAFFIC_LIMITS))
 def test_reductions_read_the_data_once_without_copies_or_syncs(ranks, name: str) -> None:
     reads, writes = TRAFFIC_LIMITS[name]
@@ -112,9 +121,7 @@ def test_reductions_read_the_data_once_without_copies_or_syncs(ranks, name: str)
         for case, rows in per_case.items():
             r = rows[name]
             data = r["data_bytes"]
-            if r["data_read"] > (reads + 0.05) * data or r["data_written"] > writes * 1.01 * data:
-                problems.append(f"rank {rank} {case}: read {r['data_read'] / data:.2f}x, wrote "
-                                f"{r['data_written'] / data:.2f}x the data (at most {reads}x, {writes}x)")
+            problems += _over_traffic(f"rank {rank} {case}", r, reads, writes)
             if r["largest"] > data / 16:  # an upcast copy, a mask or a product of the data's size
                 problems.append(f"rank {rank} {case}: a temporary of {r['largest'] / data:.2f}x the data")
             if (r["syncs"] != TRAFFIC_SYNCS.get(name, ["to_device", "tolist"])
@@ -199,9 +206,7 @@ def test_offloaded_reductions_read_once_without_large_temporaries(ranks, name: s
         for case, rows in per_case.items():
             r = rows[name]
             data = r["data_bytes"]
-            if r["data_read"] > (reads + 0.05) * data or r["data_written"] > writes * 1.01 * data:
-                problems.append(f"rank {rank} {case}: read {r['data_read'] / data:.2f}x, wrote "
-                                f"{r['data_written'] / data:.2f}x the data (at most {reads}x, {writes}x)")
+            problems += _over_traffic(f"rank {rank} {case}", r, reads, writes)
             if r["largest"] > data / 16 or r["hidden_largest"] > data / HIDDEN_SHARE:
                 problems.append(f"rank {rank} {case}: a temporary of {r['largest'] / data:.2f}x the data "
                                 f"({r['hidden_largest'] / data:.2f}x counting allocations inside kernels)")

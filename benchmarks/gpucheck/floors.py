@@ -129,19 +129,22 @@ def time_comm_floors(part_numel: int, dtype: Any, master_part_numel: int, device
 
 def attach_comm_ratios(rows: list[dict[str, Any]], floors: dict[str, dict[str, Any]]) -> None:
     """Give each row with a collective floor ``comm_floor``, ``comm_floor_ms`` and ``comm_ratio``."""
-    for r in rows:
-        name = COMM_FLOOR_OF.get(r["row"])
-        f = floors.get(name) if name else None
-        if f is None or "median_ms" not in f or "median_ms" not in r:
-            continue
-        r.update(comm_floor=name, comm_floor_ms=f["median_ms"], comm_ratio=r["median_ms"] / f["median_ms"])
+    _attach(rows, floors, COMM_FLOOR_OF, "comm_")
 
 
 def attach_ratios(rows: list[dict[str, Any]], floors: dict[str, dict[str, Any]]) -> None:
     """Give each row with a floor ``floor``, ``floor_ms`` and ``ratio`` (median over median)."""
+    _attach(rows, floors, FLOOR_OF, "")
+
+
+def _attach(rows: list[dict[str, Any]], floors: dict[str, dict[str, Any]], floor_of: dict[str, str],
+            prefix: str) -> None:
+    """Each row whose floor (``floor_of``) was measured gets ``<prefix>floor``, ``<prefix>floor_ms`` and
+    ``<prefix>ratio`` (its median over the floor's)."""
     for r in rows:
-        name = FLOOR_OF.get(r["row"])
+        name = floor_of.get(r["row"])
         f = floors.get(name) if name else None
         if f is None or "median_ms" not in f or "median_ms" not in r:
             continue
-        r.update(floor=name, floor_ms=f["median_ms"], ratio=r["median_ms"] / f["median_ms"])
+        r.update({f"{prefix}floor": name, f"{prefix}floor_ms": f["median_ms"],
+                  f"{prefix}ratio": r["median_ms"] / f["median_ms"]})

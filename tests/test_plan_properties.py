@@ -352,3 +352,28 @@ def test_peer_rows_take_the_row_paths(world, shapes, extra) -> None:
     for layout in case[1]:
         assert assembly_of(layout.groups[0]).peer_rows(plan_for(layout).groups[0], 8) is not None  # float64
     test_peer_rows_reassemble_every_parameter.hypothesis.inner_test(case)
+
+
+@settings(max_examples=100, deadline=None)
+@given(cases(), st.integers(1, 64))
+def test_windows_by_own_and_peer_columns_reassemble_every_parameter(case, max_width) -> None:
+    """Issue 55, the synchronous ``send_recv`` / ``all_to_all`` windows: per column window, this rank's columns
+    straight from its partition (``rank_to_param_order`` with the piece) and the other ranks' columns, back to back
+    in rank order (what ``peer_partitions_by_send_recv`` receives), through ``peers_to_param_order`` fill the whole
+    parameter-order buffer exactly as the ``(N, P)`` rows reordered at once, by row copies or by
+    ``split_with_sizes_copy`` alike."""
+    world = case[0]
+    for g, gp, placement, parts, rows in _chunked_groups(case, lambda placement, gp: not placement.reorder_area(gp.group)):
+        if world == 1:
+            continue
+        P = g.partition_numel
+        whole = torch.full((world * P,), -2.0, dtype=torch.float64)
+        placement.to_param_order(rows.reshape(-1).clone(), g, gp, whole)
+        by_windows = torch.full((world * P,), -3.0, dtype=torch.float64)
+        for piece in placement.window_pieces(gp, 8, max_width):
+            target = by_windows.narrow(0, world * piece.lo, world * piece.width)
+            placement.rank_to_param_order(parts[g.rank][piece.lo:piece.hi].clone(), g.rank, g, gp, target,
+                                          piece=piece)
+            others = [parts[r][piece.lo:piece.hi] for r in range(world) if r != g.rank]
+            placement.peers_to_param_order(torch.cat(others), g, gp, target, piece=piece)
+        assert torch.equal(whole, by_windows)

@@ -167,24 +167,27 @@ class GroupPlan:
             width += size or 0
         return tuple(windows) or (self.whole_columns(element_size),)
 
-    def own_column_rows(self, element_size: int) -> RowMap | None:
-        """Chunked groups: this rank's partition to its rows of the parameter-order blocks (the rest of the
-        destination untouched), as one row copy; ``None`` as for :meth:`column_rows`."""
-        return self._memo(("own", element_size), lambda: self._columns((self.group.rank,), element_size))
+    def own_column_rows(self, element_size: int, piece: ColumnPiece | None = None) -> RowMap | None:
+        """Chunked groups: this rank's partition (or its ``piece``'s columns) to its rows of the parameter-order
+        blocks (of the piece's part: ``N·width`` elements; the rest of the destination untouched), as one row copy;
+        ``None`` as for :meth:`column_rows`."""
+        return self.rank_column_rows(self.group.rank, element_size, piece)
 
-    def peer_column_rows(self, element_size: int) -> RowMap | None:
-        """Chunked groups: the other ranks' partitions, back to back in rank order (``(N-1)·P`` elements, what
-        :func:`~zero_dtensor.comm.collectives.peer_partitions_by_all_to_all` receives), to their rows of the
-        parameter-order blocks (this rank's rows untouched), as one row copy; ``None`` as for :meth:`column_rows`."""
+    def peer_column_rows(self, element_size: int, piece: ColumnPiece | None = None) -> RowMap | None:
+        """Chunked groups: the other ranks' partitions (or their ``piece``'s columns), back to back in rank order
+        (``(N-1)·P`` elements, what :func:`~zero_dtensor.comm.collectives.peer_partitions_by_all_to_all` receives), to
+        their rows of the parameter-order blocks (this rank's rows untouched), as one row copy; ``None`` as for
+        :meth:`column_rows`."""
         peers = tuple(r for r in range(self.group.world_size) if r != self.group.rank)
-        return self._memo(("peers", element_size), lambda: self._columns(peers, element_size))
+        return self._memo(("peers", element_size, *_bounds(piece)),
+                          lambda: self._columns(peers, element_size, *_bounds(piece)))
 
-    def rank_column_rows(self, rank: int, element_size: int) -> RowMap | None:
-        """Chunked groups: rank ``rank``'s partition (``P`` elements) to its rows of the parameter-order blocks (the
-        rest of the destination untouched), as one row copy; ``None`` as for :meth:`column_rows`."""
-        if rank == self.group.rank:
-            return self.own_column_rows(element_size)
-        return self._memo(("rank", rank, element_size), lambda: self._columns((rank,), element_size))
+    def rank_column_rows(self, rank: int, element_size: int, piece: ColumnPiece | None = None) -> RowMap | None:
+        """Chunked groups: rank ``rank``'s partition (``P`` elements, or its ``piece``'s ``width`` columns) to its
+        rows of the parameter-order blocks (the rest of the destination untouched), as one row copy; ``None`` as
+        for :meth:`column_rows`."""
+        return self._memo(("rank", rank, element_size, *_bounds(piece)),
+                          lambda: self._columns((rank,), element_size, *_bounds(piece)))
 
     def _memo(self, key: tuple[Any, ...], build: Callable[[], T]) -> T:
         if key not in self._rows:
@@ -233,6 +236,11 @@ class GroupPlan:
     def local_segments(self) -> SegmentPlan:
         """Per-piece reductions of this rank's partition (:mod:`zero_dtensor.layout.segments`), built on first use."""
         return segment_plan(self.local)
+
+
+def _bounds(piece: ColumnPiece | None) -> tuple[int, int | None]:
+    """A :class:`ColumnPiece`'s ``(lo, hi)``; every column (``(0, None)``) for ``None``."""
+    return (0, None) if piece is None else (piece.lo, piece.hi)
 
 
 def _group_plan(group: GroupLayout, params: tuple[ParamLayout, ...]) -> GroupPlan:

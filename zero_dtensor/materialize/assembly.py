@@ -67,10 +67,22 @@ class GroupAssembly(GroupPlacement):
         return 0
 
     def rank_to_param_order(self, row: torch.Tensor, rank: int, group: GroupLayout, plan: GroupPlan,
-                            area: torch.Tensor, cache: ViewCache | None = None) -> None:
+                            area: torch.Tensor, cache: ViewCache | None = None,
+                            piece: ColumnPiece | None = None) -> None:
         """What :meth:`to_param_order` does for one rank's row of the gathered rows: its partition (``row``) into
-        its place in ``area``, so that a peer's partition is put in order as soon as it has arrived. Only
-        placements that reorder (:meth:`reorder_area` non-zero) implement it."""
+        its place in ``area``, so that a peer's partition is put in order as soon as it has arrived; with
+        ``piece`` (one of :meth:`window_pieces`), ``row`` is the rank's columns of that piece and ``area`` the
+        piece's part of the parameter-order buffer. Only placements that reorder (:meth:`reorder_area` non-zero)
+        implement it."""
+        raise NotImplementedError(f"{type(self).__name__} gathers in parameter order: nothing to reorder")
+
+    def peers_to_param_order(self, received: torch.Tensor, group: GroupLayout, plan: GroupPlan,
+                             area: torch.Tensor, cache: ViewCache | None = None,
+                             piece: ColumnPiece | None = None) -> None:
+        """The other ranks' rows (``received``: back to back in rank order, as
+        :func:`~zero_dtensor.comm.point_to_point.peer_partitions_by_send_recv` leaves them; with ``piece``, their
+        columns of it) into their places in ``area``, this rank's rows untouched. Only placements that reorder
+        implement it."""
         raise NotImplementedError(f"{type(self).__name__} gathers in parameter order: nothing to reorder")
 
     def peer_rows(self, plan: GroupPlan, element_size: int) -> tuple[RowMap, RowMap] | None:

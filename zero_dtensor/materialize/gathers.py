@@ -15,7 +15,8 @@ from ..comm.collectives import (all_gather_by_all_to_all, all_gather_into, all_g
                                 peer_partitions_by_all_to_all)
 from .placements import assembly_of
 from ..layout.plan import ColumnPiece
-from ..comm.point_to_point import Exchange, all_gather_by_send_recv, gather_exchanges, send_recv
+from ..comm.point_to_point import (Exchange, all_gather_by_send_recv, gather_exchanges, peer_partitions_by_send_recv,
+                                   send_recv)
 from ..comm.process_groups import group_rank_of, rank_in, world_size_of
 from ..core.state import FlatState
 from ..layout.views import ViewCache
@@ -92,6 +93,11 @@ def _gather_rows(strategy: str) -> Callable[..., list[Any]]:
     return by_all_gather
 
 
+#: the strategies whose windows receive only the other ranks' rows (back to back in rank order)
+_PEER_GATHERS: dict[str, Callable[..., list[Any]]] = {"send_recv": peer_partitions_by_send_recv,
+                                                      "all_to_all": peer_partitions_by_all_to_all}
+
+
 class WindowedGather:
     """A ZeRO-3 transfer gathered in bounded column windows (:func:`~.strategy.windowed`).
 
@@ -104,7 +110,10 @@ class WindowedGather:
     Synchronous (``async_op=False``): two windows in flight, one at each end of the staging buffer; once one has
     arrived it is reordered by one row copy into its part of the group's parameter-order result while the other
     travels, then the next window is issued into the end it freed (where two consecutive windows do not fit side by
-    side, the next waits for both). The memory beyond the result stays ``C``.
+    side, the next waits for both). The memory beyond the result stays ``C``. By ``send_recv`` and ``all_to_all``
+    only the other ranks' ``(N-1, width)`` rows travel into the staging buffer, and this rank's own columns go
+    straight from its partition into their rows of the result while they travel: the result's bytes are written
+    once (an all_gather's window holds this rank's row too, copied there first).
 
     Asynchronous: every window is issued at the call (so that :meth:`~.results.PendingFullTensors.is_completed`
     completes without ``wait()``, and no collective is issued later): the first into the staging buffer, every
@@ -120,7 +129,12 @@ class WindowedGather:
         limit = _strategy.window_bytes(t.nbytes)
         cut, self.in_flight_max = window_cut(state, t.groups, limit)
         self.windows = [(g, part, piece) for g, part, pieces in zip(t.groups, t.partitions, cut) for piece in pieces]
-        self.sizes = [state.group(g).world_size * piece.width for g, _, piece in self.windows]
+        # synchronous send_recv / all_to_all: only the peers' rows travel into the staging buffer, this rank's own
+        # columns go straight from its partition into their place (no copy of them into the rows first)
+        self.peers_only = (not async_op and t.strategy in _PEER_GATHERS
+                           and all(state.group(g).world_size > 1 for g in t.groups))
+        own = 1 if self.peers_only else 0
+        self.sizes = [(state.group(g).world_size - own) * piece.width for g, _, piece in self.windows]
         esize = t.partitions[0].element_size()
         self.capacity = max(limit // esize, max(self.sizes))
         staged = max(self.sizes) if async_op else self.capacity
@@ -177,7 +191,11 @@ class WindowedGather:
             assert self.staging is not None and self.steps is not None
             rows = self.staging.narrow(0, at, self.sizes[k])
             _, inp = self._rows_input(k)
-            works = self.gather(rows, inp, self.t.pg, async_op=True)
+            if self.peers_only:
+                works = _PEER_GATHERS[self.t.strategy](rows, inp, self.t.pg, async_op=True)
+                self._place_own(k, inp)  # while the peers' rows travel
+            else:
+                works = self.gather(rows, inp, self.t.pg, async_op=True)
             self.issued += 1
             self.in_flight.append((k, at))
             self.steps.append((works, lambda k=k, rows=rows: self._arrived(k, rows)))
@@ -204,8 +222,18 @@ class WindowedGather:
     def _reorder(self, k: int, rows: torch.Tensor) -> None:
         g, _, piece = self.windows[k]
         group, area = self.state.group(g), self.regions[g][0]
-        assembly_of(group).to_param_order(rows, group, self.state.plan.groups[g], self._target(k),
-                                          view_cache(self.result, area), piece)
+        plan, cache = self.state.plan.groups[g], view_cache(self.result, area)
+        if self.peers_only:
+            assembly_of(group).peers_to_param_order(rows, group, plan, self._target(k), cache, piece)
+        else:
+            assembly_of(group).to_param_order(rows, group, plan, self._target(k), cache, piece)
+
+    def _place_own(self, k: int, columns: torch.Tensor) -> None:
+        """This rank's columns of window ``k`` straight into their rows of its part of the result."""
+        g, _, piece = self.windows[k]
+        group, area = self.state.group(g), self.regions[g][0]
+        assembly_of(group).rank_to_param_order(columns, group.rank, group, self.state.plan.groups[g],
+                                               self._target(k), view_cache(self.result, area), piece)
 
     def _arrived(self, k: int, rows: torch.Tensor) -> None:
         self._reorder(k, rows)

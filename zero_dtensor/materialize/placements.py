@@ -252,22 +252,42 @@ class ChunkAssembly(ChunkShard, GroupAssembly):
         return area
 
     def rank_to_param_order(self, row: torch.Tensor, rank: int, group: GroupLayout, plan: GroupPlan,
-                            area: torch.Tensor, cache: ViewCache | None = None) -> None:
-        """Rank ``rank``'s partition (``P`` elements: its chunk of every parameter) into row ``rank`` of every
-        parameter's ``(N, chunk)`` block in ``area``: one row copy
-        (:meth:`~zero_dtensor.layout.plan.GroupPlan.rank_column_rows`), or, where rows do not pay, one
-        ``split_with_sizes_copy`` into the blocks' rows (contiguous pieces). ``P`` elements copied."""
-        rows = plan.rank_column_rows(rank, row.element_size())
+                            area: torch.Tensor, cache: ViewCache | None = None,
+                            piece: ColumnPiece | None = None) -> None:
+        """Rank ``rank``'s partition (``P`` elements: its chunk of every parameter; with ``piece``, its
+        ``width`` columns of it) into row ``rank`` of every parameter's ``(N, chunk)`` block in ``area`` (the
+        piece's ``N·width`` elements): one row copy (:meth:`~zero_dtensor.layout.plan.GroupPlan.rank_column_rows`),
+        or, where rows do not pay, one ``split_with_sizes_copy`` into the blocks' rows (contiguous pieces). The
+        row's elements copied."""
+        rows = plan.rank_column_rows(rank, row.element_size(), piece)
         if rows is not None:
             rows.copy(row, area)
             return
-        N, sizes = group.world_size, plan.gathered.sizes
+        N = group.world_size
+        sizes = plan.gathered.sizes if piece is None else piece.sizes
+        lo = 0 if piece is None else piece.lo
 
         def build(_: torch.Tensor) -> list[torch.Tensor]:
             return [b.view(N, -1)[rank] for b in area.split_with_sizes([N * s for s in sizes])]
 
-        targets = _views(cache, ("rank rows", plan, area.storage_offset(), rank), area, build)
+        targets = _views(cache, ("rank rows", plan, area.storage_offset(), rank, lo, len(sizes)), area, build)
         torch.split_with_sizes_copy(row, list(sizes), out=list(targets))
+
+    def peers_to_param_order(self, received: torch.Tensor, group: GroupLayout, plan: GroupPlan,
+                             area: torch.Tensor, cache: ViewCache | None = None,
+                             piece: ColumnPiece | None = None) -> None:
+        """The other ranks' partitions (or ``piece``'s columns of them), back to back in rank order, into their
+        rows of every parameter's block in ``area``: one row copy
+        (:meth:`~zero_dtensor.layout.plan.GroupPlan.peer_column_rows`), or, where rows do not pay, one
+        :meth:`rank_to_param_order` per peer. ``received``'s elements copied."""
+        rows = plan.peer_column_rows(received.element_size(), piece)
+        if rows is not None:
+            rows.copy(received, area)
+            return
+        width = received.numel() // (group.world_size - 1)
+        peers = [r for r in range(group.world_size) if r != group.rank]
+        for i, peer in enumerate(peers):
+            self.rank_to_param_order(received.narrow(0, i * width, width), peer, group, plan, area, cache, piece)
 
     def reorder_area(self, group: GroupLayout) -> int:
         return group.flat_numel

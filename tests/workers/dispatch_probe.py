@@ -7,7 +7,8 @@ and the ``prim``/``c10d`` namespaces are not counted as operations, as in ``op_c
 - ``read`` / ``written``: bytes every operation reads and writes (the extent its strides cover: an expanded 0-d
   tensor is one element); ``data_read`` / ``data_written``: the same for tensors in the storage of the registered
   *data* (:meth:`DispatchProbe.watch`: e.g. the gradient partitions), with gathers (``index_select``, ``gather``,
-  ``take``, ``index``) reading only what they return; ``data_passes``: operations that read or write at least half
+  ``take``, ``index``) reading only what they return and in-place scatters (``index_copy_``, ``index_put_``,
+  ``scatter_``) writing only what their source holds (not their whole destination); ``data_passes``: operations that read or write at least half
   of the data's bytes at once;
 - ``largest`` / ``allocated``: the largest fresh storage one operation returns and the sum of them (a storage no
   input shares: the result of the call included); ``produced``: bytes of the fresh tensors operations return
@@ -76,6 +77,8 @@ _SKIPPED = {"detach", "alias", "lift_fresh"}
 _SKIPPED_NAMESPACES = {"prim", "prims", "c10d", "_c10d_functional", "c10d_functional"}
 _COMM_NAMESPACES = {"c10d", "_c10d_functional", "c10d_functional"}
 _GATHERS = {"index_select", "gather", "take", "index", "embedding"}
+#: in-place scatters: the argument holding what they write (they write only the destination's rows it picks)
+_SCATTERS = {"index_copy_": "source", "index_put_": "values", "scatter_": "src"}
 _WRITE_ONLY = {"zero_", "fill_", "copy_", "_foreach_zero_", "_foreach_copy_", "empty", "empty_like", "zeros",
                "zeros_like", "full", "full_like", "new_empty", "new_zeros", "set_"}
 _UNINITIALIZED = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"}
@@ -300,11 +303,16 @@ class DispatchProbe(TorchDispatchMode):
         bound.update(kwargs)
         mutated = {a.name for a in schema if a.alias_info is not None and a.alias_info.is_write}
         gather = name in _GATHERS
+        scattered = _SCATTERS.get(name)
         for arg, value in bound.items():
             for t in _tensors(value):
                 nbytes = _extent_bytes(t)
                 is_data = _ptr(t) in self._data
-                if arg in mutated:
+                if arg in mutated and scattered is not None:  # writes only what its source holds
+                    picked = sum(_extent_bytes(src) for src in _tensors(bound.get(scattered)))
+                    self.written += picked
+                    self.data_written += picked if is_data else 0
+                elif arg in mutated:
                     self.written += nbytes
                     self.data_written += nbytes if is_data else 0
                     if name not in _WRITE_ONLY and arg != "out":

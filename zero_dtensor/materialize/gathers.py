@@ -127,12 +127,12 @@ class WindowedGather:
         self.state, self.t, self.regions, self.result = state, t, regions, result
         self.steps: list[Step] | None = steps
         limit = _strategy.window_bytes(t.nbytes)
-        cut, self.in_flight_max = window_cut(state, t.groups, limit)
-        self.windows = [(g, part, piece) for g, part, pieces in zip(t.groups, t.partitions, cut) for piece in pieces]
         # synchronous send_recv / all_to_all: only the peers' rows travel into the staging buffer, this rank's own
         # columns go straight from its partition into their place (no copy of them into the rows first)
         self.peers_only = (not async_op and t.strategy in _PEER_GATHERS
                            and all(state.group(g).world_size > 1 for g in t.groups))
+        cut, self.in_flight_max = window_cut(state, t.groups, limit, self.peers_only)
+        self.windows = [(g, part, piece) for g, part, pieces in zip(t.groups, t.partitions, cut) for piece in pieces]
         own = 1 if self.peers_only else 0
         self.sizes = [(state.group(g).world_size - own) * piece.width for g, _, piece in self.windows]
         esize = t.partitions[0].element_size()

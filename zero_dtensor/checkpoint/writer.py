@@ -35,6 +35,7 @@ import io
 import os
 import queue
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -55,7 +56,7 @@ from torch.serialization import _get_storage_alignment, get_crc32_options
 
 from .binding import BoundPrefix
 
-__all__ = ["DirectWriter"]
+__all__ = ["DirectWriter", "PipelinedWriter"]
 
 #: what a tensor's ``torch.save`` header depends on (``_Archives.look``)
 _Look = tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int, int]
@@ -181,19 +182,24 @@ class DirectWriter(FileSystemWriter):
         results = []
         with self.fs.create_stream(path, "wb") as stream:
             writeback = _Writeback(stream, WRITEBACK_BYTES if self.sync_files else 0)
-            for item in items:
-                if item.type == WriteItemType.BYTE_IO:  # as DCP's _write_item, without its wrapper and flush
-                    data = planner.resolve_data(item)
-                    if not isinstance(data, io.BytesIO):
-                        raise AssertionError("Data must be io.BytesIO for BYTE_IO write items")
-                    offset = stream.tell()
-                    stream.write(data.getbuffer())
-                    results.append(_written(stream, item, storage_key, offset))
-            for tensor, item in loader.values():
-                offset = stream.tell()
-                self.archives.write(stream, tensor)
-                results.append(_written(stream, item, storage_key, offset))
-                writeback.written()
+            out = self._output(stream, writeback)
+            try:
+                for item in items:
+                    if item.type == WriteItemType.BYTE_IO:  # as DCP's _write_item, without its wrapper and flush
+                        data = planner.resolve_data(item)
+                        if not isinstance(data, io.BytesIO):
+                            raise AssertionError("Data must be io.BytesIO for BYTE_IO write items")
+                        offset = out.tell()
+                        out.write(data.getbuffer())
+                        results.append(_written(out, item, storage_key, offset))
+                for tensor, item in loader.values():
+                    offset = out.tell()
+                    out.hold(tensor)
+                    self.archives.write(out, tensor)
+                    results.append(_written(out, item, storage_key, offset))
+                    out.written()
+            finally:
+                out.close()
             stream.flush()
             if self.sync_files:
                 try:
@@ -202,6 +208,10 @@ class DirectWriter(FileSystemWriter):
                     os.sync()
         return results
 
+    def _output(self, stream: Any, writeback: _Writeback) -> Any:
+        """Where :meth:`_write_file` writes ``stream``'s bytes: straight into it (:class:`_Inline`)."""
+        return _Inline(stream, writeback)
+
     def _loader(self, planner: SavePlanner) -> Any:
         """The loader DCP's single-threaded writer picks: copies ahead from an accelerator, else one at a time."""
         backend = getattr(torch, torch._C._get_privateuse1_backend_name(), None)
@@ -209,6 +219,154 @@ class DirectWriter(FileSystemWriter):
         if accelerator and self.per_thread_copy_ahead > 0:
             return _OverlappingCpuLoader(planner.resolve_data, inflight_threshhold=self.per_thread_copy_ahead)
         return _SerialCpuLoader(planner.resolve_data)
+
+
+class _Inline:
+    """``stream`` as :meth:`DirectWriter._write_file` writes it by default: each write in the calling thread, the
+    writeback started (:class:`_Writeback`) after each tensor."""
+
+    def __init__(self, stream: Any, writeback: _Writeback) -> None:
+        self.write, self.tell, self.flush, self.seek = stream.write, stream.tell, stream.flush, stream.seek
+        self.written = writeback.written
+
+    def hold(self, tensor: torch.Tensor) -> None:
+        """Nothing to keep: every write is done when it returns."""
+
+    def close(self) -> None:
+        """Nothing queued."""
+
+
+class PipelinedWriter(DirectWriter):
+    """:class:`DirectWriter` whose tensor bytes are written by a second thread while the caller prepares the next
+    entry (for one process writing alone, as the offline converter): the same files, byte for byte.
+
+    torch's zip writer hands each tensor's data to the stream as one view of the tensor's memory, after its CRC-32
+    (computed with the GIL released). :class:`_Pipelined` queues that view (keeping the tensor alive) to its writer
+    thread and returns, so the next tensor is built (memory-mapped pages read, pieces joined) and checksummed while
+    the previous one's bytes go to the file. Small records are gathered and queued in order between them. At most
+    one tensor is queued, and only one of at most :attr:`pipeline_bytes` (a larger one is written in the calling
+    thread after the queue drains): the memory held beyond :class:`DirectWriter`'s is one such tensor. The
+    writeback hints and the ``fsync`` are :class:`DirectWriter`'s, the hints given from the writer thread."""
+
+    #: the largest tensor whose bytes are written from the second thread
+    pipeline_bytes = 128 * 2**20
+
+    def _output(self, stream: Any, writeback: _Writeback) -> Any:
+        return _Pipelined(stream, writeback, self.pipeline_bytes)
+
+
+class _Pipelined:
+    """A write-only stream over ``stream`` for :class:`PipelinedWriter`: ``write`` copies small chunks into a
+    buffer and queues views of the held tensor's memory to one writer thread, in order; ``tell`` is the position
+    after everything written so far, queued or not; ``flush`` and ``seek`` wait for the queue first."""
+
+    _SMALL = 1 << 20  #: chunks below this are copied (torch's zip writer reuses their memory once write returns)
+
+    def __init__(self, stream: Any, writeback: _Writeback, limit: int) -> None:
+        self._stream, self._writeback, self._limit = stream, writeback, limit
+        self._position = stream.tell()
+        self._buffer = bytearray()
+        self._held: torch.Tensor | None = None
+        self._queue: queue.Queue = queue.Queue()
+        self._in_flight = threading.Semaphore(1)  # one tensor's bytes queued or being written, at most
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="zero_dtensor-writer", daemon=True)
+        self._thread.start()
+
+    def hold(self, tensor: torch.Tensor) -> None:
+        """The tensor whose bytes the next writes may view (kept alive until they are written)."""
+        self._held = tensor
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        size = view.nbytes
+        self._position += size
+        if size < self._SMALL:
+            self._buffer += view
+            return size
+        if size <= self._limit and self._inside_held(view):
+            self._send()
+            self._in_flight.acquire()  # the previous tensor's bytes are written: hold one more, at most
+            self._put((view, self._held))
+            return size
+        self._drain()  # anything else (a torch.save archive, a tensor over the limit): here, once the queue is empty
+        self._stream.write(view)
+        self._writeback.written()
+        return size
+
+    def tell(self) -> int:
+        return self._position
+
+    def flush(self) -> None:
+        self._drain()
+        self._stream.flush()
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self.flush()
+        self._position = self._stream.seek(offset, whence)
+        return self._position
+
+    def written(self) -> None:
+        """After each tensor: drop the reference (the queue holds its own)."""
+        self._held = None
+
+    def close(self) -> None:
+        """Write everything queued and stop the thread; raises the writer thread's error, if any."""
+        try:
+            self._drain()
+        finally:
+            self._queue.put(None)
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def _inside_held(self, view: memoryview) -> bool:
+        held = self._held
+        if held is None or view.nbytes > held.untyped_storage().nbytes():
+            return False
+        try:
+            import numpy
+        except ImportError:  # then every tensor is written in the calling thread
+            return False
+        address = numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data
+        start = held.untyped_storage().data_ptr()
+        return start <= address and address + view.nbytes <= start + held.untyped_storage().nbytes()
+
+    def _send(self) -> None:
+        if self._buffer:
+            self._put((bytes(self._buffer), None))
+            self._buffer.clear()
+
+    def _put(self, chunk: tuple[Any, Any]) -> None:
+        if self._error is not None:
+            if chunk[1] is not None:
+                self._in_flight.release()
+            raise self._error
+        self._queue.put(chunk)
+
+    def _drain(self) -> None:
+        self._send()
+        self._queue.join()
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        while True:
+            chunk = self._queue.get()
+            try:
+                if chunk is None:
+                    return
+                if self._error is None:
+                    self._stream.write(chunk[0])
+                    if chunk[1] is not None:
+                        self._writeback.written()
+            except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread at its next write or close
+                self._error = exc
+            finally:
+                if chunk is not None and chunk[1] is not None:
+                    self._in_flight.release()
+                chunk = None
+                self._queue.task_done()
 
 
 class _Writeback:

@@ -39,6 +39,20 @@ def _temporary(dst: str) -> str:
     return os.path.join(parent, f".{os.path.basename(os.path.abspath(dst))}.converting-{uuid.uuid4().hex[:8]}")
 
 
+def _sync_folder(path: str) -> None:
+    """``fsync`` the folder ``path`` (its entries: names created or renamed in it), where the system allows it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # a folder that cannot be fsynced (some file systems, Windows): the files were
+        pass
+    finally:
+        os.close(fd)
+
+
 def convert(src: str | os.PathLike, dst: str | os.PathLike, *, tag: str | None = None, to: str = "dcp",
             dtype: torch.dtype | str = torch.float32, max_shard_size: int | str = "5GB", sync_files: bool = True,
             progress: Callable[[int, int], None] | None = None) -> str:
@@ -61,7 +75,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, tag: str | None =
             ``zero_to_fp32``, byte for byte where it can write them).
         dtype: ``to="safetensors"`` only: the floating-point dtype written (``fp32``, ``bf16``, ``fp16``).
         max_shard_size: ``to="safetensors"`` only: the largest file (``"5GB"``, or bytes), as ``zero_to_fp32``.
-        sync_files: ``to="dcp"`` only: fsync each file before ``.metadata`` is written (as ``zd.save``).
+        sync_files: ``to="dcp"`` only: fsync each file before ``.metadata`` is written (as ``zd.save``), then the
+            folder and, after the rename, its parent: the checkpoint is on the disk when the call returns.
+            ``False``: the operating system writes it back when it likes (as DeepSpeed's own tools do).
         progress: called as ``progress(bytes_done, bytes_total)`` after each tensor is written (the library prints
             nothing; the command line draws a progress bar with it).
 
@@ -78,7 +94,9 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, tag: str | None =
 
     Device and memory:
         CPU only. The partition files are read memory-mapped and one parameter is assembled at a time: besides the
-        page cache, at most about the largest parameter (twice where a dtype is cast) and the plan's metadata.
+        page cache, at most about twice the largest parameter (``to="dcp"``: one being written by a second thread
+        while the next is assembled, up to 128 MiB, larger ones one at a time; ``to="safetensors"``: one, twice
+        where a dtype is cast) and the plan's metadata.
 
     Example:
         ```python
@@ -113,9 +131,14 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, *, tag: str | None =
         else:
             to_safetensors.write_safetensors(files, temporary, advance, dtype=out_dtype,
                                              max_shard_size=max_shard_size)
+        durable = to == "dcp" and sync_files
+        if durable:  # the files were fsynced by the writer; their names in the folder too, before it is renamed
+            _sync_folder(temporary)
         if os.path.isdir(dst):
             os.rmdir(dst)  # empty (checked above)
         os.rename(temporary, dst)
+        if durable:  # and the rename: the checkpoint is on the disk when the call returns
+            _sync_folder(os.path.dirname(os.path.abspath(dst)))
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise

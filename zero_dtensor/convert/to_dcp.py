@@ -4,8 +4,10 @@ The state dict handed to ``torch.distributed.checkpoint.save`` holds **meta tens
 the masters, the optimizer state and the frozen weights; DCP plans the checkpoint from them, and its writer asks
 :class:`StreamingPlanner` for each tensor as it writes it (``resolve_data``): the tensor is then assembled from the
 memory-mapped partition files (a view of the file where the parameter lies in one piece, else one new tensor),
-written and dropped. The writer is :class:`~zero_dtensor.checkpoint.writer.DirectWriter`, as in
-:func:`zero_dtensor.save`, one process, no process group (``no_dist``). No communication.
+written and dropped. The writer is :class:`~zero_dtensor.checkpoint.writer.PipelinedWriter`: the files
+:func:`zero_dtensor.save`'s :class:`~zero_dtensor.checkpoint.writer.DirectWriter` writes, one tensor's bytes
+written by a second thread while the next tensor is assembled and checksummed. One process, no process group
+(``no_dist``). No communication.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from .._deepspeed.checkpoint_files import SavedFiles, SavedParam
 from ..checkpoint.boxes import storage_exact
 from ..checkpoint.binding import bind
 from ..checkpoint.planners import CachingSavePlanner
-from ..checkpoint.writer import DirectWriter
+from ..checkpoint.writer import PipelinedWriter
 
 __all__ = ["dcp_entries", "write_dcp"]
 
@@ -99,11 +101,11 @@ def total_bytes(state: dict[str, Any]) -> int:
 
 def write_dcp(files: SavedFiles, path: str, progress: Callable[[int], None], *, sync_files: bool = True) -> None:
     """Write the DCP checkpoint of ``files`` into the folder ``path`` (one ``__0_0.distcp`` and ``.metadata``).
-    **Memory**: one parameter's value at a time (none where it lies in one piece of one file: written from the
-    mapped file), plus DCP's plan (a few hundred bytes per entry)."""
+    **Memory**: two parameters' values at most (the one being written and the next; none where a value lies in
+    one piece of one file: written from the mapped file), plus DCP's plan (a few hundred bytes per entry)."""
     state, sources = dcp_entries(files)
     bind(state, 0)  # the one data file holds this checkpoint's save_id, as zd.save's files do
     with warnings.catch_warnings():  # DCP warns that it assumes one process without a process group: it is one
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, storage_writer=DirectWriter(path, sync_files=sync_files),
+        dcp.save(state, storage_writer=PipelinedWriter(path, sync_files=sync_files),
                  planner=StreamingPlanner(files, sources, progress), no_dist=True)

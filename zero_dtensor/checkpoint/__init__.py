@@ -8,7 +8,7 @@ counters, the lr scheduler, the fp16 loss scaler and a client state) at any worl
 Modules: :mod:`.io` (``save``/``load``), :mod:`.metadata` (the ``.metadata`` read and checked against the engine),
 :mod:`.state_dict` (``get_state_dict``/``set_state_dict``), :mod:`.target` (what an engine holds, as a checkpoint
 sees it), :mod:`.boxes` (fragments as row boxes), :mod:`.planners` (DCP planners), :mod:`.writer` and
-:mod:`.reader` (DCP storage writer and reader), :mod:`.layouts` (where an entry's data and CRC-32 lie), :mod:`.crc`
+:mod:`.reader` (DCP storage writer and reader), :mod:`.pipelined_writer` (the offline converter's writer), :mod:`.layouts` (where an entry's data and CRC-32 lie), :mod:`.crc`
 (CRC-32 checks of the data read), :mod:`.binding` (every data file bound to its checkpoint's ``save_id``).
 """
 

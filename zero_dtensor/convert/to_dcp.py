@@ -4,7 +4,7 @@ The state dict handed to ``torch.distributed.checkpoint.save`` holds **meta tens
 the masters, the optimizer state and the frozen weights; DCP plans the checkpoint from them, and its writer asks
 :class:`StreamingPlanner` for each tensor as it writes it (``resolve_data``): the tensor is then assembled from the
 memory-mapped partition files (a view of the file where the parameter lies in one piece, else one new tensor),
-written and dropped. The writer is :class:`~zero_dtensor.checkpoint.writer.PipelinedWriter`: the files
+written and dropped. The writer is :class:`~zero_dtensor.checkpoint.pipelined_writer.PipelinedWriter`: the files
 :func:`zero_dtensor.save`'s :class:`~zero_dtensor.checkpoint.writer.DirectWriter` writes, one tensor's bytes
 written by a second thread while the next tensor is assembled and checksummed. One process, no process group
 (``no_dist``). No communication.
@@ -25,7 +25,7 @@ from .._deepspeed.checkpoint_files import SavedFiles, SavedParam
 from ..checkpoint.boxes import storage_exact
 from ..checkpoint.binding import bind
 from ..checkpoint.planners import CachingSavePlanner
-from ..checkpoint.writer import PipelinedWriter
+from ..checkpoint.pipelined_writer import PipelinedWriter
 
 __all__ = ["dcp_entries", "write_dcp"]
 

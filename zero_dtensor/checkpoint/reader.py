@@ -67,9 +67,12 @@ _GAP = 1 << 16
 #: its read, while it is in the core's cache (64 MB from the page cache, 2-core Xeon, ``zlib.crc32``: read in 0.5-1
 #: MiB pieces, each CRC-ed, 22-23 ms of CPU; in 4 MiB pieces 28 ms; read whole, then CRC-ed, 43 ms)
 _CHUNK = 1 << 20
-#: records at least this long, checked apart (deferred, or read in part), are CRC-ed by :class:`Checksums`' threads
-#: (over a map of the file) while the reader reads on; shorter ones at once
+#: batches (:data:`_BATCH`) of records checked apart (deferred, or read in part) at least this long are CRC-ed by
+#: :class:`Checksums`' threads (over a map of the file) while the reader reads on; shorter ones at once
 _THREADED = 1 << 18
+#: :class:`Checksums` takes records checked apart in batches of up to this many bytes (consecutive records of one
+#: file): one task, one size check and one comparison loop per batch rather than per record
+_BATCH = 8 << 20
 #: :class:`Checksums`' threads (records are independent: each is CRC-ed by one thread)
 _THREADS = min(4, os.cpu_count() or 1)
 
@@ -209,19 +212,13 @@ class DirectReader(FileSystemReader):
         return where.crc if where.crc is not None else descriptor_crc(stream.read(8), self._entry(item))
 
     def _check_record(self, stream: IO[bytes], item: ReadItem, where: Where, start: int, record: int) -> None:
-        """Compare the CRC-32 of the data record at ``start`` (``record`` bytes) with the archive's, over a map of
-        the file (:class:`Checksums`: a long record by a thread, its mismatch raised by :meth:`read_data` before
-        ``between``); ``OSError`` on a mismatch or a short file."""
-        entry = self._entry(item)
-        if where.crc is None:  # the data descriptor's, right after the data
-            stream.seek(start + record)
-            recorded = descriptor_crc(stream.read(8), entry)
-        else:
-            recorded = where.crc
+        """Have the CRC-32 of the data record at ``start`` (``record`` bytes) compared with the archive's, over a
+        map of the file (:class:`Checksums`: in batches, a long one by a thread; a mismatch raised by
+        :meth:`read_data` before ``between``, at the latest); ``OSError`` on a mismatch or a short file."""
         if self._checksums is None:
-            self._checksums = Checksums(_THREADS, _THREADED)
-        self._checksums.check(self.storage_data[item.storage_index].relative_path, stream, start, record, recorded,
-                              entry, required=where.required)
+            self._checksums = Checksums(_THREADS, _THREADED, _BATCH)
+        self._checksums.check(self.storage_data[item.storage_index].relative_path, stream, start, record, where.crc,
+                              self._entry(item), required=where.required)
 
     def _located(self, stream: IO[bytes], info: Any) -> Where | None:
         """What the entry holds, where its data starts and its CRC-32 lies, where its bytes before the data are

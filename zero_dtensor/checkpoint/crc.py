@@ -120,20 +120,34 @@ class Checksums:
         self._compared.append(self._pool.submit(_compare_all, view, batch))
 
     def finish(self) -> None:
-        """CRC what is left, wait for every comparison; ``OSError`` for the first mismatch (in reading order)."""
+        """CRC what is left, wait for every comparison and end the threads; ``OSError`` for the first mismatch (in
+        reading order; everything closed then). The maps stay open for :meth:`source` until :meth:`close`."""
         try:
             self.flush()
             for compared in self._compared:
                 compared.result()
-        finally:
+        except BaseException:
             self.close()
+            raise
+        self._end_threads()
 
-    def close(self) -> None:
-        """End the threads (waiting for those running) and unmap the files."""
+    def source(self, file: str) -> tuple[memoryview, int] | None:
+        """The map of ``file`` (a view of it) and the file's size now, where records of it were checked: their
+        bytes, already checked, can be copied from there (no second read); ``None`` where none were."""
+        if file not in self._maps:
+            return None
+        mapped, view = self._maps[file]
+        return view, min(len(view), mapped.size())
+
+    def _end_threads(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
         self._compared.clear()
+
+    def close(self) -> None:
+        """End the threads (waiting for those running) and unmap the files."""
+        self._end_threads()
         self._pending, self._pending_file, self._pending_bytes = [], None, 0
         for mapped, view in self._maps.values():
             view.release()

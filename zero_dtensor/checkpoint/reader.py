@@ -120,7 +120,7 @@ class DirectReader(FileSystemReader):
         try:
             return self._read_data(plan, planner)
         finally:
-            if self._checksums is not None:  # a failed first pass: end the thread, its results unused
+            if self._checksums is not None:  # end the threads (a failed pass: their results unused), unmap
                 self._checksums.close()
                 self._checksums = None
 
@@ -137,8 +137,7 @@ class DirectReader(FileSystemReader):
                 for item in items:
                     self._read_item(cast(IO[bytes], stream), item, planner)
         if self._checksums is not None:  # every record's CRC-32 compared before anything deferred is written
-            checksums, self._checksums = self._checksums, None
-            checksums.finish()
+            self._checksums.finish()  # its maps stay open: the second pass copies the checked bytes from them
         if self._between is not None:
             self._between()
         self._read_deferred(planner)
@@ -153,10 +152,13 @@ class DirectReader(FileSystemReader):
         for read in deferred:
             per_file.setdefault(self.storage_data[read.item.storage_index].relative_path, []).append(read)
         for relative_path, reads in per_file.items():
+            mapped = self._checksums.source(relative_path) if self._checksums is not None else None
             with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
                 for read in reads:
                     if read.file_offset is None:
                         read.target.copy_(cast(torch.Tensor, read.loaded))
+                    elif mapped is not None and read.file_offset + read.target.nbytes <= mapped[1]:
+                        _copy_to(mapped[0], read.file_offset, read.target)  # checked bytes, from the file's map
                     else:
                         stream.seek(read.file_offset)
                         _read_to(cast(IO[bytes], stream), read.target, read.item)
@@ -322,6 +324,18 @@ def _read_to(stream: IO[bytes], target: torch.Tensor, item: ReadItem, *, crc: bo
     if host is not target:
         target.copy_(host)
     return checksum
+
+
+def _copy_to(source: memoryview, offset: int, target: torch.Tensor) -> None:
+    """``target``'s bytes (a contiguous tensor) from ``source[offset:]`` (a file's map; through a host copy for a
+    tensor off the CPU)."""
+    if not target.numel():
+        return
+    host = target if target.device.type == "cpu" else torch.empty_like(target, device="cpu")
+    with source[offset:offset + host.nbytes] as data:
+        memoryview(host.view(-1).view(torch.uint8).numpy())[:] = data
+    if host is not target:
+        target.copy_(host)
 
 
 def _read_exactly(stream: IO[bytes], length: int, item: ReadItem) -> bytes:

@@ -219,11 +219,13 @@ def compare(recorded: int, actual: int, entry: str, *, required: bool = True) ->
                       "(a damaged file: the data changed after it was written)")
 
 
-def check_loaded(archive: IO[bytes], loaded: torch.Tensor, entry: str, record: str) -> None:
+def check_loaded(archive: IO[bytes], loaded: torch.Tensor, entry: str, record: str, reader: Any = None) -> None:
     """Compare the CRC-32 of ``loaded``'s storage (``torch.load`` does not) with the one ``archive`` (a
-    ``torch.save`` archive, seekable) records for its data record; ``OSError`` naming ``entry`` on a mismatch."""
-    archive.seek(0)
-    reader = torch._C.PyTorchFileReader(archive)
+    ``torch.save`` archive, seekable) records for its data record; ``OSError`` naming ``entry`` on a mismatch.
+    ``reader``: a ``torch._C.PyTorchFileReader`` already open over ``archive`` (else one is opened)."""
+    if reader is None:
+        archive.seek(0)
+        reader = torch._C.PyTorchFileReader(archive)
     if not reader.has_record(record):
         return  # no storage (a tensor without data): nothing to check
     data = reader.get_record_offset(record)

@@ -247,7 +247,7 @@ class DirectReader(FileSystemReader):
         stored = self._headers.get(key)
         first = stored is None
         if first:
-            loaded = self._load(stream, info, item)
+            loaded = self._load(stream, info, item, archive)
             stored = self._headers[key] = describe(loaded, key[1], archive.get_all_records())
         data = archive.get_record_offset(DATA) if stored.direct else -1
         layout = None
@@ -268,10 +268,11 @@ class DirectReader(FileSystemReader):
             return Where(replace(stored, direct=False), -1, None, True)
         return Where(stored, data, None if layout.descriptor else layout.header_crc(head), layout.crcs)
 
-    def _load(self, stream: IO[bytes], info: Any, item: ReadItem) -> torch.Tensor:
+    def _load(self, stream: IO[bytes], info: Any, item: ReadItem, reader: Any = None) -> torch.Tensor:
+        """The entry ``torch.load``ed, its data checked (``reader``: the zip reader already open over it)."""
         archive = self._slice_file(stream, info)
         loaded = cast(torch.Tensor, torch.load(archive, map_location="cpu", weights_only=True))
-        _check_loaded(archive, loaded, self._entry(item))
+        _check_loaded(archive, loaded, self._entry(item), reader)
         return loaded
 
     def _copy(self, loaded: torch.Tensor, item: ReadItem, planner: LoadPlanner) -> None:
@@ -301,9 +302,10 @@ class DirectReader(FileSystemReader):
         self._copy(loaded, item, planner)
 
 
-def _check_loaded(archive: IO[bytes], loaded: torch.Tensor, entry: str) -> None:
-    """:func:`~zero_dtensor.checkpoint.crc.check_loaded` of the archive's data record."""
-    check_loaded(archive, loaded, entry, DATA)
+def _check_loaded(archive: IO[bytes], loaded: torch.Tensor, entry: str, reader: Any = None) -> None:
+    """:func:`~zero_dtensor.checkpoint.crc.check_loaded` of the archive's data record (``reader``: the zip reader
+    already open over the archive, if any)."""
+    check_loaded(archive, loaded, entry, DATA, reader)
 
 
 def _check_size(stream: IO[bytes], relative_path: str, items: list[ReadItem], storage_data: Any) -> None:

@@ -66,10 +66,13 @@ class Checksums:
     lies, is read from the map too: no read, no seek, no ``fstat`` per record); a batch of at least ``threaded``
     bytes is CRC-ed by one of ``threads`` threads while the reader reads on (records are independent;
     :data:`crc32` releases the GIL), a shorter one at once. :meth:`finish` waits for every comparison and raises
-    the first mismatch in reading order. Memory: no buffer (the maps are the page cache's pages, unmapped by
-    :meth:`close`). A file truncated before a record is checked raises ``OSError``; one truncated by another
-    process while its record is being CRC-ed (a checkpoint overwritten during the load) ends this process with
-    ``SIGBUS``, as any read of a mapped file does. No communication."""
+    the first mismatch in reading order; the maps stay open after it (:meth:`source`), so the reader copies the
+    checked records into place from pages already mapped rather than reading them again (64 MiB from the page
+    cache on the 2-core development machine: CRC over the map and copy from it 6.7 ms of CPU more than a plain
+    read into place, against 10.7 ms CRC-ed over the map and read again). Memory: no buffer (the maps are the page
+    cache's pages, unmapped by :meth:`close`). A file truncated before a record is checked raises ``OSError``; one truncated by another
+    process while its record is being CRC-ed or copied (a checkpoint overwritten during the load) ends this process
+    with ``SIGBUS``, as any read of a mapped file does. No communication."""
 
     def __init__(self, threads: int, threaded: int, batch: int = 8 << 20) -> None:
         self._threads, self._threaded, self._batch = threads, threaded, batch

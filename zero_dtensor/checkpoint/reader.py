@@ -21,9 +21,10 @@ shorter than its entries raises before any of them is read, a short read too. Ev
 checked against the CRC-32 its archive records (torch's zip reader does not: a flipped bit loaded silently): bytes
 read straight into place are CRC-ed there (:func:`~.crc.crc32`: zlib-ng's, else ``zlib.crc32``), an entry
 ``torch.load``ed over its loaded storage, and a record read only in part, or bound for a deferred destination, is
-read whole in the first pass and CRC-ed there (a deferred one is read again, into place, in the second pass): one
-of 256 KiB or more by one of a few threads while the reader reads on (:class:`Checksums`: over a read-only map of
-the file, the page cache's pages, not copied). Bytes read into place are CRC-ed 1 MiB at a time right after each
+CRC-ed whole in the first pass over a read-only map of the file (:class:`Checksums`: the page cache's pages, not
+copied; records taken in batches of up to 8 MiB, a batch of 256 KiB or more CRC-ed by one of a few threads while the
+reader reads on); a deferred one is then copied into place in the second pass from that map (its pages already
+mapped: no second read). Bytes read into place are CRC-ed 1 MiB at a time right after each
 read (in cache: :data:`_CHUNK`); the CRC-32 is the data record's zip data descriptor's
 (torch's writer puts one after the data, with its signature, which is required) or its local header's. A mismatch
 raises ``OSError`` naming the file and the entry, in the first pass (before ``between``). A recorded 0 is "none"
@@ -32,8 +33,8 @@ only in an archive that records no CRC-32 for any record (``torch.serialization.
 are read (:mod:`.binding`). Bytes entries carry no CRC-32 here. Entries are read in file order. With
 ``defer`` the reads into some destinations wait for a second pass (:class:`DirectReader`). Memory: no more than
 DCP's path (one entry at a time, and only for destinations off the CPU), except that entries taking DCP's path into
-deferred destinations are held until the second pass, and, for the first pass, read-only maps of the files whose
-records are checked apart (:class:`Checksums`: the page cache's pages, up to 4 threads). No communication
+deferred destinations are held until the second pass, and, until the second pass ends, read-only maps of the files
+whose records are checked apart (:class:`Checksums`: the page cache's pages; up to 4 threads in the first pass). No communication
 (``between`` may communicate).
 """
 
@@ -146,7 +147,8 @@ class DirectReader(FileSystemReader):
         return done
 
     def _read_deferred(self, planner: LoadPlanner) -> None:
-        """The second pass: every held-back read, file by file in file order."""
+        """The second pass: every held-back read, file by file in file order (copied from the file's map where
+        :class:`Checksums` checked its records, else read)."""
         deferred, self._deferred = self._deferred, []
         per_file: dict[str, list[_Deferred]] = {}
         for read in deferred:

@@ -543,16 +543,16 @@ def second_pass_failure(root: str) -> str:
     def failing(self, planner):
         if dist.get_rank() != 1:
             return second_pass(self, planner)
-        read_to = reader._read_to
+        read_to, copy_to = reader._read_to, reader._copy_to  # the second pass reads, or copies from a checked map
 
-        def broken(stream, target, item):
+        def broken(*args):
             raise OSError("the disk went away")
 
-        reader._read_to = broken
+        reader._read_to = reader._copy_to = broken
         try:
             return second_pass(self, planner)
         finally:
-            reader._read_to = read_to
+            reader._read_to, reader._copy_to = read_to, copy_to
 
     reader.DirectReader._read_deferred = failing
     try:

@@ -21,9 +21,10 @@ shorter than its entries raises before any of them is read, a short read too. Ev
 checked against the CRC-32 its archive records (torch's zip reader does not: a flipped bit loaded silently): bytes
 read straight into place are CRC-ed there (:func:`~.crc.crc32`: zlib-ng's, else ``zlib.crc32``), an entry
 ``torch.load``ed over its loaded storage, and a record read only in part, or bound for a deferred destination, is
-read whole in the first pass and CRC-ed there (a deferred one is read again, into place, in the second pass): one
-of 256 KiB or more by one of a few threads while the reader reads on (:class:`Checksums`: over a read-only map of
-the file, the page cache's pages, not copied). Bytes read into place are CRC-ed 1 MiB at a time right after each
+CRC-ed whole in the first pass over a read-only map of the file (:class:`Checksums`: the page cache's pages, not
+copied; records taken in batches of up to 8 MiB, a batch of 256 KiB or more CRC-ed by one of a few threads while the
+reader reads on); a deferred one is then copied into place in the second pass from that map (its pages already
+mapped: no second read). Bytes read into place are CRC-ed 1 MiB at a time right after each
 read (in cache: :data:`_CHUNK`); the CRC-32 is the data record's zip data descriptor's
 (torch's writer puts one after the data, with its signature, which is required) or its local header's. A mismatch
 raises ``OSError`` naming the file and the entry, in the first pass (before ``between``). A recorded 0 is "none"
@@ -32,8 +33,8 @@ only in an archive that records no CRC-32 for any record (``torch.serialization.
 are read (:mod:`.binding`). Bytes entries carry no CRC-32 here. Entries are read in file order. With
 ``defer`` the reads into some destinations wait for a second pass (:class:`DirectReader`). Memory: no more than
 DCP's path (one entry at a time, and only for destinations off the CPU), except that entries taking DCP's path into
-deferred destinations are held until the second pass, and, for the first pass, read-only maps of the files whose
-records are checked apart (:class:`Checksums`: the page cache's pages, up to 4 threads). No communication
+deferred destinations are held until the second pass, and, until the second pass ends, read-only maps of the files
+whose records are checked apart (:class:`Checksums`: the page cache's pages; up to 4 threads in the first pass). No communication
 (``between`` may communicate).
 """
 
@@ -67,9 +68,12 @@ _GAP = 1 << 16
 #: its read, while it is in the core's cache (64 MB from the page cache, 2-core Xeon, ``zlib.crc32``: read in 0.5-1
 #: MiB pieces, each CRC-ed, 22-23 ms of CPU; in 4 MiB pieces 28 ms; read whole, then CRC-ed, 43 ms)
 _CHUNK = 1 << 20
-#: records at least this long, checked apart (deferred, or read in part), are CRC-ed by :class:`Checksums`' threads
-#: (over a map of the file) while the reader reads on; shorter ones at once
+#: batches (:data:`_BATCH`) of records checked apart (deferred, or read in part) at least this long are CRC-ed by
+#: :class:`Checksums`' threads (over a map of the file) while the reader reads on; shorter ones at once
 _THREADED = 1 << 18
+#: :class:`Checksums` takes records checked apart in batches of up to this many bytes (consecutive records of one
+#: file): one task, one size check and one comparison loop per batch rather than per record
+_BATCH = 8 << 20
 #: :class:`Checksums`' threads (records are independent: each is CRC-ed by one thread)
 _THREADS = min(4, os.cpu_count() or 1)
 
@@ -117,7 +121,7 @@ class DirectReader(FileSystemReader):
         try:
             return self._read_data(plan, planner)
         finally:
-            if self._checksums is not None:  # a failed first pass: end the thread, its results unused
+            if self._checksums is not None:  # end the threads (a failed pass: their results unused), unmap
                 self._checksums.close()
                 self._checksums = None
 
@@ -134,8 +138,7 @@ class DirectReader(FileSystemReader):
                 for item in items:
                     self._read_item(cast(IO[bytes], stream), item, planner)
         if self._checksums is not None:  # every record's CRC-32 compared before anything deferred is written
-            checksums, self._checksums = self._checksums, None
-            checksums.finish()
+            self._checksums.finish()  # its maps stay open: the second pass copies the checked bytes from them
         if self._between is not None:
             self._between()
         self._read_deferred(planner)
@@ -144,16 +147,20 @@ class DirectReader(FileSystemReader):
         return done
 
     def _read_deferred(self, planner: LoadPlanner) -> None:
-        """The second pass: every held-back read, file by file in file order."""
+        """The second pass: every held-back read, file by file in file order (copied from the file's map where
+        :class:`Checksums` checked its records, else read)."""
         deferred, self._deferred = self._deferred, []
         per_file: dict[str, list[_Deferred]] = {}
         for read in deferred:
             per_file.setdefault(self.storage_data[read.item.storage_index].relative_path, []).append(read)
         for relative_path, reads in per_file.items():
+            mapped = self._checksums.source(relative_path) if self._checksums is not None else None
             with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
                 for read in reads:
                     if read.file_offset is None:
                         read.target.copy_(cast(torch.Tensor, read.loaded))
+                    elif mapped is not None and read.file_offset + read.target.nbytes <= mapped[1]:
+                        _copy_to(mapped[0], read.file_offset, read.target)  # checked bytes, from the file's map
                     else:
                         stream.seek(read.file_offset)
                         _read_to(cast(IO[bytes], stream), read.target, read.item)
@@ -209,19 +216,13 @@ class DirectReader(FileSystemReader):
         return where.crc if where.crc is not None else descriptor_crc(stream.read(8), self._entry(item))
 
     def _check_record(self, stream: IO[bytes], item: ReadItem, where: Where, start: int, record: int) -> None:
-        """Compare the CRC-32 of the data record at ``start`` (``record`` bytes) with the archive's, over a map of
-        the file (:class:`Checksums`: a long record by a thread, its mismatch raised by :meth:`read_data` before
-        ``between``); ``OSError`` on a mismatch or a short file."""
-        entry = self._entry(item)
-        if where.crc is None:  # the data descriptor's, right after the data
-            stream.seek(start + record)
-            recorded = descriptor_crc(stream.read(8), entry)
-        else:
-            recorded = where.crc
+        """Have the CRC-32 of the data record at ``start`` (``record`` bytes) compared with the archive's, over a
+        map of the file (:class:`Checksums`: in batches, a long one by a thread; a mismatch raised by
+        :meth:`read_data` before ``between``, at the latest); ``OSError`` on a mismatch or a short file."""
         if self._checksums is None:
-            self._checksums = Checksums(_THREADS, _THREADED)
-        self._checksums.check(self.storage_data[item.storage_index].relative_path, stream, start, record, recorded,
-                              entry, required=where.required)
+            self._checksums = Checksums(_THREADS, _THREADED, _BATCH)
+        self._checksums.check(self.storage_data[item.storage_index].relative_path, stream, start, record, where.crc,
+                              self._entry(item), required=where.required)
 
     def _located(self, stream: IO[bytes], info: Any) -> Where | None:
         """What the entry holds, where its data starts and its CRC-32 lies, where its bytes before the data are
@@ -248,7 +249,7 @@ class DirectReader(FileSystemReader):
         stored = self._headers.get(key)
         first = stored is None
         if first:
-            loaded = self._load(stream, info, item)
+            loaded = self._load(stream, info, item, archive)
             stored = self._headers[key] = describe(loaded, key[1], archive.get_all_records())
         data = archive.get_record_offset(DATA) if stored.direct else -1
         layout = None
@@ -269,10 +270,11 @@ class DirectReader(FileSystemReader):
             return Where(replace(stored, direct=False), -1, None, True)
         return Where(stored, data, None if layout.descriptor else layout.header_crc(head), layout.crcs)
 
-    def _load(self, stream: IO[bytes], info: Any, item: ReadItem) -> torch.Tensor:
+    def _load(self, stream: IO[bytes], info: Any, item: ReadItem, reader: Any = None) -> torch.Tensor:
+        """The entry ``torch.load``ed, its data checked (``reader``: the zip reader already open over it)."""
         archive = self._slice_file(stream, info)
         loaded = cast(torch.Tensor, torch.load(archive, map_location="cpu", weights_only=True))
-        _check_loaded(archive, loaded, self._entry(item))
+        _check_loaded(archive, loaded, self._entry(item), reader)
         return loaded
 
     def _copy(self, loaded: torch.Tensor, item: ReadItem, planner: LoadPlanner) -> None:
@@ -302,9 +304,10 @@ class DirectReader(FileSystemReader):
         self._copy(loaded, item, planner)
 
 
-def _check_loaded(archive: IO[bytes], loaded: torch.Tensor, entry: str) -> None:
-    """:func:`~zero_dtensor.checkpoint.crc.check_loaded` of the archive's data record."""
-    check_loaded(archive, loaded, entry, DATA)
+def _check_loaded(archive: IO[bytes], loaded: torch.Tensor, entry: str, reader: Any = None) -> None:
+    """:func:`~zero_dtensor.checkpoint.crc.check_loaded` of the archive's data record (``reader``: the zip reader
+    already open over the archive, if any)."""
+    check_loaded(archive, loaded, entry, DATA, reader)
 
 
 def _check_size(stream: IO[bytes], relative_path: str, items: list[ReadItem], storage_data: Any) -> None:
@@ -325,6 +328,18 @@ def _read_to(stream: IO[bytes], target: torch.Tensor, item: ReadItem, *, crc: bo
     if host is not target:
         target.copy_(host)
     return checksum
+
+
+def _copy_to(source: memoryview, offset: int, target: torch.Tensor) -> None:
+    """``target``'s bytes (a contiguous tensor) from ``source[offset:]`` (a file's map; through a host copy for a
+    tensor off the CPU)."""
+    if not target.numel():
+        return
+    host = target if target.device.type == "cpu" else torch.empty_like(target, device="cpu")
+    with source[offset:offset + host.nbytes] as data:
+        memoryview(host.view(-1).view(torch.uint8).numpy())[:] = data
+    if host is not target:
+        target.copy_(host)
 
 
 def _read_exactly(stream: IO[bytes], length: int, item: ReadItem) -> bytes:

@@ -133,7 +133,7 @@ UNIVERSAL_EQUAL, UNIVERSAL_REFUSED = "universal equal", "universal refused"
 
 
 def _universal_load(root: str, name: str, case: EngineCase) -> Any:
-    """A new engine of ``case`` with ``"checkpoint": {"load_universal": true}`` that ``load_checkpoint``\ s
+    """A new engine of ``case`` with ``"checkpoint": {"load_universal": true}`` that loads (``load_checkpoint``)
     ``root/name.universal`` (DeepSpeed's ``ds_to_universal`` of the original folder, ``latest_universal`` inside)."""
     theirs = build_engine(dataclasses.replace(case, extra=case.extra + (("checkpoint", {"load_universal": True}),)),
                           seed=3)
@@ -143,8 +143,8 @@ def _universal_load(root: str, name: str, case: EngineCase) -> Any:
 
 def _check_universal(root: str, name: str, case: EngineCase, ours: dict[str, Any]) -> None:
     """DeepSpeed's universal load of the same checkpoint into the same shape equals ``ours`` (the snapshot of the
-    ``zd.load``\ ed engine) bit for bit: masters, every optimizer-state key, steps, counters, lr scheduler, loss
-    scaler, and the working weights of the trained parameters. Two things DeepSpeed 0.19.8's universal load does not
+    engine that ``zd.load`` loaded) bit for bit: masters, every optimizer-state key, steps, counters, lr scheduler,
+    loss scaler, and the working weights of the trained parameters. Two things DeepSpeed 0.19.8's universal load does not
     restore, so they are compared only where it does: frozen parameters keep the new engine's initial values (no
     optimizer state, and the module weights are not read); ZeRO-3 copies the first param group's hyperparameters into
     every group (``stage3.py`` ``load_hp_checkpoint_state_from_checkpoint_dir_stage3``: ``param_groups[0]`` for each
@@ -174,9 +174,9 @@ def _check_universal_refused(root: str, name: str, case: EngineCase) -> None:
 def reshaped(root: str, loads: list[tuple[str, EngineCase, str]]) -> None:
     """Each converted checkpoint loads with ``zd.load`` into an engine of another world size or stage: every master,
     state key, step, hyperparameter, counter equals the saving engine's (bitwise), and so do DeepSpeed's own
-    ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` of the loaded engine. Per the third item,
+    ``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state`` of the loaded engine. And
     DeepSpeed's universal checkpoint of the same folder (``ds_to_universal``) loaded into the same shape equals the
-    ``zd.load``\ ed engine (``UNIVERSAL_EQUAL``: same stage, :func:`_check_universal`) or is refused
+    engine that ``zd.load`` loaded (``UNIVERSAL_EQUAL``: same stage, :func:`_check_universal`) or is refused
     (``UNIVERSAL_REFUSED``: another stage, :func:`_check_universal_refused`). Then the engine trains on."""
     from zero_dtensor import load
 

@@ -1,8 +1,10 @@
 """The offline converter (``zd.convert`` / ``python -m zero_dtensor.convert``): DeepSpeed engines on CPU gloo ranks
 train 2 steps and ``engine.save_checkpoint``; the folders are converted in this (one) process, with no engine and
 no process group, then loaded back (``zd.load``: same shape against DeepSpeed's own ``load_checkpoint``, other world
-sizes and stages, FSDP2) and compared bit for bit; safetensors against DeepSpeed's ``zero_to_fp32``; bad folders
-refused with nothing written; peak anonymous memory bounded while the checkpoint grows 8x.
+sizes and stages, FSDP2) and compared bit for bit, with DeepSpeed's ``safe_get_full_*`` getters of the saving and of
+the loading engine, and (same stage, other world size) with DeepSpeed's universal checkpoint (``ds_to_universal`` +
+``load_universal``); safetensors against DeepSpeed's ``zero_to_fp32``; bad folders refused with nothing written;
+peak anonymous memory bounded while the checkpoint grows 8x.
 
 The saves run once per world size (one pool run each); engine builds dominate the cost.
 """
@@ -33,6 +35,8 @@ SAVES_2 = [
 SAVES_3 = [("w3-z3-bf16", EngineCase(stage=3, dtype="bf16", world=3, **TIED2), 2)]
 SAVES_1 = [("w1-z2-fp32", EngineCase(stage=2, world=1, **TIED2), 2), ("w1-z0", EngineCase(stage=0, world=1), 1)]
 CASES = {name: case for name, case, _ in SAVES_1 + SAVES_2 + SAVES_3 if case.stage}
+UNIVERSAL = ["w2-z1-fp32", "w2-z2-bf16", "w2-z3-fp16", "w2-bf16opt", "w3-z3-bf16", "w1-z2-fp32"]  # ds_to_universal'd
+EQUAL, REFUSED = wc.UNIVERSAL_EQUAL, wc.UNIVERSAL_REFUSED
 
 
 def _convert_all(root: str, names: list[str]) -> None:
@@ -43,6 +47,24 @@ def _convert_all(root: str, names: list[str]) -> None:
                    max_shard_size="4KB")
 
 
+def _to_universal(root: str, name: str) -> None:
+    """DeepSpeed's own ``python -m deepspeed.checkpoint.ds_to_universal --input_folder root/name/global_step2
+    --output_folder root/name.universal/global_step2 --inject_missing_state --num_extract_workers 1
+    --num_merge_workers 1``, run in this process (one worker each: no process pool); it writes
+    ``root/name.universal/latest_universal``. ``--inject_missing_state``: ZeRO-1/2 files of an engine without
+    Megatron's ``universal_checkpoint_info`` are refused without it."""
+    from unittest import mock
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    argv = ["ds_to_universal", "--input_folder", os.path.join(root, name, "global_step2"),
+            "--output_folder", os.path.join(root, f"{name}.universal", "global_step2"), "--inject_missing_state",
+            "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    with (mock.patch("sys.argv", argv), contextlib.redirect_stdout(io.StringIO()),
+          contextlib.redirect_stderr(io.StringIO())):
+        ds_to_universal.main(ds_to_universal.parse_arguments())
+
+
 @pytest.fixture(scope="module")
 def saved(ranks, tmp_path_factory) -> str:
     root = str(tmp_path_factory.mktemp("ds"))
@@ -50,6 +72,8 @@ def saved(ranks, tmp_path_factory) -> str:
     ranks(3).run(wc.ds_saves, root, SAVES_3)
     ranks(1).run(wc.ds_saves, root, SAVES_1)
     _convert_all(root, list(CASES))
+    for name in UNIVERSAL:
+        _to_universal(root, name)
     return root
 
 
@@ -64,17 +88,40 @@ def test_dcp_same_shape_world_1_and_3(ranks, saved) -> None:
 
 
 def test_dcp_reshaped(ranks, saved) -> None:
+    """Another world size and/or stage: equal to the saving engine's values and to DeepSpeed's ``safe_get_full_*``
+    of the loaded engine. DeepSpeed's universal checkpoint supports the same-stage pair only: the stage changes are
+    refused there (asserted: ``workers.convert._check_universal_refused``)."""
     ranks(3).run(wc.reshaped, saved, [
-        ("w2-z1-fp32", EngineCase(stage=3, world=3, extra=WARMUP, **TIED2)),  # 2 -> 3, stage 1 -> 3
-        ("w2-z2-bf16", EngineCase(stage=2, dtype="bf16", world=3, **TIED2)),  # 2 -> 3
+        ("w2-z1-fp32", EngineCase(stage=3, world=3, extra=WARMUP, **TIED2), REFUSED),  # 2 -> 3, stage 1 -> 3
+        ("w2-z2-bf16", EngineCase(stage=2, dtype="bf16", world=3, **TIED2), EQUAL),  # 2 -> 3
     ])
     ranks(1).run(wc.reshaped, saved, [
-        ("w3-z3-bf16", EngineCase(stage=1, dtype="bf16", world=1, **TIED2)),  # 3 -> 1, stage 3 -> 1
-        ("w2-bf16opt", EngineCase(stage=3, dtype="bf16", world=1, **TIED2)),  # BF16_Optimizer 2 -> ZeRO-3 at 1
+        ("w3-z3-bf16", EngineCase(stage=1, dtype="bf16", world=1, **TIED2), REFUSED),  # 3 -> 1, stage 3 -> 1
+        ("w2-bf16opt", EngineCase(stage=3, dtype="bf16", world=1, **TIED2), REFUSED),  # BF16_Optimizer 2 -> ZeRO-3 at 1
     ])
     ranks(2).run(wc.reshaped, saved, [
-        ("w2-z3-fp16", EngineCase(stage=1, dtype="fp16", world=2, **TIED2)),  # stage 3 (sub-groups) -> 1
-        ("w1-z2-fp32", EngineCase(stage=3, world=2, **TIED2)),  # 1 -> 2, stage 2 -> 3
+        ("w2-z3-fp16", EngineCase(stage=1, dtype="fp16", world=2, **TIED2), REFUSED),  # stage 3 (sub-groups) -> 1
+        ("w1-z2-fp32", EngineCase(stage=3, world=2, **TIED2), REFUSED),  # 1 -> 2, stage 2 -> 3
+    ])
+
+
+def test_dcp_reshaped_equals_universal(ranks, saved) -> None:
+    """The other world-size changes within one stage, where DeepSpeed's universal checkpoint (``ds_to_universal`` +
+    ``load_universal``) works: ``zd.load`` of the conversion equals DeepSpeed's universal load bit for bit
+    (``workers.convert._check_universal``: masters, every state key, steps, counters, scheduler, loss scaler,
+    trained working weights, hyperparameters where DeepSpeed restores them), the saving engine's values, and
+    DeepSpeed's ``safe_get_full_*`` of the loaded engine."""
+    ranks(3).run(wc.reshaped, saved, [
+        ("w2-z1-fp32", EngineCase(stage=1, world=3, extra=WARMUP, **TIED2), EQUAL),  # ZeRO-1 2 -> 3, WarmupLR
+        ("w2-z3-fp16", EngineCase(stage=3, dtype="fp16", world=3, zero={"sub_group_size": 300}, **TIED2),
+         EQUAL),  # ZeRO-3 2 -> 3, sub-groups, loss scaler
+    ])
+    ranks(1).run(wc.reshaped, saved, [
+        ("w2-bf16opt", EngineCase(stage=1, dtype="bf16", bf16_optimizer=True, world=1, **TIED2), EQUAL),  # 2 -> 1
+        ("w3-z3-bf16", EngineCase(stage=3, dtype="bf16", world=1, **TIED2), EQUAL),  # ZeRO-3 3 -> 1
+    ])
+    ranks(2).run(wc.reshaped, saved, [
+        ("w1-z2-fp32", EngineCase(stage=2, world=2, **TIED2), EQUAL),  # ZeRO-2 1 -> 2
     ])
 
 

@@ -58,8 +58,10 @@ def snapshot(engine: Any) -> dict[str, Any]:
                            "counters": dsck.engine_counters(engine), "hps": dsck.group_hyperparameters(engine),
                            "scaler": dsck.loss_scaler_state(engine), "scheduler": dsck.lr_scheduler_state(engine)}
     if families.optimizer_state_ready(engine):
+        # sorted: the state dict's key order may differ between ranks (DeepSpeed's universal load builds it from a
+        # set of key names, in each process's own string-hash order) and ``assemble`` is a collective per key
         out["state"] = {k: assemble(families.optimizer_state_storage(engine, k))
-                        for k in families.optimizer_state_keys(engine)}
+                        for k in sorted(families.optimizer_state_keys(engine))}
         out["steps"] = [float(s) for s in families.optimizer_steps(engine)]
     else:
         out["state"], out["steps"] = None, None

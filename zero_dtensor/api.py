@@ -230,7 +230,9 @@ def optimizer_state_keys(engine: Any) -> tuple[str, ...]:
 
     Returns:
         tuple[str, ...]: e.g. ``('exp_avg', 'exp_avg_sq')`` for Adam, ``('momentum_buffer',)`` for SGD with
-            momentum (``'step'`` never: it is one value per flat group).
+            momentum (``'step'`` never: it is one value per flat group), sorted: the same order on every rank, so
+            a loop over them issues the same collectives everywhere (even after DeepSpeed's universal load, whose
+            state dicts list the keys in a per-process order).
 
     Raises:
         OptimizerStateNotReadyError: before the optimizer's first step.

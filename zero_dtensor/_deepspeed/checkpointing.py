@@ -131,7 +131,7 @@ def probe_state_keys(engine: Any) -> tuple[tuple[str, ...], bool]:
     finally:
         inner.param_groups = saved_groups
         state = inner.state.pop(scratch, {})
-    keys = tuple(k for k, v in state.items() if torch.is_tensor(v) and v.shape == scratch.shape)
+    keys = tuple(sorted(k for k, v in state.items() if torch.is_tensor(v) and v.shape == scratch.shape))
     return keys, "step" in state
 
 

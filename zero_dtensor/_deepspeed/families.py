@@ -280,7 +280,7 @@ def _is_family(value: Any, master: torch.Tensor) -> bool:
 
 
 def _family_keys(masters: _Masters, states: tuple[dict[str, Any], ...]) -> tuple[str, ...]:
-    first = [k for k, v in states[0].items() if _is_family(v, masters.tensors[0])]
+    first = sorted(k for k, v in states[0].items() if _is_family(v, masters.tensors[0]))
     return tuple(k for k in first
                  if all(_is_family(s.get(k), m) for s, m in zip(states[1:], masters.tensors[1:])))
 
@@ -288,7 +288,8 @@ def _family_keys(masters: _Masters, states: tuple[dict[str, Any], ...]) -> tuple
 def optimizer_state_keys(engine: Any) -> tuple[str, ...]:
     """The optimizer-state keys that form a sharded family: in every flat group's state dict, a contiguous tensor
     shaped like that group's master (torch Adam/AdamW: ``('exp_avg', 'exp_avg_sq')``, ``+ 'max_exp_avg_sq'`` with
-    amsgrad; SGD with momentum: ``('momentum_buffer',)``; SGD without: ``()``), in the state dict's order. ``step``
+    amsgrad; SGD with momentum: ``('momentum_buffer',)``; SGD without: ``()``), sorted (the same order on every rank:
+    after DeepSpeed's universal load the state dicts list them in a per-process order). ``step``
     is never one (see :func:`optimizer_steps`). Raises :class:`OptimizerStateNotReadyError` before the state exists.
     No communication."""
     masters = _masters(engine)

@@ -1,8 +1,9 @@
 """Time ``zd.convert`` against DeepSpeed's own tools on one DeepSpeed checkpoint (CPU, one process each).
 
-Builds (once, ``--build``) a bf16 ZeRO-2 engine at 2 gloo ranks of ``--layers`` square Linears of ``--hidden``
-(torch Adam), trains one step and ``engine.save_checkpoint``s it under ``--dir``. Then, interleaved in each of
-``--rounds`` rounds (the order rotating from round to round), each in its own process, timed from its start:
+Builds (once, ``--build``) a bf16 ZeRO-2 (``--stage 3``: ZeRO-3) engine at 2 gloo ranks of ``--layers`` square
+Linears of ``--hidden`` (torch Adam), trains one step and ``engine.save_checkpoint``s it under ``--dir``. Then,
+interleaved in each of ``--rounds`` rounds (the order rotating from round to round), each in its own process, timed
+from its start:
 
 - ``zd.convert(..., to="safetensors")`` and DeepSpeed's ``zero_to_fp32``
   (``convert_zero_checkpoint_to_fp32_state_dict(..., safe_serialization=True)``, which reads lazily, ``lazy_mode``)
@@ -33,16 +34,28 @@ import time
 from typing import Any
 
 
-def _build(root: str, hidden: int, layers: int) -> None:
-    """Runs on each of 2 ranks (``zero_dtensor.launch``)."""
+def _build(root: str, hidden: int, layers: int, stage: int = 2) -> None:
+    """Runs on each of 2 ranks (``zero_dtensor.launch``). ``stage=3`` builds the model partitioned from the start
+    (``deepspeed.zero.Init``, bf16 parameters made as such) with optimizer sub-groups of 1e8 elements, so that a
+    rank holds its half of the masters and moments (12 bytes per parameter) and little else: what lets a 1B model
+    save on a 24 GB machine (ZeRO-2 holds full bf16 weights and gradients on both ranks besides, and an fp32
+    copy of the model while it is built)."""
+    import contextlib
+
     import deepspeed
     import torch
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(hidden, hidden, bias=False) for _ in range(layers)]).bfloat16()
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}, "bf16": {"enabled": True},
+    zero: dict[str, Any] = {"stage": stage}
+    if stage == 3:
+        zero.update(sub_group_size=int(1e8), stage3_param_persistence_threshold=0)
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero, "bf16": {"enabled": True},
               "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}},
               "steps_per_print": 10**9}
+    partitioned = deepspeed.zero.Init(config_dict_or_path=config) if stage == 3 else contextlib.nullcontext()
+    with partitioned:
+        model = torch.nn.Sequential(*[torch.nn.Linear(hidden, hidden, bias=False, dtype=torch.bfloat16)
+                                      for _ in range(layers)])
     engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
     loss = engine(torch.randn(1, hidden, dtype=torch.bfloat16)).float().pow(2).mean()
     engine.backward(loss)
@@ -126,6 +139,8 @@ def main() -> None:
     parser.add_argument("--shard-size", default="5GB")
     parser.add_argument("--dir", default="/tmp/zd-convert-bench")
     parser.add_argument("--build", action="store_true", help="build and save the checkpoint first")
+    parser.add_argument("--stage", type=int, default=2, choices=(2, 3),
+                        help="ZeRO stage of the built engine (3: partitioned from the start; a 1B model fits 24 GB)")
     parser.add_argument("--only", default="", help="comma-separated row names to run (default: every row)")
     args = parser.parse_args()
     root, out = os.path.join(args.dir, "ds"), os.path.join(args.dir, "out")
@@ -133,7 +148,7 @@ def main() -> None:
         from zero_dtensor.launch import launch
 
         shutil.rmtree(root, ignore_errors=True)
-        launch(_build, root, args.hidden, args.layers, nprocs=2, timeout=3600)
+        launch(_build, root, args.hidden, args.layers, args.stage, nprocs=2, timeout=3600)
     for dirpath, _, files in os.walk(root):  # into the page cache
         for name in files:
             with open(os.path.join(dirpath, name), "rb") as f:

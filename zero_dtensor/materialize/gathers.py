@@ -113,7 +113,8 @@ class WindowedGather:
     side, the next waits for both). The memory beyond the result stays ``C``. By ``send_recv`` and ``all_to_all``
     only the other ranks' ``(N-1, width)`` rows travel into the staging buffer, and this rank's own columns go
     straight from its partition into their rows of the result while they travel: the result's bytes are written
-    once (an all_gather's window holds this rank's row too, copied there first).
+    once (an all_gather's window holds this rank's row too, copied there first). Where ``send_recv`` gets one work
+    per op (gloo), each peer's columns are put in place as soon as they have arrived, while the others travel.
 
     Asynchronous: every window is issued at the call (so that :meth:`~.results.PendingFullTensors.is_completed`
     completes without ``wait()``, and no collective is issued later): the first into the staging buffer, every
@@ -198,7 +199,13 @@ class WindowedGather:
                 works = self.gather(rows, inp, self.t.pg, async_op=True)
             self.issued += 1
             self.in_flight.append((k, at))
-            self.steps.append((works, lambda k=k, rows=rows: self._arrived(k, rows)))
+            peers = self.state.group(self.windows[k][0]).world_size - 1
+            if self.peers_only and len(works) == 2 * peers:  # one work per op (gloo): each peer placed on arrival
+                for i in range(peers):
+                    self.steps.append(([works[i]], lambda k=k, rows=rows, i=i: self._place_peer(k, rows, i)))
+                self.steps.append((works[peers:], lambda k=k: self._window_done(k)))  # the sends
+            else:
+                self.steps.append((works, lambda k=k, rows=rows: self._arrived(k, rows)))
 
     def _issue_async(self) -> None:
         k = self.issued
@@ -235,8 +242,21 @@ class WindowedGather:
         assembly_of(group).rank_to_param_order(columns, group.rank, group, self.state.plan.groups[g],
                                                self._target(k), view_cache(self.result, area), piece)
 
+    def _place_peer(self, k: int, rows: torch.Tensor, i: int) -> None:
+        """The ``i``-th other rank's columns of window ``k`` (``rows``: the peers' back to back) into place."""
+        g, _, piece = self.windows[k]
+        group, area = self.state.group(g), self.regions[g][0]
+        peer = i + (i >= group.rank)
+        assembly_of(group).rank_to_param_order(rows.narrow(0, i * piece.width, piece.width), peer, group,
+                                               self.state.plan.groups[g], self._target(k),
+                                               view_cache(self.result, area), piece)
+
     def _arrived(self, k: int, rows: torch.Tensor) -> None:
         self._reorder(k, rows)
+        self._window_done(k)
+
+    def _window_done(self, k: int) -> None:
+        """Window ``k`` is in place: its end of the staging buffer is free for the next."""
         self.in_flight = [(j, at) for j, at in self.in_flight if j != k]
         self._pump()
         if self.issued == len(self.windows) and not self.in_flight:

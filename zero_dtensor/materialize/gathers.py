@@ -237,18 +237,17 @@ class WindowedGather:
 
     def _place_own(self, k: int, columns: torch.Tensor) -> None:
         """This rank's columns of window ``k`` straight into their rows of its part of the result."""
-        g, _, piece = self.windows[k]
-        group, area = self.state.group(g), self.regions[g][0]
-        assembly_of(group).rank_to_param_order(columns, group.rank, group, self.state.plan.groups[g],
-                                               self._target(k), view_cache(self.result, area), piece)
+        self._place_rank(k, columns, self.state.group(self.windows[k][0]).rank)
 
     def _place_peer(self, k: int, rows: torch.Tensor, i: int) -> None:
         """The ``i``-th other rank's columns of window ``k`` (``rows``: the peers' back to back) into place."""
+        width = self.windows[k][2].width
+        self._place_rank(k, rows.narrow(0, i * width, width), i + (i >= self.state.group(self.windows[k][0]).rank))
+
+    def _place_rank(self, k: int, columns: torch.Tensor, rank: int) -> None:
         g, _, piece = self.windows[k]
         group, area = self.state.group(g), self.regions[g][0]
-        peer = i + (i >= group.rank)
-        assembly_of(group).rank_to_param_order(rows.narrow(0, i * piece.width, piece.width), peer, group,
-                                               self.state.plan.groups[g], self._target(k),
+        assembly_of(group).rank_to_param_order(columns, rank, group, self.state.plan.groups[g], self._target(k),
                                                view_cache(self.result, area), piece)
 
     def _arrived(self, k: int, rows: torch.Tensor) -> None:

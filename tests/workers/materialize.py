@@ -531,11 +531,10 @@ def small_windows(nbytes: int) -> Iterator[None]:
         yield
 
 
-def windows(sharded: Any, window: int, strategy: str = "all_gather") -> int:
+def windows(sharded: Any, window: int) -> int:
     """The column windows the library cuts the sharded groups into for a staging buffer of ``window`` bytes (one
     collective each): of half of it where two in flight keep the count within its bound, else of all of it
-    (``window_cut``; one transfer here); a synchronous send_recv / all_to_all stages only the peers' rows
-    (wider windows, issue 55)."""
+    (``window_cut``; one transfer here)."""
     from zero_dtensor.core.state import state_of
 
     state = state_of(sharded)
@@ -546,12 +545,7 @@ def windows(sharded: Any, window: int, strategy: str = "all_gather") -> int:
         from zero_dtensor.materialize.transfers import window_pieces
 
         return sum(len(window_pieces(state, g, window)) for g in sharded_groups)
-    import inspect
-
-    if "peers_only" not in inspect.signature(window_cut).parameters:  # before the peers-only windows
-        return sum(map(len, window_cut(state, sharded_groups, window)[0]))
-    peers_only = strategy in ("send_recv", "all_to_all")
-    return sum(map(len, window_cut(state, sharded_groups, window, peers_only)[0]))
+    return sum(map(len, window_cut(state, sharded_groups, window)[0]))
 
 
 def check_windowed(case: EngineCase) -> dict:
@@ -602,7 +596,7 @@ def _check_windowed(sharded: Any) -> dict:
             # window's bytes, so a group of S_g bytes has at most 2·S_g/limit + 1 (here 2·4 + 1 per group); the
             # library cuts windows of half the staging buffer (two in flight, issue 55) only where that holds
             groups = sum(p.numel() > 0 for p in sharded.local_partitions)
-            assert data == windows(sharded, limit, strategy) > 1, (strategy, data, mode.get_comm_counts())
+            assert data == windows(sharded, limit) > 1, (strategy, data, mode.get_comm_counts())
             assert data <= 2 * result_bytes / limit + groups, (strategy, data, result_bytes, limit)
             del got
             # async: the later windows travel from wait(); out= reuses the result; a dtype converts once
@@ -631,7 +625,7 @@ def _check_windowed(sharded: Any) -> dict:
             _equal(dict(got), default, f"windowed {strategy}, two in flight")
             data = mode.get_total_counts() - rank_checks(sharded)
             assert rec.peak <= result_bytes + wide, (strategy, rec.peak, result_bytes, wide, rec.sizes)
-            assert data == windows(sharded, wide, strategy) > 1, (strategy, data)
+            assert data == windows(sharded, wide) > 1, (strategy, data)
             assert data <= 2 * result_bytes / wide + len(sharded.local_partitions), (strategy, data)
             report[strategy + " two in flight"] = {"peak": rec.peak, "collectives": data}
             del got

@@ -132,7 +132,7 @@ class WindowedGather:
         # columns go straight from its partition into their place (no copy of them into the rows first)
         self.peers_only = (not async_op and t.strategy in _PEER_GATHERS
                            and all(state.group(g).world_size > 1 for g in t.groups))
-        cut, self.in_flight_max = window_cut(state, t.groups, limit, self.peers_only)
+        cut, self.in_flight_max = window_cut(state, t.groups, limit)
         self.windows = [(g, part, piece) for g, part, pieces in zip(t.groups, t.partitions, cut) for piece in pieces]
         own = 1 if self.peers_only else 0
         self.sizes = [(state.group(g).world_size - own) * piece.width for g, _, piece in self.windows]

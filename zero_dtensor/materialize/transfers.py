@@ -92,31 +92,27 @@ def _transfers(state: FlatState, group_indices: Sequence[int]) -> list[Transfer]
     return list(found.values())
 
 
-def window_pieces(state: FlatState, g: int, window_bytes: int, peers_only: bool = False) -> tuple[ColumnPiece, ...]:
-    """Group ``g``'s column windows whose staged rows hold at most ``window_bytes`` (one wider parameter alone):
-    the gathered ``(N, width)`` rows, or, ``peers_only``, the other ranks' ``(N-1, width)``
-    (:meth:`~zero_dtensor.materialize.assembly.GroupAssembly.window_pieces`)."""
+def window_pieces(state: FlatState, g: int, window_bytes: int) -> tuple[ColumnPiece, ...]:
+    """Group ``g``'s column windows whose gathered ``(N, width)`` rows hold at most ``window_bytes`` (one wider
+    parameter alone): :meth:`~zero_dtensor.materialize.assembly.GroupAssembly.window_pieces`."""
     group = state.group(g)
     element_size = state.storage.partitions[g].element_size()
-    staged_rows = group.world_size - (1 if peers_only else 0)
-    max_width = window_bytes // (element_size * max(staged_rows, 1))
+    max_width = window_bytes // (element_size * group.world_size)
     return assembly_of(group).window_pieces(state.plan.groups[g], element_size, max_width)
 
 
-def window_cut(state: FlatState, groups: Sequence[int], window_bytes: int,
-               peers_only: bool = False) -> tuple[list[tuple[ColumnPiece, ...]], int]:
+def window_cut(state: FlatState, groups: Sequence[int], window_bytes: int) -> tuple[list[tuple[ColumnPiece, ...]], int]:
     """How a windowed transfer of ``groups`` with a staging buffer of ``window_bytes`` travels: each group's windows
     and how many are in flight at once. Two windows of at most half the buffer each (the next one's collective
     overlaps the reorder of the one before, :class:`~.gathers.WindowedGather`) where that keeps the transfer of
     ``S`` bytes within ``2·S/window_bytes`` windows plus one per group (the count :func:`~.strategy.window_bytes`
     promises; parameters as wide as half the buffer would double it), else one window of the whole buffer at a
-    time. ``peers_only``: the staging buffer holds only the other ranks' rows (:func:`window_pieces`), so each
-    window is ``N/(N-1)`` wider. No communication."""
-    halves = [window_pieces(state, g, window_bytes // _strategy.WINDOWS_IN_FLIGHT, peers_only) for g in groups]
+    time. No communication."""
+    halves = [window_pieces(state, g, window_bytes // _strategy.WINDOWS_IN_FLIGHT) for g in groups]
     nbytes = sum(state.group(g).flat_numel * state.storage.partitions[g].element_size() for g in groups)
     if sum(map(len, halves)) <= 2 * nbytes // window_bytes + len(groups):
         return halves, _strategy.WINDOWS_IN_FLIGHT
-    return [window_pieces(state, g, window_bytes, peers_only) for g in groups], 1
+    return [window_pieces(state, g, window_bytes) for g in groups], 1
 
 
 def pipeline_pieces(state: FlatState, g: int) -> tuple[ColumnPiece, ...]:

@@ -29,6 +29,10 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 RTOL = {torch.float64: 1e-12}  # else float32 row accumulation: a few roundings of 64-element sums
 DEFAULT_RTOL = 2e-5
 
+#: the host recipe (``cpu``: numpy's segment reductions, exact counts) and the accelerator one (``cpu:1``, the
+#: tests' stand-in for an accelerator: torch's joint ``segment_reduce``); both must meet every property
+DEVICES = st.sampled_from((torch.device("cpu"), torch.device("cpu", 1)))
+
 piece_size = st.one_of(st.just(0), st.integers(1, 10), st.integers(1, 70), st.integers(60, 300))
 
 
@@ -68,27 +72,27 @@ def assert_close_sums(got: torch.Tensor, ref: list[torch.Tensor], bound: list[to
 
 
 @settings(max_examples=300, deadline=None)
-@given(tilings(), st.sampled_from(DTYPES), st.integers(0, 2**31 - 1))
-def test_sums_and_pow_sums_match_float64_reference(case, dtype, seed) -> None:
+@given(tilings(), st.sampled_from(DTYPES), st.integers(0, 2**31 - 1), DEVICES)
+def test_sums_and_pow_sums_match_float64_reference(case, dtype, seed, device) -> None:
     tiling, block = case
     seg = segment_plan(tiling, block)
     x = values(seg.numel, dtype, seed)
     ref = pieces64(x, tiling)
     rtol = RTOL.get(dtype, DEFAULT_RTOL)
-    assert_close_sums(piece_sums(x, seg), [r.sum() for r in ref], [r.abs().sum() for r in ref], rtol)
+    assert_close_sums(piece_sums(x, seg, device), [r.sum() for r in ref], [r.abs().sum() for r in ref], rtol)
     for p in (2.0, 1.0, 3.0, 0.5):
         powered = [r.abs().pow(p) for r in ref]
         sums = [t.sum() for t in powered]
-        assert_close_sums(piece_pow_sums(x, seg, p), sums, sums, rtol)
+        assert_close_sums(piece_pow_sums(x, seg, p, device), sums, sums, rtol)
 
 
 @settings(max_examples=300, deadline=None)
-@given(tilings(), st.sampled_from(DTYPES), st.integers(0, 2**31 - 1), st.booleans())
-def test_max_abs_is_exact_and_propagates_nan(case, dtype, seed, specials) -> None:
+@given(tilings(), st.sampled_from(DTYPES), st.integers(0, 2**31 - 1), st.booleans(), DEVICES)
+def test_max_abs_is_exact_and_propagates_nan(case, dtype, seed, specials, device) -> None:
     tiling, block = case
     seg = segment_plan(tiling, block)
     x = values(seg.numel, dtype, seed, specials)
-    got = piece_max_abs(x, seg)
+    got = piece_max_abs(x, seg, device)
     assert got.dtype == torch.float64 and got.shape == (len(tiling.sizes),)
     ref = torch.stack([r.abs().amax() if r.numel() else torch.zeros((), dtype=torch.float64)
                        for r in pieces64(x, tiling)]) if tiling.sizes else torch.zeros(0, dtype=torch.float64)
@@ -98,14 +102,15 @@ def test_max_abs_is_exact_and_propagates_nan(case, dtype, seed, specials) -> Non
 
 
 @settings(max_examples=300, deadline=None)
-@given(tilings(), st.sampled_from(DTYPES), st.integers(0, 2**31 - 1), st.booleans())
-def test_stats_columns_match_the_single_functions(case, dtype, seed, specials) -> None:
+@given(tilings(), st.sampled_from(DTYPES), st.integers(0, 2**31 - 1), st.booleans(), DEVICES)
+def test_stats_columns_match_the_single_functions(case, dtype, seed, specials, device) -> None:
     tiling, block = case
     seg = segment_plan(tiling, block)
     x = values(seg.numel, dtype, seed, specials)
-    got = piece_stats(x, seg)
+    got = piece_stats(x, seg, device)
     assert got.dtype == torch.float64 and got.shape == (len(tiling.sizes), 3)
-    for column, single in zip(got.unbind(1), (piece_pow_sums(x, seg), piece_sums(x, seg), piece_max_abs(x, seg))):
+    singles = (piece_pow_sums(x, seg, 2.0, device), piece_sums(x, seg, device), piece_max_abs(x, seg, device))
+    for column, single in zip(got.unbind(1), singles):
         assert torch.equal(torch.isnan(column), torch.isnan(single))
         keep = ~torch.isnan(single)
         assert torch.equal(column[keep], single[keep])
@@ -117,14 +122,14 @@ def test_stats_columns_match_the_single_functions(case, dtype, seed, specials) -
 
 
 @settings(max_examples=200, deadline=None)
-@given(tilings(), st.sampled_from(DTYPES), st.sampled_from(DTYPES), st.integers(0, 2**31 - 1))
-def test_dots_match_float64_reference(case, dtype_a, dtype_b, seed) -> None:
+@given(tilings(), st.sampled_from(DTYPES), st.sampled_from(DTYPES), st.integers(0, 2**31 - 1), DEVICES)
+def test_dots_match_float64_reference(case, dtype_a, dtype_b, seed, device) -> None:
     tiling, block = case
     seg = segment_plan(tiling, block)
     a, b = values(seg.numel, dtype_a, seed), values(seg.numel, dtype_b, seed + 1)
     products = [x * y for x, y in zip(pieces64(a, tiling), pieces64(b, tiling))]
     rtol = 1e-12 if torch.float64 in (dtype_a, dtype_b) and dtype_a == dtype_b else DEFAULT_RTOL
-    assert_close_sums(piece_dots(a, b, seg), [t.sum() for t in products], [t.abs().sum() for t in products], rtol)
+    assert_close_sums(piece_dots(a, b, seg, device), [t.sum() for t in products], [t.abs().sum() for t in products], rtol)
 
 
 @settings(max_examples=300, deadline=None)
@@ -340,24 +345,27 @@ def test_public_reductions_on_a_single_rank_layout(case, seed, scale, specials, 
             assert math.isclose(float(their_norms[n]), ref_norm(theirs[n], 2), rel_tol=2e-6, abs_tol=1e-30)
 
 
-def test_stats_count_nonfinite_rows_on_the_device_and_flag_what_they_miss() -> None:
-    """issue 42: piece_stats(counts=True) counts nan/inf without a host branch: exact with up to
-    max(COUNT_ROWS, rows/COUNT_SHARE) non-finite rows (bits and rows straddling pieces included), the 'missed' flag
-    set beyond; max |x| by vector_norm(inf) propagates nan as aminmax did."""
+@pytest.mark.parametrize("device", [torch.device("cpu", 1), torch.device("cpu")], ids=["accelerator", "host"])
+def test_stats_count_nonfinite_rows_on_the_device_and_flag_what_they_miss(device: torch.device) -> None:
+    """issue 42: piece_stats(counts=True) counts nan/inf without a host branch on an accelerator (``cpu:1``, the
+    tests' stand-in for one): exact with up to max(COUNT_ROWS, rows/COUNT_SHARE) non-finite rows (bits and rows
+    straddling pieces included), the 'missed' flag set beyond; max |x| by vector_norm(inf) propagates nan as aminmax
+    did. In host memory (issue 55: a branch costs no device sync there) every count is exact and nothing is
+    flagged."""
     from zero_dtensor.layout import segments
 
     sizes = [700, 64 * 40 + 5, 3, 64 * 200, 130]
     seg = segments.sizes_plan(sizes, 64)
-    for bad_rows, missed in ((5, False), (segments.COUNT_ROWS + 3, True)):
+    for bad_rows, missed in ((5, False), (segments.COUNT_ROWS + 3, device.index is not None)):
         x = torch.randn(seg.numel, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(bad_rows))
         at = torch.randperm(seg.numel - 64, generator=torch.Generator().manual_seed(1))[: bad_rows * 3]
         where = torch.unique(at // 64)[:bad_rows] * 64 + 7  # one special in each of `bad_rows` distinct rows
         x[where[::2]] = math.nan
         x[where[1::2]] = -math.inf
         x[3], x[701] = math.inf, math.nan  # bits
-        got = piece_stats(x, seg, counts=True)
+        got = piece_stats(x, seg, device, counts=True)
         assert got.shape == (len(sizes), 6)
-        plain = piece_stats(x, seg)
+        plain = piece_stats(x, seg, device)
         assert torch.equal(torch.isnan(got[:, :3]), torch.isnan(plain))
         assert torch.equal(got[:, :3][~torch.isnan(plain)], plain[~torch.isnan(plain)])
         pieces = x.split(sizes)
@@ -394,3 +402,34 @@ def test_dot_rows_accelerator_recipe_is_bitwise_the_cpu_one_and_makes_no_upcast_
     assert "aten._to_copy.default" not in probe.by_op, probe.by_op
     products, sums = rows * width * 4, rows * 4
     assert probe.written + probe.produced <= products + sums + 4, (probe.written, probe.produced)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.just(0), st.integers(1, 40)), min_size=1, max_size=30), st.integers(0, 2**31 - 1),
+       st.sampled_from(("sum", "max")), st.integers(1, 2), st.booleans(), st.integers(0, 5))
+def test_host_segment_reduce_is_torchs(lengths, seed, how, width, specials, unused) -> None:
+    """issue 55: the host recipe's segment reduction (numpy's ``reduceat``) gives torch's ``segment_reduce`` values
+    (``initial=0`` for max): empty segments anywhere (leading, trailing, every one), values past the last offset
+    (``unused`` of them), nan and inf, 1-D and 2-D values; sums to a float64 rounding or two (pairwise there)."""
+    from zero_dtensor.layout.cpu_rows import segment_reduce
+
+    g = torch.Generator().manual_seed(seed)
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+    n = int(offsets[-1]) + unused
+    values = torch.randn((n, width), generator=g, dtype=torch.float64)
+    values = values[:, 0] if width == 1 else values
+    if how == "max":
+        values = values.abs()
+    if specials and n:
+        values.view(-1)[torch.randint(0, values.numel(), (3,), generator=g)] = torch.tensor([math.nan, math.inf, 0.0],
+                                                                                             dtype=torch.float64)
+    want = torch.segment_reduce(values[: int(offsets[-1])], how, offsets=offsets, unsafe=True,
+                                initial=0.0 if how == "max" else None)
+    got = segment_reduce(values, offsets, how)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    keep = ~torch.isnan(want)
+    if how == "max":
+        assert torch.equal(got[keep], want[keep])
+    else:
+        assert torch.allclose(got[keep], want[keep], rtol=1e-14, atol=1e-14)

@@ -18,7 +18,7 @@ from .devices import to_device
 from .tiling import Tiling
 
 __all__ = ["BLOCK", "COUNT_ROWS", "COUNT_SHARE", "DEVICE_BLOCK", "JointPlan", "SegmentPlan", "acc_dtype", "block_for",
-           "count_budget", "joint_plan", "offsets_of", "param_index", "segment_plan", "sizes_plan"]
+           "count_budget", "joint_plan", "offsets_of", "on_host", "param_index", "segment_plan", "sizes_plan"]
 
 
 BLOCK = 64  #: row width on the CPU: a row lying inside one piece is reduced by the row-wise pass
@@ -147,6 +147,7 @@ class JointPlan:
     row_starts: torch.Tensor  # (plans with rows + 1,): where each plan's rows start among all rows (then the end)
     budgets: torch.Tensor  # (plans with rows,): how many of its rows :func:`joint_stats` counts at most
     pick_starts: torch.Tensor  # (sum of budgets,): the row start of the plan of each counted row
+    host: bool = False  # the plans reduce buffers in host memory (:func:`on_host`): the host recipe applies
 
 
 def _bit_rows(seg: SegmentPlan) -> list[int]:
@@ -180,7 +181,15 @@ def joint_plan(segs: tuple[SegmentPlan, ...], device: torch.device) -> JointPlan
     moved = to_device(packed, device).split(list(map(len, lists)))
     return JointPlan(pieces=len(bit_lengths), rows=rows, row_offsets=moved[0], all_offsets=moved[1],
                      bit_offsets=moved[2], row_starts=moved[3], budgets=moved[4], pick_starts=moved[5],
-                     bit_rows=tuple(moved[6:]))
+                     bit_rows=tuple(moved[6:]), host=on_host(device))
+
+
+def on_host(device: torch.device) -> bool:
+    """Whether buffers on ``device`` are in host memory (the CPU; offloaded partitions), where a read of a value
+    back to Python costs no device synchronization. (A ``cpu:1`` device stands for an accelerator in the tests'
+    simulation of one: not the host.)"""
+    device = torch.device(device)
+    return device.type == "cpu" and not device.index
 
 
 def param_index(seg: SegmentPlan, params: Sequence[int], device: torch.device) -> torch.Tensor:

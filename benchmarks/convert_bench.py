@@ -193,7 +193,8 @@ def main() -> None:
             print(name, rows[name][-1], file=sys.stderr, flush=True)
     shutil.rmtree(out, ignore_errors=True)
     params = args.hidden * args.hidden * args.layers
-    result: dict[str, Any] = {"cache": args.cache, "params": params, "largest_param_fp32_MiB": args.hidden**2 * 4 / 2**20,
+    result: dict[str, Any] = {"cache": args.cache, "params": params,
+                              "largest_param_fp32_MiB": args.hidden**2 * 4 / 2**20,
                               "checkpoint_bytes": sum(os.path.getsize(os.path.join(d, f))
                                                       for d, _, fs in os.walk(root) for f in fs)}
     for name, runs in rows.items():

@@ -4,10 +4,10 @@ The state dict handed to ``torch.distributed.checkpoint.save`` holds **meta tens
 the masters, the optimizer state and the frozen weights; DCP plans the checkpoint from them, and its writer asks
 :class:`StreamingPlanner` for each tensor as it writes it (``resolve_data``): the tensor is then assembled from the
 memory-mapped partition files (a view of the file where the parameter lies in one piece, else its pieces joined
-into one of two reused buffers, :class:`JoinBuffers`), written and dropped. The writer is :class:`~zero_dtensor.checkpoint.pipelined_writer.PipelinedWriter`: the files
-:func:`zero_dtensor.save`'s :class:`~zero_dtensor.checkpoint.writer.DirectWriter` writes, one tensor's bytes
-written by a second thread while the next tensor is assembled and checksummed. One process, no process group
-(``no_dist``). No communication.
+into one of two reused buffers, :class:`JoinBuffers`), written and dropped. The writer is
+:class:`~zero_dtensor.checkpoint.pipelined_writer.PipelinedWriter`: the files :func:`zero_dtensor.save`'s
+:class:`~zero_dtensor.checkpoint.writer.DirectWriter` writes, one tensor's bytes written by a second thread while
+the next tensor is assembled and checksummed. One process, no process group (``no_dist``). No communication.
 """
 
 from __future__ import annotations

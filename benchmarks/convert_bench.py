@@ -14,10 +14,16 @@ from its start:
 
 Per row: the median and spread of the wall times, and the peak anonymous resident memory (``RssAnon``, sampled
 every 5 ms from ``/proc``: of the process, and summed over it and its child processes for ``ds_to_universal``).
-Every run starts after ``os.sync()`` with the checkpoint's files in the page cache (read once before the rounds).
-Example (the table in docs/benchmarks.md)::
+Every run starts after ``os.sync()``, with the checkpoint's files as ``--cache`` says: ``warm`` (default) read
+through the page cache again before each run (untimed: another tool's output, 12-24 GB at 1B parameters, evicts
+them on a 24 GB machine, and the next tool would read them from the disk); ``cold``: the page cache dropped before
+each run (``/proc/sys/vm/drop_caches``, root only); ``asis``: read once before the rounds, then whatever the
+previous run left (the state before 2026-12-07). Examples (the tables in docs/benchmarks.md)::
 
     python benchmarks/convert_bench.py --build --hidden 2048 --layers 60 --rounds 3
+    python benchmarks/convert_bench.py --build --stage 3 --hidden 4096 --layers 60 --rounds 0 --dir /work/convbench/1b
+    python benchmarks/convert_bench.py --stage 3 --hidden 4096 --layers 60 --rounds 3 --dir /work/convbench/1b \
+        --only "zd.convert dcp,ds_to_universal" --cache warm
 """
 
 from __future__ import annotations
@@ -87,6 +93,25 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _warm(root: str) -> None:
+    """Read every file of ``root`` through the page cache."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                while f.read(1 << 24):
+                    pass
+
+
+def _prepare(root: str, cache: str) -> None:
+    """The page cache before a run (``--cache``; module docstring)."""
+    os.sync()
+    if cache == "warm":
+        _warm(root)
+    elif cache == "cold":
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+
+
 def _run(command: list[str]) -> tuple[float, int, int]:
     """Wall seconds, peak RssAnon of the process, peak RssAnon summed over it and its children."""
     os.sync()
@@ -142,6 +167,9 @@ def main() -> None:
     parser.add_argument("--stage", type=int, default=2, choices=(2, 3),
                         help="ZeRO stage of the built engine (3: partitioned from the start; a 1B model fits 24 GB)")
     parser.add_argument("--only", default="", help="comma-separated row names to run (default: every row)")
+    parser.add_argument("--cache", default="warm", choices=("warm", "cold", "asis"),
+                        help="the checkpoint's pages before each run: read into the page cache again (warm), dropped "
+                             "(cold, root only), or as the previous run left them (asis)")
     args = parser.parse_args()
     root, out = os.path.join(args.dir, "ds"), os.path.join(args.dir, "out")
     if args.build:
@@ -149,11 +177,8 @@ def main() -> None:
 
         shutil.rmtree(root, ignore_errors=True)
         launch(_build, root, args.hidden, args.layers, args.stage, nprocs=2, timeout=3600)
-    for dirpath, _, files in os.walk(root):  # into the page cache
-        for name in files:
-            with open(os.path.join(dirpath, name), "rb") as f:
-                while f.read(1 << 24):
-                    pass
+    if args.cache == "asis":
+        _warm(root)
     commands = _commands(root, out, args.shard_size)
     if args.only:
         commands = {k: v for k, v in commands.items() if k in args.only.split(",")}
@@ -163,14 +188,18 @@ def main() -> None:
         for name in names[r % len(names):] + names[:r % len(names)]:
             shutil.rmtree(out, ignore_errors=True)
             os.makedirs(out)
+            _prepare(root, args.cache)
             rows[name].append(_run(commands[name]))
             print(name, rows[name][-1], file=sys.stderr, flush=True)
     shutil.rmtree(out, ignore_errors=True)
     params = args.hidden * args.hidden * args.layers
-    result: dict[str, Any] = {"params": params, "largest_param_fp32_MiB": args.hidden**2 * 4 / 2**20,
+    result: dict[str, Any] = {"cache": args.cache, "params": params,
+                              "largest_param_fp32_MiB": args.hidden**2 * 4 / 2**20,
                               "checkpoint_bytes": sum(os.path.getsize(os.path.join(d, f))
                                                       for d, _, fs in os.walk(root) for f in fs)}
     for name, runs in rows.items():
+        if not runs:  # --rounds 0: only the build
+            continue
         walls = [w for w, _, _ in runs]
         result[name] = {"median_s": round(statistics.median(walls), 2),
                         "spread_s": [round(min(walls), 2), round(max(walls), 2)],

@@ -355,3 +355,25 @@ def test_dcp_entries_are_zd_saves(saved) -> None:
     assert {k for k in meta if k.startswith("zero_dtensor.")} == {f"zero_dtensor.{k}" for k in EXTRAS} | {entry_name(0)}
     assert meta["model.fc1.bias"].properties.dtype == torch.float16  # frozen: its working dtype
     assert meta["model.mid.weight"].properties.dtype == torch.float32  # trainable: the fp32 master
+
+
+def test_join_buffers_are_lent_again_only_once_let_go() -> None:
+    """The converter's reused join buffers: a buffer is lent again only when no view of it is left; two at most;
+    a value over their size gets ``None`` (a new tensor) and the idle buffers are let go."""
+    from zero_dtensor.convert.to_dcp import JoinBuffers
+
+    joins = JoinBuffers(4096)
+    a = joins.take(1024, torch.float32)
+    assert a is not None and a.dtype == torch.float32 and a.numel() == 1024
+    b = joins.take(100, torch.float16)
+    assert b is not None and b.data_ptr() != a.data_ptr()
+    assert joins.take(10, torch.float32) is None  # both lent
+    exact = torch.empty(0).set_(a.untyped_storage()[0:400], 0, (100,), (1,))  # a storage slice holds it too
+    address = a.data_ptr()
+    del a
+    assert joins.take(10, torch.float32) is None
+    del exact
+    again = joins.take(1000, torch.float32)
+    assert again is not None and again.data_ptr() == address
+    del again, b
+    assert joins.take(1025, torch.float32) is None and joins._buffers == []

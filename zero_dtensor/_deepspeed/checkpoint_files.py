@@ -184,14 +184,26 @@ class SavedFiles:
             return _fp32_groups(inner, self.layout.kind)[group]
         return _torch_state(inner, self.layout.kind)["state"][group][key]
 
-    def read(self, param: SavedParam, key: str) -> torch.Tensor:
+    def read(self, param: SavedParam, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """``param``'s value for ``key`` (``"fp32"``, a state key, or ``"frozen"``): a view into the mapped file
-        where it lies in one piece, else a new tensor (one parameter)."""
+        where it lies in one piece, else its pieces joined into a new tensor (one parameter), or into the first
+        elements of ``out`` where given (a 1-D tensor of the value's dtype, at least ``param.numel`` long)."""
         pieces = [self._piece(param, s, key) for s in param.spans]
         if not pieces:  # an empty parameter
             return torch.empty(param.shape, dtype=self.dtype(param, key))
-        flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        if len(pieces) == 1:
+            flat = pieces[0]
+        elif out is None:
+            flat = torch.cat(pieces)
+        else:
+            with torch.no_grad():  # ZeRO-3's fp32 partitions are saved as parameters (requires_grad)
+                flat = torch.cat(pieces, out=out[:param.numel])
         return flat.view(param.shape)
+
+    @staticmethod
+    def joined(param: SavedParam) -> bool:
+        """Whether :meth:`read` joins ``param``'s value from several pieces (a copy) rather than viewing the file."""
+        return len(param.spans) > 1
 
     def dtype(self, param: SavedParam, key: str) -> torch.dtype:
         """The dtype of ``param``'s value for ``key`` (read from the file's record, no data)."""

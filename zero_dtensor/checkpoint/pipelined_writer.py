@@ -33,7 +33,9 @@ class PipelinedWriter(DirectWriter):
 
     With ``sync_files`` (the bytes must reach the disk before the save returns anyway) the data file is written
     with direct I/O where the file system allows it (:class:`_DirectSink`: Linux ``O_DIRECT`` through two 2 MiB
-    aligned buffers, one copied into while the other is written): the bytes go from that buffer to the disk without passing through the page cache, which
+    aligned buffers, one copied into by the writer thread while a third thread writes the other; the caller only
+    queues, as without it, so that building and checksumming the next tensor overlaps the disk): the bytes go
+    from that buffer to the disk without passing through the page cache, which
     saves the kernel allocating, copying and later writing back a page-cache copy of the whole file (most of a
     buffered write's CPU time, and the page cache keeps the checkpoint being read). The last partial block is
     written buffered, and the ``fsync`` at the end is :class:`DirectWriter`'s. Without ``sync_files``, or where
@@ -75,9 +77,6 @@ class _Pipelined:
         view = memoryview(data).cast("B")
         size = view.nbytes
         self._position += size
-        if self._sink is not None:  # copied into the sink's buffers here; its thread writes them
-            self._sink.write(view)
-            return size
         if size < self._SMALL:
             self._buffer += view
             return size
@@ -165,17 +164,18 @@ class _Pipelined:
     def _run(self) -> None:
         while True:
             chunk = self._queue.get()
+            held = chunk is not None and chunk[1] is not None
             try:
                 if chunk is None:
                     return
                 if self._error is None:
-                    self._emit(chunk[0], chunk[1] is not None)
+                    self._emit(chunk[0], held)
             except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread at its next write or close
                 self._error = exc
             finally:
-                if chunk is not None and chunk[1] is not None:
+                chunk = None  # the tensor let go before the caller may hold another (its memory may be reused)
+                if held:
                     self._in_flight.release()
-                chunk = None
                 self._queue.task_done()
 
 

@@ -16,7 +16,9 @@ So here each buffer's rows are cut into chunks (:func:`chunk_counts`: a bounded 
 parameters; each at most :data:`MAX_ELEMENTS` elements so that its temporaries stay in cache) and every quantity is
 computed chunk by chunk through one scratch tensor per dtype, allocated once per call at the largest chunk's size:
 bf16/fp16 rows are copied to float32 once per chunk (one read of the data for every quantity of ``stats``), ``max
-|x|`` is ``abs`` into the scratch then ``amax``, a dot product multiplies into the scratch then sums. The values are
+|x|`` is ``abs`` into the scratch then ``amax``, a dot product multiplies into the scratch then sums. Where a chunk
+is cut, every quantity asked for is taken from it in turn while it is in the core's cache (``stats`` of float32
+rows: the norm, the sum and the ``abs`` read each chunk from memory once, not the whole data three times). The values are
 bitwise those of the unchunked calls (the same per-row kernels on the same float32 values). Temporaries: the
 scratch, at most 1/16 of the data's bytes (float32 rows: 1/32 of them in the usual one-buffer case). float32 and
 float64 rows take ``vector_norm`` / ``sum`` whole (no temporary there). The per-piece segment reductions above the
@@ -94,17 +96,16 @@ def row_values(rows: Sequence[torch.Tensor], kinds: Sequence[str | float]) -> li
     scratch = _scratch(chunked, list(counts.values()), _scratch_dtype) if chunked else {}
     for r in rows:
         low = r.dtype in _LOW
-        if not low:  # float32/float64 (or bool): whole, no temporary; max |x| below
+        if id(r) not in counts:  # float32/float64 without max (or bool): whole, no temporary
             for values, kind in zip(out, kinds):
                 if kind != "max":
                     values.append(_whole(r, kind))
-            if id(r) not in counts:
-                continue
+            continue
         buf = scratch[_scratch_dtype(r.dtype)]
-        for c in r.tensor_split(counts[id(r)]):
+        for c in r.tensor_split(counts[id(r)]):  # every quantity of a chunk while it is in the core's cache
             x = _view(buf, c).copy_(c) if low else c
             for values, kind in zip(out, kinds):
-                if low and kind != "max":
+                if kind != "max":
                     values.append(_whole(x, kind))
             if has_max:  # last: it takes the float32 copy's absolute values in place
                 out[list(kinds).index("max")].append((x.abs_() if low else torch.abs(c, out=_view(buf, c))).amax(1))

@@ -181,12 +181,11 @@ def joint_pow_sums(bufs: Sequence[torch.Tensor], segs: Sequence[SegmentPlan], p:
     buffers live (the index tensors are cached per device; default the first buffer's)."""
     j = _prepare(bufs, segs, device)
     rows = _row_views(bufs, segs)
-    if p == 2.0 and j.host:
-        (norms,) = _row_passes(rows, ("norm",))
-        bits = _cat(_bit_parts(bufs, segs, j)).to(torch.float64).square_()
-        return _host_joined([n.to(torch.float64).square_() for n in norms], bits, j, "sum")
     if p == 2.0:  # row norms and raw bits squared together
         (norms,) = _row_passes(rows, ("norm",))
+        if j.host:
+            bits = _cat(_bit_parts(bufs, segs, j)).to(torch.float64).square_()
+            return _host_joined([n.to(torch.float64).square_() for n in norms], bits, j, "sum")
         values = torch.cat([*norms, *_bit_parts(bufs, segs, j)]).to(torch.float64).square_()
         return _joined(values, j, "sum")
     (acc,) = _row_passes(rows, (p,))

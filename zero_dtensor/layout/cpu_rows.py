@@ -18,21 +18,26 @@ computed chunk by chunk through one scratch tensor per dtype, allocated once per
 bf16/fp16 rows are copied to float32 once per chunk (one read of the data for every quantity of ``stats``), ``max
 |x|`` is ``abs`` into the scratch then ``amax``, a dot product multiplies into the scratch then sums. Where a chunk
 is cut, every quantity asked for is taken from it in turn while it is in the core's cache (``stats`` of float32
-rows: the norm, the sum and the ``abs`` read each chunk from memory once, not the whole data three times). The values are
+rows: the norm, the sum and the ``abs`` read each chunk from memory once, not the whole data three times), each
+written into its slot of one result per kind (``out=``: the Python work per chunk is its kernels). The values are
 bitwise those of the unchunked calls (the same per-row kernels on the same float32 values). Temporaries: the
 scratch, at most 1/16 of the data's bytes (float32 rows: 1/32 of them in the usual one-buffer case). float32 and
 float64 rows take ``vector_norm`` / ``sum`` whole (no temporary there). The per-piece segment reductions above the
-rows go through numpy's ``reduceat`` here (:func:`segment_reduce`: about 3x faster than torch's CPU kernel). Nothing
+rows go through numpy's ``reduceat`` here (:func:`segment_reduce`: about 3x faster than torch's CPU kernel; what it
+derives from a plan's fixed offsets, :class:`HostSegments`, is derived once and kept with the plan). Nothing
 here communicates.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-__all__ = ["MAX_ELEMENTS", "MIN_ROWS", "PARTS", "chunk_counts", "dot_rows", "row_values", "segment_reduce"]
+__all__ = ["MAX_ELEMENTS", "MIN_ROWS", "PARTS", "HostSegments", "chunk_counts", "dot_rows", "host_segments",
+           "row_values", "segment_reduce"]
 
 #: a buffer's rows are cut into about ``PARTS`` chunks (twice as many for bf16/fp16, whose float32 copy is twice
 #: their bytes): at most 1/16 of the data's bytes per temporary (see :func:`chunk_counts`)
@@ -84,32 +89,62 @@ def _view(scratch: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def row_values(rows: Sequence[torch.Tensor], kinds: Sequence[str | float]) -> list[list[torch.Tensor]]:
-    """Per kind, the per-row values of every buffer's rows (a list of 1-D tensors to concatenate, buffer after
-    buffer, rows in order), float32 (float64 for float64 rows): ``"norm"`` the 2-norm, ``"sum"`` the sum,
-    ``"max"`` ``max |x|`` (nan where a row holds one), a number ``p`` the sum of ``|x|^p``. Bitwise the values of
-    ``vector_norm(rows, 2, dim=1, dtype=acc)``, ``rows.sum(1, dtype=acc)``, ``vector_norm(rows, inf, dim=1)`` and
-    ``linalg._powsum(rows, p, dim=1, dtype=acc)``. Bool rows are summed whole (counts)."""
+    """Per kind, the per-row values of every buffer's rows (one 1-D tensor per buffer, to concatenate), float32
+    (float64 for float64 rows): ``"norm"`` the 2-norm, ``"sum"`` the sum, ``"max"`` ``max |x|`` (nan where a row
+    holds one), a number ``p`` the sum of ``|x|^p``. Bitwise the values of ``vector_norm(rows, 2, dim=1,
+    dtype=acc)``, ``rows.sum(1, dtype=acc)``, ``vector_norm(rows, inf, dim=1)`` and ``linalg._powsum(rows, p,
+    dim=1, dtype=acc)``. Bool rows are summed whole (counts). A chunked buffer's values are written chunk by chunk
+    into one result per kind (``out=``): no per-chunk result to convert or concatenate."""
     out: list[list[torch.Tensor]] = [[] for _ in kinds]
     has_max = "max" in kinds
     chunked = [r for r in rows if r.dtype in _LOW or (has_max and r.dtype != torch.bool)]
     counts = dict(zip(map(id, chunked), chunk_counts(chunked))) if chunked else {}
     scratch = _scratch(chunked, list(counts.values()), _scratch_dtype) if chunked else {}
     for r in rows:
-        low = r.dtype in _LOW
         if id(r) not in counts:  # float32/float64 without max (or bool): whole, no temporary
             for values, kind in zip(out, kinds):
                 if kind != "max":
                     values.append(_whole(r, kind))
             continue
-        buf = scratch[_scratch_dtype(r.dtype)]
-        for c in r.tensor_split(counts[id(r)]):  # every quantity of a chunk while it is in the core's cache
-            x = _view(buf, c).copy_(c) if low else c
-            for values, kind in zip(out, kinds):
-                if kind != "max":
-                    values.append(_whole(x, kind))
-            if has_max:  # last: it takes the float32 copy's absolute values in place
-                out[list(kinds).index("max")].append((x.abs_() if low else torch.abs(c, out=_view(buf, c))).amax(1))
+        found = _chunked_values(r, counts[id(r)], scratch[_scratch_dtype(r.dtype)], kinds)
+        for values, value in zip(out, found):
+            values.append(value)
     return out
+
+
+def _chunked_values(rows: torch.Tensor, parts: int, scratch: torch.Tensor, kinds: Sequence[str | float]
+                    ) -> list[torch.Tensor]:
+    """Per kind the per-row values of one buffer's rows cut into ``parts`` chunks, every quantity of a chunk taken
+    while it is in the core's cache (bf16/fp16 chunks copied into ``scratch`` as float32 first; ``max`` last:
+    ``abs`` into the scratch (in place on the float32 copy), then ``amax``). Each value is written into its slot of
+    one result per kind."""
+    low = rows.dtype in _LOW
+    acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    like = rows[:0]  # new_empty of an empty view: on the rows' device, reading none of them
+    results = [like.new_empty(rows.shape[0], dtype=acc if kind != "max" or low else rows.dtype) for kind in kinds]
+    slots = [result.tensor_split(parts) for result in results]
+    chunks = rows.tensor_split(parts)
+    buf = scratch.view(-1)[: chunks[0].numel()].view(chunks[0].shape)  # the first chunk is the largest
+    for i, c in enumerate(chunks):
+        into = buf[: c.shape[0]]
+        x = into.copy_(c) if low else c
+        for kind, slot in zip(kinds, slots):
+            if kind != "max":
+                _whole_into(x, kind, slot[i])
+        if "max" in kinds:
+            torch.amax(x.abs_() if low else torch.abs(c, out=into), 1, out=slots[list(kinds).index("max")][i])
+    return results
+
+
+def _whole_into(rows: torch.Tensor, kind: str | float, out: torch.Tensor) -> None:
+    """:func:`_whole` of ``rows`` written into ``out`` (``"norm"`` or ``"sum"`` directly, ``p`` copied)."""
+    acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    if kind == "norm":
+        torch.linalg.vector_norm(rows, 2, dim=1, dtype=acc, out=out)
+    elif kind == "sum":
+        torch.sum(rows, 1, dtype=acc, out=out)
+    else:
+        out.copy_(_whole(rows, kind))
 
 
 def _scratch_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -189,29 +224,55 @@ def max_abs(flat: torch.Tensor) -> torch.Tensor:
     return maxima[0] if k == 1 else torch.stack(maxima).amax()
 
 
-def segment_reduce(values: torch.Tensor, offsets: torch.Tensor, how: str) -> torch.Tensor:
+@dataclass(frozen=True, eq=False)
+class HostSegments:
+    """What :func:`segment_reduce` derives from a plan's fixed offsets, derived once (:func:`host_segments`) and
+    kept with the plan: per call only the reduction and its result remain."""
+
+    count: int  # segments
+    end: int  # values the segments cover (the offsets' last)
+    starts: Any  # numpy int64: the starts of the segments beginning before ``end`` (those after are empty)
+    empty: torch.Tensor | None  # (count,) bool: the empty segments (their result 0), None when none is
+
+
+def host_segments(offsets: torch.Tensor) -> HostSegments:
+    """The :class:`HostSegments` of host ``offsets`` (ascending, ``count + 1`` of them). Reads them once."""
+    count = offsets.numel() - 1
+    end = int(offsets[-1]) if count >= 0 else 0
+    if count <= 0 or end <= 0:
+        return HostSegments(max(count, 0), 0, None, None)
+    starts, stops = offsets[:-1], offsets[1:]
+    empty = stops == starts
+    inside = int((starts < end).sum())
+    return HostSegments(count, end, starts[:inside].numpy().copy(), empty if bool(empty.any()) else None)
+
+
+def segment_reduce(values: torch.Tensor, offsets: torch.Tensor | HostSegments, how: str) -> torch.Tensor:
     """``torch.segment_reduce(values, how, offsets=offsets, unsafe=True, initial=...)`` of host tensors (``how``:
     ``"sum"``, or ``"max"`` with an initial 0): per segment ``[offsets[i], offsets[i + 1])`` of ``values``' first
-    dimension its sum (its maximum and 0; nan where it holds a nan), 0 for an empty segment. Through numpy's
-    ``reduceat`` where numpy is installed (a DeepSpeed dependency): about 3x faster than torch's CPU
-    ``segment_reduce`` on 10,000 segments of 280,000 values (0.27 against 0.85 ms; pairwise sums within each segment,
-    so possibly another last float64 bit than torch's sequential ones). No copy of ``values`` (views of the same
-    memory); the result is new."""
+    dimension its sum (its maximum and 0; nan where it holds a nan), 0 for an empty segment. ``offsets`` may be
+    given as their :func:`host_segments`, derived once for a fixed plan. Through numpy's ``reduceat`` where numpy
+    is installed (a DeepSpeed dependency): about 3x faster than torch's CPU ``segment_reduce`` on 10,000 segments
+    of 280,000 values (0.27 against 0.85 ms; pairwise sums within each segment, so possibly another last float64
+    bit than torch's sequential ones). No copy of ``values`` (views of the same memory); the result is new."""
     try:
         import numpy
     except ImportError:  # pragma: no cover - DeepSpeed requires numpy
+        assert isinstance(offsets, torch.Tensor), "HostSegments are built where numpy is"
         return torch.segment_reduce(values, how, offsets=offsets, unsafe=True, initial=0.0 if how == "max" else None)
-    count = offsets.numel() - 1
-    end = int(offsets[-1]) if count >= 0 else 0
-    starts, stops = offsets[:-1], offsets[1:]
-    if count <= 0 or end <= 0:
-        return values.new_zeros((max(count, 0), *values.shape[1:]))
+    plan = offsets if isinstance(offsets, HostSegments) else host_segments(offsets)
+    if not plan.end:
+        return values.new_zeros((plan.count, *values.shape[1:]))
     ufunc = numpy.add if how == "sum" else numpy.maximum
-    inside = int((starts < end).sum())  # the segments after them are empty (offsets ascend)
-    found = values.new_zeros((count, *values.shape[1:]))
     with numpy.errstate(invalid="ignore", over="ignore"):  # inf - inf, nan: the values torch gives, no warning
-        found[:inside] = torch.from_numpy(ufunc.reduceat(values[:end].numpy(), starts[:inside].numpy(), axis=0))
+        reduced = torch.from_numpy(ufunc.reduceat(values[: plan.end].numpy(), plan.starts, axis=0))
+    if len(plan.starts) == plan.count:
+        found = reduced
+    else:  # the segments after the values' end are empty
+        found = values.new_zeros((plan.count, *values.shape[1:]))
+        found[: len(plan.starts)] = reduced
     if how == "max":
-        found = torch.maximum(found, found.new_zeros(()))  # the initial 0 (nan stays nan)
-    empty = (stops == starts).view(-1, *([1] * (values.dim() - 1)))
-    return found.masked_fill_(empty, 0.0)
+        found.clamp_min_(0.0)  # the initial 0 (nan stays nan)
+    if plan.empty is not None:
+        found.masked_fill_(plan.empty.view(-1, *([1] * (values.dim() - 1))), 0.0)
+    return found

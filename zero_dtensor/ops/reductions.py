@@ -205,11 +205,11 @@ def _run_max(runs: Sequence[torch.Tensor]) -> torch.Tensor:
                         else torch.zeros((), dtype=run.dtype, device=run.device) for run in runs]).to(torch.float64)
 
 
-def _per_group(values: torch.Tensor, offsets: torch.Tensor, is_inf: bool) -> torch.Tensor:
-    """(groups,) float64: ``values`` laid out group by group (``offsets``) summed (maxed) per group. One group:
-    one ``sum`` (``max``) as before; several: one ``segment_reduce`` for all (the same values per group, summed
-    in sequence: possibly another last float64 bit than one ``sum`` each)."""
-    if offsets.numel() == 2:
+def _per_group(values: torch.Tensor, offsets: torch.Tensor | None, is_inf: bool) -> torch.Tensor:
+    """(groups,) float64: ``values`` laid out group by group (``offsets``; ``None``: one group) summed (maxed) per
+    group. One group: one ``sum`` (``max``) as before; several: one ``segment_reduce`` for all (the same values per
+    group, summed in sequence: possibly another last float64 bit than one ``sum`` each)."""
+    if offsets is None or offsets.numel() == 2:
         one = values.max() if is_inf and values.numel() else values.sum()
         return one.unsqueeze(0)
     return torch.segment_reduce(values, "max" if is_inf else "sum", offsets=offsets, unsafe=True,
@@ -230,8 +230,11 @@ def _group_partials(state: FlatState, sel: Selection, norm_type: float) -> torch
     is_inf = math.isinf(norm_type)
     runs = [_run_of(state, sel, g) for g in groups]
     if all(run is not None for run in runs):
-        index = parts_of((state,), sel).index
-        local = _run_max(runs) if is_inf else _per_group(_run_norms(runs, norm_type), index.run_offsets, False)
+        if is_inf:
+            local = _run_max(runs)
+        else:  # one run is one sum: no index needed (a selection's index costs a lookup keyed by every parameter)
+            offsets = parts_of((state,), sel).index.run_offsets if len(runs) > 1 else None
+            local = _per_group(_run_norms(runs, norm_type), offsets, False)
     elif all(run is None for run in runs):
         local = _piece_group_partials(parts_of((state,), sel), norm_type)
     else:  # some groups are runs, some not (a selection whole in some groups only): group by group

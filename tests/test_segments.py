@@ -411,7 +411,7 @@ def test_host_segment_reduce_is_torchs(lengths, seed, how, width, specials, unus
     """issue 55: the host recipe's segment reduction (numpy's ``reduceat``) gives torch's ``segment_reduce`` values
     (``initial=0`` for max): empty segments anywhere (leading, trailing, every one), values past the last offset
     (``unused`` of them), nan and inf, 1-D and 2-D values; sums to a float64 rounding or two (pairwise there)."""
-    from zero_dtensor.layout.cpu_rows import segment_reduce
+    from zero_dtensor.layout.cpu_rows import host_segments, segment_reduce
 
     g = torch.Generator().manual_seed(seed)
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
@@ -433,3 +433,7 @@ def test_host_segment_reduce_is_torchs(lengths, seed, how, width, specials, unus
         assert torch.equal(got[keep], want[keep])
     else:
         assert torch.allclose(got[keep], want[keep], rtol=1e-14, atol=1e-14)
+    planned = host_segments(offsets)  # derived once with a plan: the same values, call after call
+    for _ in range(2):
+        again = segment_reduce(values, planned, how)
+        assert again.shape == got.shape and torch.equal(again.nan_to_num(7.0), got.nan_to_num(7.0))

@@ -123,6 +123,7 @@ def _chunked_values(rows: torch.Tensor, parts: int, scratch: torch.Tensor, kinds
     like = rows[:0]  # new_empty of an empty view: on the rows' device, reading none of them
     results = [like.new_empty(rows.shape[0], dtype=acc if kind != "max" or low else rows.dtype) for kind in kinds]
     slots = [result.tensor_split(parts) for result in results]
+    max_slots = slots[list(kinds).index("max")] if "max" in kinds else None
     chunks = rows.tensor_split(parts)
     buf = scratch.view(-1)[: chunks[0].numel()].view(chunks[0].shape)  # the first chunk is the largest
     for i, c in enumerate(chunks):
@@ -131,8 +132,8 @@ def _chunked_values(rows: torch.Tensor, parts: int, scratch: torch.Tensor, kinds
         for kind, slot in zip(kinds, slots):
             if kind != "max":
                 _whole_into(x, kind, slot[i])
-        if "max" in kinds:
-            torch.amax(x.abs_() if low else torch.abs(c, out=into), 1, out=slots[list(kinds).index("max")][i])
+        if max_slots is not None:
+            torch.amax(x.abs_() if low else torch.abs(c, out=into), 1, out=max_slots[i])
     return results
 
 

@@ -148,12 +148,17 @@ class JointPlan:
     row_starts: torch.Tensor  # (plans with rows + 1,): where each plan's rows start among all rows (then the end)
     budgets: torch.Tensor  # (plans with rows,): how many of its rows :func:`joint_stats` counts at most
     pick_starts: torch.Tensor  # (sum of budgets,): the row start of the plan of each counted row
-    host: bool = False  # the plans reduce buffers in host memory (:func:`on_host`): the host recipe applies
-    #: in host memory, what the host segment reduction derives from ``row_offsets``, ``all_offsets`` and
-    #: ``bit_offsets`` (:func:`.cpu_rows.host_segments`), derived once with the plan; None elsewhere
+    #: in host memory (:func:`on_host`), what the host segment reduction derives from ``row_offsets``,
+    #: ``all_offsets`` and ``bit_offsets`` (:func:`.cpu_rows.host_segments`), derived once with the plan; None
+    #: elsewhere
     host_row_runs: HostSegments | None = None
     host_all_runs: HostSegments | None = None
     host_bit_runs: HostSegments | None = None
+
+    @property
+    def host(self) -> bool:
+        """The plans reduce buffers in host memory (:func:`on_host`): the host recipe applies."""
+        return self.host_all_runs is not None
 
 
 def _bit_rows(seg: SegmentPlan) -> list[int]:
@@ -185,12 +190,10 @@ def joint_plan(segs: tuple[SegmentPlan, ...], device: torch.device) -> JointPlan
     lists = [row_offsets, all_offsets, bit_offsets, row_starts, budgets, pick_starts, *bit_rows]
     packed = torch.tensor([v for values in lists for v in values], dtype=torch.int64)
     moved = to_device(packed, device).split(list(map(len, lists)))
-    host = on_host(device)
-    runs = [host_segments(offsets) if host else None for offsets in moved[:3]]
+    runs = [host_segments(offsets) if on_host(device) else None for offsets in moved[:3]]
     return JointPlan(pieces=len(bit_lengths), rows=rows, row_offsets=moved[0], all_offsets=moved[1],
                      bit_offsets=moved[2], row_starts=moved[3], budgets=moved[4], pick_starts=moved[5],
-                     bit_rows=tuple(moved[6:]), host=host, host_row_runs=runs[0],
-                     host_all_runs=runs[1], host_bit_runs=runs[2])
+                     bit_rows=tuple(moved[6:]), host_row_runs=runs[0], host_all_runs=runs[1], host_bit_runs=runs[2])
 
 
 def on_host(device: torch.device) -> bool:

@@ -305,15 +305,23 @@ def test_a_conversion_that_dies_leaves_nothing(saved, tmp_path, to) -> None:
 WIDTH = 512  # the largest parameter: 512 x 512 fp32 = 1 MiB
 
 
-def _probe(src: str, dst: str, to: str) -> int:
+def _probes(cases: list[tuple[str, str, str]]) -> list[int]:
+    """The peak ``RssAnon`` growth of a conversion per ``(src, dst, to)``, each in a fresh process of its own (all
+    started at once: each process measures its own memory)."""
     import json
     import subprocess
     import sys
 
     code = ("import json, sys; from workers.convert import memory_probe; "
             "print(json.dumps(memory_probe(*sys.argv[1:4])))")
-    out = subprocess.run([sys.executable, "-c", code, src, dst, to], check=True, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])["growth"]
+    procs = [subprocess.Popen([sys.executable, "-c", code, *case], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for case in cases]
+    growths = []
+    for proc in procs:
+        out, err = proc.communicate()
+        assert proc.returncode == 0, err
+        growths.append(json.loads(out.strip().splitlines()[-1])["growth"])
+    return growths
 
 
 def test_peak_anonymous_memory_does_not_grow_with_the_checkpoint(ranks, tmp_path) -> None:
@@ -330,8 +338,9 @@ def test_peak_anonymous_memory_does_not_grow_with_the_checkpoint(ranks, tmp_path
     bound = 2 * largest + 8 * 2**20
     state = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(root, "z3-l32")) for f in fs)
     assert state > 8 * bound  # holding the state would fail the bound 8 times over
-    growth = {(name, to): _probe(os.path.join(root, name), os.path.join(root, f"{name}.{to}"), to)
-              for name, to in [("z3-l4", "dcp"), ("z3-l32", "dcp"), ("z3-l32", "safetensors")]}
+    cases = [("z3-l4", "dcp"), ("z3-l32", "dcp"), ("z3-l32", "safetensors")]
+    growth = dict(zip(cases, _probes([(os.path.join(root, name), os.path.join(root, f"{name}.{to}"), to)
+                                      for name, to in cases])))
     assert all(g <= bound for g in growth.values()), (growth, bound)
 
 

@@ -146,7 +146,9 @@ class RankPool:
 
     Args:
         nprocs: the number of ranks.
-        start_method: ``"spawn"`` or ``"fork"``.
+        start_method: ``"spawn"``, ``"fork"`` or ``"forkserver"`` (as ``"spawn"``, but each rank is forked from
+            ``multiprocessing``'s server process: with ``multiprocessing.set_forkserver_preload(["torch",
+            "deepspeed"])`` first, starts and restarts skip importing them, about half of a start).
         backend: ``"gloo"`` (default: CPU ranks), ``"nccl"`` (rank ``r`` on ``cuda:r``) or ``"auto"``
             (:func:`backend_for`, decided in the ranks).
         start_timeout: seconds a rank may take to answer at start (the first start includes DeepSpeed's JIT build
@@ -205,6 +207,8 @@ class RankPool:
             errors.update({r: f"no answer at start within {self._start_timeout:g} s, or {self._grace_s:g} s after "
                               f"another rank failed; killed{hint}" for r in late})
         if errors:
+            for r in late:  # stuck at start: no stop request would reach them (close() would wait 5 s for each)
+                self._procs[r].kill()
             self.close()
             raise RankFailure(f"{len(errors)} of {self.nprocs} ranks failed to start", errors)
 
@@ -251,6 +255,7 @@ class RankPool:
         for r in range(self.nprocs):
             if r not in answers:
                 failed[r] = "no answer in time (probably waiting in a collective another rank never joined); killed"
+                self._procs[r].kill()  # a stop request would wait behind its call
         if failed:
             self.close()
             raise RankFailure(f"{getattr(fn, '__qualname__', fn)} failed on ranks {sorted(failed)}", failed)

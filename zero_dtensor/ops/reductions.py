@@ -344,9 +344,12 @@ def stats(state: FlatState, sel: Selection) -> ParamStatsMap[GradStats]:
     norm = list(map(math.sqrt, sumsq.tolist()))  # correctly rounded (torch's vectorized sqrt may be 1 ulp off)
     if scale != 1.0:
         norm = [x / scale for x in norm]
-    max_abs = torch.where(nans != 0, math.nan, top / scale).tolist()
+    any_nan = bool(nans.any())  # host values: no sync; all-zero counts (the usual case) skip their conversions
+    top = top / scale if scale != 1.0 else top
+    max_abs = (torch.where(nans != 0, math.nan, top) if any_nan else top).tolist()
     mean = torch.where(counts_ > 0, total / counts_ / scale, 0.0).tolist()
-    nan_count, inf_count = nans.to(torch.int64).tolist(), infs.to(torch.int64).tolist()
+    nan_count = nans.to(torch.int64).tolist() if any_nan else [0] * len(names)
+    inf_count = infs.to(torch.int64).tolist() if bool(infs.any()) else [0] * len(names)
     columns = (norm, max_abs, mean, nan_count, inf_count, numels)
 
     def one(i: int) -> GradStats:

@@ -437,3 +437,19 @@ def test_host_segment_reduce_is_torchs(lengths, seed, how, width, specials, unus
     for _ in range(2):
         again = segment_reduce(values, planned, how)
         assert again.shape == got.shape and torch.equal(again.nan_to_num(7.0), got.nan_to_num(7.0))
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.one_of(st.floats(min_value=0.0, allow_infinity=True), st.just(math.nan)), min_size=0, max_size=50),
+       st.integers(0, 2**31 - 1))
+def test_stats_norms_are_correctly_rounded_square_roots(values, seed) -> None:
+    """``stats``' norms: ``math.sqrt`` of each float64 sum of squares, bit for bit (torch's vectorized ``sqrt`` is
+    not correctly rounded), from a column view as ``stats`` takes them, over values of every magnitude."""
+    from zero_dtensor.ops.reductions import _sqrt_list
+
+    wide = torch.rand(4096, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    wide = wide * torch.exp(torch.randn(4096, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)) * 40)
+    column = torch.stack([torch.cat([torch.tensor(values, dtype=torch.float64), wide])] * 2, dim=1)[:, 1]
+    got, want = _sqrt_list(column), list(map(math.sqrt, column.tolist()))
+    assert len(got) == len(want)
+    assert all(g == w or (math.isnan(g) and math.isnan(w)) for g, w in zip(got, want))

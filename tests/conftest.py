@@ -3,8 +3,9 @@
 A test calls ``ranks(world_size).run(fn, *args)``; ``fn`` must be a module-level function in ``tests/workers/``
 (importable in the workers as ``workers.<module>``). The workers are forked from a ``forkserver`` that imported
 torch, DeepSpeed and zero_dtensor once (a 2-rank start took 4-5 s spawned, about 2.5 s so; 4 ranks 9 s, 4.5 s),
-so the pools' first starts and the restarts after a failure cost little more than joining the process group. Any rank's exception fails the test with every rank's
-traceback; a hang becomes a failure after ``timeout`` and the pool is restarted for the next test.
+so the pools' first starts and the restarts after a failure cost little more than joining the process group. Any
+rank's exception fails the test with every rank's traceback; a hang becomes a failure after ``timeout`` and the
+pool is restarted for the next test.
 
 The slow subprocess runs (examples, notebooks, smoke runs) start at collection and run in the background meanwhile:
 ``background.py``.

@@ -147,8 +147,9 @@ class RankPool:
     Args:
         nprocs: the number of ranks.
         start_method: ``"spawn"``, ``"fork"`` or ``"forkserver"`` (as ``"spawn"``, but each rank is forked from
-            ``multiprocessing``'s server process: with ``multiprocessing.set_forkserver_preload(["torch",
-            "deepspeed"])`` first, starts and restarts skip importing them, about half of a start).
+            ``multiprocessing``'s server process: with ``multiprocessing.set_forkserver_preload(["torch"])`` first,
+            starts and restarts skip importing it; for CPU ranks ``"deepspeed"`` too, about half of a start.
+            Importing DeepSpeed on a GPU machine asks CUDA for its devices, which forked ranks must not inherit).
         backend: ``"gloo"`` (default: CPU ranks), ``"nccl"`` (rank ``r`` on ``cuda:r``) or ``"auto"``
             (:func:`backend_for`, decided in the ranks).
         start_timeout: seconds a rank may take to answer at start (the first start includes DeepSpeed's JIT build

@@ -94,12 +94,18 @@ def _grad_stats(names: list[str], norm: list[float], max_abs: list[float], mean:
 def _sqrt_list(values: torch.Tensor) -> list[float]:
     """The correctly rounded square roots of a float64 CPU tensor's values, as Python floats: numpy's (IEEE
     ``sqrt``, vectorized: 0.19 against 0.52 ms by ``math.sqrt`` for 10,000 values), else ``math.sqrt`` (torch's
-    vectorized ``sqrt`` is not correctly rounded: about 0.6% of float64 values differ in the last bit)."""
+    vectorized ``sqrt`` is not correctly rounded: 1.3% of 1M float64 values of every magnitude differed in the last
+    bit)."""
     try:
         import numpy
     except ImportError:  # pragma: no cover - numpy is a DeepSpeed dependency
         return list(map(math.sqrt, values.tolist()))
     return numpy.sqrt(values.numpy()).tolist()
+
+
+def _count_list(counts: torch.Tensor, any_counted: bool) -> list[int]:
+    """A float64 CPU count column as Python ints; all zeros (``any_counted`` false) without converting it."""
+    return counts.to(torch.int64).tolist() if any_counted else [0] * counts.numel()
 
 
 def _partials(state: FlatState, sel: Selection, norm_type: float) -> torch.Tensor:
@@ -359,8 +365,7 @@ def stats(state: FlatState, sel: Selection) -> ParamStatsMap[GradStats]:
     top = top / scale if scale != 1.0 else top
     max_abs = (torch.where(nans != 0, math.nan, top) if any_nan else top).tolist()
     mean = torch.where(counts_ > 0, total / counts_ / scale, 0.0).tolist()
-    nan_count = nans.to(torch.int64).tolist() if any_nan else [0] * len(names)
-    inf_count = infs.to(torch.int64).tolist() if bool(infs.any()) else [0] * len(names)
+    nan_count, inf_count = _count_list(nans, any_nan), _count_list(infs, bool(infs.any()))
     columns = (norm, max_abs, mean, nan_count, inf_count, numels)
 
     def one(i: int) -> GradStats:

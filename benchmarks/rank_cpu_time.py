@@ -7,7 +7,8 @@ one on ``PYTHONPATH``; run two trees one after the other, alternating, to compar
     PYTHONPATH=/path/to/tree torchrun --nproc_per_node=2 benchmarks/rank_cpu_time.py --call stats
     PYTHONPATH=/path/to/tree torchrun --nproc_per_node=2 benchmarks/rank_cpu_time.py --call stats --profile
 
-``--profile``: then the torch profiler's table of 10 more calls (rank 0), by operator.
+``--profile``: then the torch profiler's table of 10 more calls (rank 0), by operator; ``--cprofile N``: cProfile's
+N functions of most own time over 20 more calls (rank 0).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=10000)
     parser.add_argument("--stage", type=int, default=1)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N",
+                        help="then cProfile 20 more calls (rank 0): the N functions of most own time")
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
@@ -72,6 +75,17 @@ def main() -> None:
                 call(grads)
         if rank == 0:
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+    if args.cprofile:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(20):
+            call(grads)
+        profiler.disable()
+        if rank == 0:
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(args.cprofile)
     dist.barrier()
     dist.destroy_process_group()
 

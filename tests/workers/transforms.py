@@ -363,10 +363,10 @@ def write_full_grad_like_deepspeed(engine, p, value, stage: int, world: int, rep
 
 
 def stats_comms(grads: zd.ShardedGrads, one: int) -> int:
-    """stats(): the agreement and, per process group, one all_gather (gloo below 4 ranks) or two all_reduces."""
-    from zero_dtensor.comm.collectives import prefers_all_reduce
+    """stats(): the agreement and, per process group, one all_gather (gloo) or two all_reduces."""
+    from zero_dtensor.comm.collectives import gathers_sum_max_rows
 
-    return one and one + int(prefers_all_reduce(grads._storage.process_groups[0]))
+    return one and one + int(not gathers_sum_max_rows(grads._storage.process_groups[0]))
 
 
 def check_stats(grads: zd.ShardedGrads, ref: dict, one: int) -> None:

@@ -150,8 +150,8 @@ class TensorReductions:
             StaleTensorsError: the values are no longer DeepSpeed's.
 
         Communication:
-            The agreement, then at most two ``all_reduce`` per process group (sums and maxima; gloo below 4 ranks:
-            one ``all_gather``).
+            The agreement, then at most two ``all_reduce`` per process group (sums and maxima; gloo: one
+            ``all_gather``).
 
         Device and memory:
             Three reads of the local data, a few per-row vectors, one host sync (the result copy).

@@ -25,7 +25,8 @@ the partition, as ZeRO-1/2 lay them out, is reduced locally by one row-wise ``ve
 for replicated or single-rank groups, whose local values are already complete. ``stats()`` needs two (a sum and a
 max). Results are in true (unscaled) units. On gloo below 4 ranks each travels as one all_gather and is reduced
 locally (a small all_reduce there waits a scheduler tick far more often;
-:func:`~zero_dtensor.comm.collectives.prefers_all_reduce`), and ``stats()`` then needs one. (``found_inf`` lives in
+:func:`~zero_dtensor.comm.collectives.prefers_all_reduce`); ``stats()`` gathers once on gloo at any size
+(:func:`~zero_dtensor.comm.collectives.gathers_sum_max_rows`). (``found_inf`` lives in
 :mod:`zero_dtensor.ops.overflow`.)
 """
 
@@ -339,7 +340,7 @@ def _stat_rows(state: FlatState, parts: Parts | None) -> torch.Tensor:
 def stats(state: FlatState, sel: Selection) -> ParamStatsMap[GradStats]:
     """Per parameter 2-norm, max |g|, mean, nan and inf counts: a (k, 6) float64 matrix (sums of squares, sums,
     counts summed across ranks; max |x| and an incompleteness flag maxed; :func:`~zero_dtensor.comm.collectives.sum_max_rows`):
-    per process group one all_gather of it (gloo below 4 ranks), else two all_reduces. Locally one
+    per process group one all_gather of it (gloo), else two all_reduces. Locally one
     :func:`~zero_dtensor.layout.segments.joint_stats` over every group (sums of squares, sums, maxima: three reads;
     nan/inf counts of the bits and of up to max(16, rows/256) rows per group whose sum of squares is not finite,
     chosen on the device). One

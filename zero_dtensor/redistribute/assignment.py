@@ -11,7 +11,9 @@ import torch
 
 from ..layout.flat import FlatLayout, ParamLayout
 from ..core.storage import FlatStorage
-from .plan import PLAN_CACHE_SIZE, group_ranks_of, process_group_keys
+from .plan import PLAN_CACHE_SIZE, group_members, group_ranks_of, process_group_keys
+
+_NAME = operator.attrgetter("name")
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
@@ -40,8 +42,17 @@ def _balanced(layout: FlatLayout, names: tuple[str, ...], pg_keys: tuple[int, ..
 def balanced_owners(storage: FlatStorage, selected: Sequence[ParamLayout]) -> dict[str, int]:
     """The default assignment: ``{name: global rank}``, deterministic from the layout and the selection, identical
     on every rank. No communication."""
-    ranks = _balanced(storage.layout, tuple(p.name for p in selected), process_group_keys(storage))
-    return {p.name: group_ranks_of(storage, p)[r] for p, r in zip(selected, ranks)}
+    names = tuple(map(_NAME, selected))
+    return dict(zip(names, _balanced_global(storage.layout, names, process_group_keys(storage),
+                                            tuple(group_members(storage)))))
+
+
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def _balanced_global(layout: FlatLayout, names: tuple[str, ...], pg_keys: tuple[int, ...],
+                     members: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+    """:func:`_balanced` as global ranks (``members``: per flat group, its members' global ranks). Cached."""
+    ranks = _balanced(layout, names, pg_keys)
+    return tuple([members[layout.by_name[n].group][r] for n, r in zip(names, ranks)])
 
 
 def _as_rank(name: str, rank: Any) -> int:

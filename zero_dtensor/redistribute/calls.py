@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from itertools import compress
 from typing import Any
 
 import torch
@@ -69,11 +70,12 @@ def owned(storage: FlatStorage, selected: Sequence[ParamLayout], assignment: Map
 
 
 def _owned_views(storage: FlatStorage, plan: Plan, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    result = {}
+    result: dict[str, torch.Tensor] = {}
     for bucket, views in read_targets(storage, plan, dtype):
-        for slot, view in zip(bucket.params, views):
-            if slot.present:
-                result[slot.name] = view
+        names, mask = bucket.present
+        result.update(zip(compress(names, mask), compress(views, mask)))
+    if len(plan.buckets) == 1:  # one bucket holds the selection in its order
+        return result
     return {n: result[n] for n in plan.names if n in result}
 
 

@@ -89,7 +89,7 @@ def read_targets(storage: FlatStorage, plan: Plan, dtype: torch.dtype | None
         direct = read.recv_in_order and sum(read.recv_counts) == bucket.out_numel
         run = _run_on(parts, read.send_run, device)  # what is sent, where it lies as one run (no packing)
         if not read.communicates:  # nothing crosses ranks: each piece once, partition to output
-            _copy_pieces([out], read.recv_pieces, parts, read.send_pieces)
+            _copy_pieces([out], read.runs[1], parts, read.runs[0])
         elif direct and (run is not None or _kept(read) <= read.received_elements):
             # (packing the own share too costs less than copying what arrives: else the own share goes alone)
             send = run if run is not None else _pack_into(_scratch("send", bucket, device), parts,
@@ -130,7 +130,7 @@ def _exchange_peers(sources: Sequence[torch.Tensor], dests: Sequence[torch.Tenso
     into ``send_space`` (memory nothing reads until the exchange returned: a read's output, written only after it)
     where it holds them, else into a kept send buffer; exchanged into a kept receive buffer of what arrives from the
     other ranks (one ``all_to_all_single`` with this rank's own split 0) and copied into place."""
-    (own_sent, own_received), (sent, received) = transfer.own_pieces(), transfer.peer_pieces()
+    (own_sent, own_received), (sent, received) = transfer.own_runs, transfer.peer_pieces()
     send_counts, recv_counts = transfer.peer_counts()
     send = _run_on(sources, transfer.peer_send_run, device)
     if send is None or (send.numel() > 1 and send.stride(0) != 1):  # (a write's value may be expanded: stride 0)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -57,6 +58,19 @@ class Transfer:
         s0, r0 = sum(self.send_piece_counts[:me]), sum(self.recv_piece_counts[:me])
         return (self.send_pieces[s0:s0 + self.send_piece_counts[me]],
                 self.recv_pieces[r0:r0 + self.recv_piece_counts[me]])
+
+    @functools.cached_property
+    def own_runs(self) -> tuple[tuple[Piece, ...], tuple[Piece, ...]]:
+        """:meth:`own_pieces` with the pieces that continue each other on both sides merged (:func:`coalesced`):
+        a ZeRO-1/2 rank's own share under the balanced owners is one run. Computed once per (cached) plan."""
+        sent, received = self.own_pieces()
+        return coalesced(sent, received)
+
+    @functools.cached_property
+    def runs(self) -> tuple[tuple[Piece, ...], tuple[Piece, ...]]:
+        """``(send_pieces, recv_pieces)`` merged as :attr:`own_runs` (for a transfer that does not communicate,
+        whose pieces all stay on this rank). Computed once per (cached) plan."""
+        return coalesced(self.send_pieces, self.recv_pieces)
 
     def peer_pieces(self) -> tuple[tuple[Piece, ...], tuple[Piece, ...]]:
         """``(sent, received)``: the pieces exchanged with the other ranks (this rank's own left out)."""
@@ -122,6 +136,12 @@ class BucketPlan:
     out_numel: int
     read: Transfer
     write: Transfer
+
+    @functools.cached_property
+    def present(self) -> tuple[tuple[str, ...], tuple[bool, ...]]:
+        """``(names, mask)``: every slot's name, and whether this rank holds its result (:attr:`TargetSlot.present`).
+        Computed once per (cached) plan."""
+        return tuple(slot.name for slot in self.params), tuple(slot.present for slot in self.params)
 
 
 @dataclass(frozen=True)
@@ -193,6 +213,24 @@ def _transfer(per_peer_send: list[list[Piece]], per_peer_recv: list[list[Piece]]
         send_piece_counts=tuple(map(len, per_peer_send)),
         recv_piece_counts=tuple(map(len, per_peer_recv)),
     )
+
+
+def coalesced(sources: Sequence[Piece], dests: Sequence[Piece]) -> tuple[tuple[Piece, ...], tuple[Piece, ...]]:
+    """Matching source and destination pieces (the same lengths, in order) with each pair that continues the
+    previous one on both sides (same slot, next offset) merged into it: the same elements copied to the same
+    places by fewer, longer copies."""
+    merged_src: list[list[int]] = []
+    merged_dst: list[list[int]] = []
+    for (s, a, n), (d, b, _) in zip(sources, dests):
+        if merged_src:
+            ps, pd = merged_src[-1], merged_dst[-1]
+            if ps[0] == s and ps[1] + ps[2] == a and pd[0] == d and pd[1] + pd[2] == b:
+                ps[2] += n
+                pd[2] += n
+                continue
+        merged_src.append([s, a, n])
+        merged_dst.append([d, b, n])
+    return tuple(map(tuple, merged_src)), tuple(map(tuple, merged_dst))  # type: ignore[return-value]
 
 
 def _one_run(pieces: Sequence[Piece]) -> Piece | None:
@@ -298,15 +336,33 @@ def group_ranks_of(storage: FlatStorage, param: ParamLayout) -> tuple[int, ...]:
     return process_groups.group_ranks(storage.process_groups[param.group])
 
 
+def group_members(storage: FlatStorage) -> list[tuple[int, ...]]:
+    """Per flat group, the global ranks of its process group's members, in group-rank order."""
+    return [process_groups.group_ranks(pg) for pg in storage.process_groups]
+
+
+_NAME = operator.attrgetter("name")
+
+
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def _group_ranks_of_owners(layout: FlatLayout, names: tuple[str, ...], owners: tuple[int, ...],
+                           members: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+    """Per name, its owner's rank in the parameter's process group (``owners``: global ranks; ``members``: per
+    flat group, its members' global ranks). Cached: an unchanged assignment is converted once."""
+    tables = [{r: i for i, r in enumerate(m)} for m in members]
+    return tuple([tables[layout.by_name[n].group][r] for n, r in zip(names, owners)])
+
+
 def plan_for(storage: FlatStorage, selected: Sequence[ParamLayout], kind: str = ROWS,
              assignment: Mapping[str, int] | None = None) -> Plan:
     """The cached plan for ``selected`` (in order) and a target: ``"rows"``, or ``"owners"`` with ``assignment``
     (name -> global rank, e.g. from :func:`owners`). No communication."""
-    names = tuple(p.name for p in selected)
+    names = tuple(map(_NAME, selected))
     if kind == OWNERS:
         if assignment is None:
             raise ValueError("an owners plan needs the assignment (name -> global rank)")
-        ranks = tuple(group_ranks_of(storage, p).index(assignment[p.name]) for p in selected)
+        ranks = _group_ranks_of_owners(storage.layout, names, tuple(map(assignment.__getitem__, names)),
+                                       tuple(group_members(storage)))
     elif kind == ROWS:
         ranks = ()
     else:

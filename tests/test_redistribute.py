@@ -251,6 +251,36 @@ def test_balanced_owners_are_deterministic_and_balanced(sizes, world) -> None:
     assert all(0 <= r < world for r in owners)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 9), st.integers(0, 1), st.booleans(), st.booleans()), max_size=30))
+def test_coalesced_pieces_copy_the_same_elements_in_fewer_copies(steps) -> None:
+    """``plan.coalesced`` (the own share of a read copied as runs): the same elements land in the same places, and
+    no two consecutive merged pieces could be merged further."""
+    src_pieces, dst_pieces, src_at, dst_at = [], [], [0, 0], 0
+    for n, slot, src_gap, dst_gap in steps:
+        src_at[slot] += 3 * src_gap
+        dst_at += 2 * dst_gap
+        src_pieces.append((slot, src_at[slot], n))
+        dst_pieces.append((0, dst_at, n))
+        src_at[slot] += n
+        dst_at += n
+    sources = [torch.arange(1.0, 1.0 + max(src_at) + 1), -torch.arange(1.0, 1.0 + max(src_at) + 1)]
+
+    def copied(srcs, dsts):
+        out = torch.zeros(dst_at + 1)
+        for (s, a, n), (_, b, m) in zip(srcs, dsts):
+            assert n == m
+            out.narrow(0, b, n).copy_(sources[s].narrow(0, a, n))
+        return out
+
+    merged_src, merged_dst = rd_plan.coalesced(src_pieces, dst_pieces)
+    assert torch.equal(copied(merged_src, merged_dst), copied(src_pieces, dst_pieces))
+    assert len(merged_src) == len(merged_dst) <= len(src_pieces)
+    for (s0, a0, n0), (s1, a1, _), (_, b0, _), (_, b1, _) in zip(merged_src, merged_src[1:], merged_dst,
+                                                                 merged_dst[1:]):
+        assert not (s0 == s1 and a0 + n0 == a1 and b0 + n0 == b1), "two mergeable pieces left apart"
+
+
 # --- real engines ---------------------------------------------------------------------------------------------------------
 CASES = [
     EngineCase(1, world=1),

@@ -29,7 +29,8 @@ from zero_dtensor.bench.sweep import sweep_model
 
 CALLS = {"stats": lambda g: g.stats(), "clip": lambda g: g.clip_grad_norm_(1e9), "norms": lambda g: g.norms(),
          "global_norm": lambda g: g.global_norm(), "owned": lambda g: g.owned(), "to_dtensors": lambda g: g.to_dtensors(),
-         "full_tensors": lambda g: g.full_tensors()}
+         "full_tensors": lambda g: g.full_tensors(),
+         "map_full_": lambda g: g.map_full_(lambda name, full: full, [n for n in g.names if n.endswith("weight")])}
 
 
 def main() -> None:

@@ -428,7 +428,7 @@ def _delivered(family: Any, call: str, names: list[str], assignment: dict[str, i
     sends to / receives from other ranks, and keeps (its own share); ``scattered``: whether the pieces a read sends
     the other ranks lie scattered in the partitions (not one run of one: then they are packed somewhere)."""
     from zero_dtensor.redistribute import OWNERS, ROWS, plan_for
-    from zero_dtensor.redistribute.plan import _one_run
+    from zero_dtensor.redistribute.plan import one_run
 
     storage = family._storage
     selected = [storage.layout.by_name[n] for n in names]
@@ -444,7 +444,7 @@ def _delivered(family: Any, call: str, names: list[str], assignment: dict[str, i
             out["received"] += size * transfer.received_elements
             out["own"] += size * (sum(transfer.recv_counts) - transfer.received_elements)
             peers_sent = transfer.peer_pieces()[0]
-            out["scattered"] |= direction == "read" and bool(peers_sent) and _one_run(peers_sent) is None
+            out["scattered"] |= direction == "read" and bool(peers_sent) and one_run(peers_sent) is None
         out["result"] += size * bucket.out_numel if "read" in directions else 0
     return out
 

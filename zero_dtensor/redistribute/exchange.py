@@ -28,7 +28,7 @@ from ..comm import collectives, process_groups
 from ..layout.devices import to_device
 from ..materialize.buffers import BUFFERS
 from ..core.storage import FlatStorage, shares_memory
-from .plan import BucketPlan, Piece, Plan, Transfer
+from .plan import BucketPlan, Piece, Plan, Transfer, one_run
 
 
 def _unpack(buffer: torch.Tensor, pieces: Sequence[Piece], dests: Sequence[torch.Tensor],
@@ -46,12 +46,26 @@ def _unpack(buffer: torch.Tensor, pieces: Sequence[Piece], dests: Sequence[torch
 
 
 def _copy_pieces(dests: Sequence[torch.Tensor], dest_pieces: Sequence[Piece], sources: Sequence[torch.Tensor],
-                 source_pieces: Sequence[Piece]) -> None:
+                 source_pieces: Sequence[Piece], device: torch.device | None = None) -> None:
     """Each source piece straight into the matching destination piece (same order, same lengths): one
-    ``_foreach_copy_`` (it converts dtypes and crosses devices)."""
-    if dest_pieces:
-        torch._foreach_copy_([dests[s].narrow(0, o, n) for s, o, n in dest_pieces],
-                             [sources[s].narrow(0, o, n) for s, o, n in source_pieces])
+    ``torch.cat(out=)`` where the destination pieces are one run on ``device`` (where the sources are, when given)
+    in the sources' dtype (a write's own share into a partition: no view per destination piece, none per source
+    piece that is a whole value), else one ``_foreach_copy_`` (it converts dtypes and crosses devices)."""
+    if not dest_pieces:
+        return
+    srcs = [_piece_of(sources[s], o, n) for s, o, n in source_pieces]
+    run = one_run(dest_pieces) if device is not None else None
+    if run is not None:
+        out = dests[run[0]].narrow(0, run[1], run[2])
+        if out.device == device and all(t.device == device and t.dtype == out.dtype for t in srcs):
+            torch.cat(srcs, out=out)
+            return
+    torch._foreach_copy_([dests[s].narrow(0, o, n) for s, o, n in dest_pieces], srcs)
+
+
+def _piece_of(source: torch.Tensor, offset: int, length: int) -> torch.Tensor:
+    """Elements ``[offset, offset + length)`` of the 1-D ``source``: ``source`` itself where that is all of it."""
+    return source if offset == 0 and length == source.shape[0] else source.narrow(0, offset, length)
 
 
 def _comm_device(storage: FlatStorage, bucket: BucketPlan) -> torch.device:
@@ -140,7 +154,7 @@ def _exchange_peers(sources: Sequence[torch.Tensor], dests: Sequence[torch.Tenso
         send = _pack_into(space, sources, sent, device)
     recv = _scratch("recv", bucket, device, sum(recv_counts))
     collectives.all_to_all_into(recv, send, recv_counts, send_counts, pg)
-    _copy_pieces(dests, own_received, sources, own_sent)
+    _copy_pieces(dests, own_received, sources, own_sent, device)
     _unpack(recv, received, dests, device)
 
 
@@ -213,21 +227,21 @@ def write_targets(storage: FlatStorage, plan: Plan, values: Mapping[str, torch.T
                 _write_bucket(sources, parts, bucket, device, storage)
                 continue
             if not process_groups.collective_path(bucket.world_size):
-                deferred.append((bucket, sources, parts, None))
+                deferred.append((bucket, sources, parts, None, device))
                 continue
             framed, codes = _framed_exchange(sources, bucket, device, storage, code, index)
             members = process_groups.group_ranks(storage.process_groups[bucket.groups[0]])
             failed.update({members[r]: c for r, c in enumerate(codes) if c})
-            deferred.append((bucket, sources, parts, framed))
+            deferred.append((bucket, sources, parts, framed, device))
         if code:
             failed[my_rank(storage)] = code
         if failed:
             return sorted(failed.items())
-        for bucket, sources, parts, framed in deferred:
+        for bucket, sources, parts, framed, device in deferred:
             if framed is None:
-                _copy_pieces(parts, bucket.write.recv_pieces, sources, bucket.write.send_pieces)
+                _copy_pieces(parts, bucket.write.recv_pieces, sources, bucket.write.send_pieces, device)
             else:
-                _unpack_framed(framed, sources, parts, bucket)
+                _unpack_framed(framed, sources, parts, bucket, device)
     return []
 
 
@@ -254,7 +268,7 @@ def _write_bucket(sources: Sequence[torch.Tensor], parts: Sequence[torch.Tensor]
     """One bucket's write without error codes (module docstring: each byte copied at most once locally)."""
     write = bucket.write
     if not write.communicates:  # every piece stays on this rank: once, value to partition
-        _copy_pieces(parts, write.recv_pieces, sources, write.send_pieces)
+        _copy_pieces(parts, write.recv_pieces, sources, write.send_pieces, device)
         return
     pg = storage.process_groups[bucket.groups[0]]
     run = _source_run(sources, write.send_pieces, device)  # (no value shares memory with a partition: _sources)
@@ -368,16 +382,17 @@ def _zero(like: torch.Tensor) -> torch.Tensor:
 
 
 def _unpack_framed(framed: torch.Tensor, sources: Sequence[torch.Tensor], parts: Sequence[torch.Tensor],
-                   bucket: BucketPlan) -> None:
-    """After every rank's code was 0: this rank's own share straight from its values into the partitions, and
-    the peers' pieces from the framed receive buffer (codes skipped), each once (one ``_foreach_copy_``)."""
+                   bucket: BucketPlan, device: torch.device) -> None:
+    """After every rank's code was 0: this rank's own share straight from its values (on ``device``) into the
+    partitions (:func:`_copy_pieces`), and the peers' pieces from the framed receive buffer (codes skipped), each
+    once (one ``_foreach_copy_``)."""
     write = bucket.write
     (own_sent, own_received), (_, received) = write.own_pieces(), write.peer_pieces()
     recv_counts = [n + 1 for n in write.peer_counts()[1]]
     slots = _framed_slots(framed, recv_counts, _per_peer(write.recv_piece_counts, write.rank, received))
-    dests = [parts[s].narrow(0, o, n) for s, o, n in own_received + received]
-    if dests:
-        torch._foreach_copy_(dests, [sources[s].narrow(0, o, n) for s, o, n in own_sent] + slots)
+    _copy_pieces(parts, own_received, sources, own_sent, device)
+    if received:
+        torch._foreach_copy_([parts[s].narrow(0, o, n) for s, o, n in received], slots)
 
 
 def _flat_on(value: torch.Tensor | None, none: torch.Tensor, device: torch.device) -> torch.Tensor:

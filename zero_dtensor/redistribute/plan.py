@@ -89,7 +89,7 @@ class Transfer:
     def peer_send_run(self) -> Piece | None:
         """The pieces sent to the other ranks as one run of one slot (this rank's own share at an end of
         ``send_run`` or empty): then sent as they lie, a view. Computed once per (cached) plan."""
-        return _one_run(self.peer_pieces()[0])
+        return one_run(self.peer_pieces()[0])
 
     @property
     def sent_elements(self) -> int:
@@ -208,8 +208,8 @@ def _transfer(per_peer_send: list[list[Piece]], per_peer_recv: list[list[Piece]]
         recv_pieces=recv_pieces,
         rank=rank,
         recv_in_order=_in_order(recv_pieces),
-        send_run=_one_run(send_pieces),
-        recv_run=_one_run(recv_pieces),
+        send_run=one_run(send_pieces),
+        recv_run=one_run(recv_pieces),
         send_piece_counts=tuple(map(len, per_peer_send)),
         recv_piece_counts=tuple(map(len, per_peer_recv)),
     )
@@ -233,7 +233,7 @@ def coalesced(sources: Sequence[Piece], dests: Sequence[Piece]) -> tuple[tuple[P
     return tuple(map(tuple, merged_src)), tuple(map(tuple, merged_dst))  # type: ignore[return-value]
 
 
-def _one_run(pieces: Sequence[Piece]) -> Piece | None:
+def one_run(pieces: Sequence[Piece]) -> Piece | None:
     """``(slot, start, length)`` where ``pieces`` follow each other in one slot with no gap (what is sent is then a
     view of it: owners that hold contiguous runs of a ZeRO partition), else ``None``."""
     if not pieces:
@@ -248,7 +248,7 @@ def _one_run(pieces: Sequence[Piece]) -> Piece | None:
 
 def _in_order(pieces: Sequence[Piece]) -> bool:
     """Whether ``pieces`` fill slot 0 back to back from offset 0 (e.g. ZeRO-3 chunks that already are whole rows)."""
-    run = _one_run(pieces)
+    run = one_run(pieces)
     return not pieces or (run is not None and run[:2] == (0, 0))
 
 

@@ -63,6 +63,7 @@ def test_row_indices_are_made_once_per_rows_and_device(monkeypatch) -> None:
         collectives.row_index.cache_clear()
     monkeypatch.setattr(collectives, "all_reduce_small", lambda t, group, op: t.mul_(2.0))  # stands for 2 ranks
     monkeypatch.setattr(collectives, "prefers_all_reduce", lambda group: False)
+    monkeypatch.setattr(collectives, "gathers_sum_max_rows", lambda group: True)
     monkeypatch.setattr(collectives, "_stacked_by_rank", lambda t, group: torch.stack([t, t]))
     monkeypatch.setattr(torch, "tensor", counting)
     rows = torch.arange(12.0).view(4, 3)

@@ -264,13 +264,12 @@ def prefers_all_reduce(group: dist.ProcessGroup) -> bool:
 
 def gathers_sum_max_rows(group: dist.ProcessGroup) -> bool:
     """Whether :func:`sum_max_rows` reduces by one ``all_gather`` (and both reductions locally) rather than two
-    ``all_reduce``\ s: below :data:`GLOO_REDUCE_FROM` gloo ranks (as :func:`prefers_all_reduce`), and on gloo at
-    any size, where one collective beats two. Measured on gloo (2 CPU cores, after a barrier, slowest rank, median
-    of 95): at 4 ranks a (10000, 6) float64 row matrix takes 6.2-7.8 ms gathered and reduced locally against
-    14.0-14.7 ms for the two all_reduces (its four and two columns), a (198, 6) one 5.0 against 14.6 ms; at 3
-    ranks 5.4 against 8.4 ms. NCCL keeps the two all_reduces (a small one runs on a tree; the gather grows with
-    ``N``). No communication."""
-    return not prefers_all_reduce(group) or backend_of(group) == "gloo"
+    ``all_reduce``\ s: on gloo, at every world size, where one collective beats two. Measured on gloo (2 CPU
+    cores, after a barrier, slowest rank, median of 95): at 4 ranks a (10000, 6) float64 row matrix takes 6.2-7.8
+    ms gathered and reduced locally against 14.0-14.7 ms for the two all_reduces (its four and two columns), a
+    (198, 6) one 5.0 against 14.6 ms; at 3 ranks 5.4 against 8.4 ms. NCCL keeps the two all_reduces (a small one
+    runs on a tree; the gather grows with ``N``). No communication."""
+    return backend_of(group) == "gloo"
 
 
 def max_int_values_within(values: Sequence[int], group: dist.ProcessGroup, device: torch.device,

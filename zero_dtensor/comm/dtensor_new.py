@@ -10,12 +10,13 @@ tensor and does not require grad.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["new_dtensor"]
+__all__ = ["dtensor_specs", "from_specs", "new_dtensor"]
 
 _SPECS: dict[tuple, tuple[Any, Any]] = {}
 _NEW = DTensor.__new__
@@ -48,3 +49,21 @@ def new_dtensor(local: torch.Tensor, mesh: Any, placement: Any, shape: tuple[int
     except (ImportError, TypeError, AttributeError):  # a torch without these internals: the public constructor
         return DTensor.from_local(local, mesh, [placement], run_check=False, shape=torch.Size(shape),
                                   stride=tuple(stride))
+
+
+def dtensor_specs(mesh: Any, placements: Sequence[Any], shapes: Sequence[tuple[int, ...]],
+                  strides: Sequence[tuple[int, ...]], dtype: torch.dtype) -> tuple[Any, ...] | None:
+    """The specs :func:`new_dtensor` would use for local tensors of ``dtype`` with these placements, global shapes
+    and strides (one per tensor, to keep beside a fixed layout and pass to :func:`from_specs`); ``None`` on a torch
+    without these internals."""
+    try:
+        return tuple(_spec(mesh, placement, tuple(shape), tuple(stride), dtype)
+                     for placement, shape, stride in zip(placements, shapes, strides))
+    except (ImportError, TypeError, AttributeError):
+        return None
+
+
+def from_specs(locals_: Sequence[torch.Tensor], specs: Sequence[Any]) -> list[DTensor]:
+    """A DTensor of each local tensor with its spec (from :func:`dtensor_specs`, of the locals' dtype): what
+    :func:`new_dtensor` builds, with no per-tensor spec lookup."""
+    return [_NEW(DTensor, local, spec, requires_grad=False) for local, spec in zip(locals_, specs)]

@@ -11,9 +11,7 @@ import torch
 
 from ..layout.flat import FlatLayout, ParamLayout
 from ..core.storage import FlatStorage
-from .plan import PLAN_CACHE_SIZE, group_members, group_ranks_of, process_group_keys
-
-_NAME = operator.attrgetter("name")
+from .plan import NAME, PLAN_CACHE_SIZE, group_members, group_ranks_of, process_group_keys
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
@@ -42,9 +40,9 @@ def _balanced(layout: FlatLayout, names: tuple[str, ...], pg_keys: tuple[int, ..
 def balanced_owners(storage: FlatStorage, selected: Sequence[ParamLayout]) -> dict[str, int]:
     """The default assignment: ``{name: global rank}``, deterministic from the layout and the selection, identical
     on every rank. No communication."""
-    names = tuple(map(_NAME, selected))
+    names = tuple(map(NAME, selected))
     return dict(zip(names, _balanced_global(storage.layout, names, process_group_keys(storage),
-                                            tuple(group_members(storage)))))
+                                            group_members(storage))))
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)

@@ -13,7 +13,8 @@ from ..comm import collectives, process_groups
 from ..comm.agreement import Refusal, agree_on, error_code, local_only, raise_outcome
 from ..layout.flat import ParamLayout
 from ..core.storage import FlatStorage
-from .checks import check_dtensor, check_full, build_dtensor, agreement_groups, mapping_names
+from ..comm.dtensor_new import from_specs
+from .checks import check_dtensor, check_full, build_dtensor, agreement_groups, mapping_names, slot_specs
 from .exchange import my_rank, read_targets, write_targets
 from .assignment import check_owner_entry
 from .plan import OWNERS, Plan, ROWS, plan_for
@@ -32,8 +33,14 @@ def to_dtensors(storage: FlatStorage, selected: Sequence[ParamLayout], *, dtype:
         if not views:
             continue
         mesh = collectives.mesh_for(storage.process_groups[bucket.groups[0]], views[0].device.type)
+        specs = slot_specs(bucket, mesh, views[0].dtype)
+        if specs is not None:  # the specs of a cached plan: no per-tensor spec lookup
+            result.update(zip(bucket.present[0], from_specs(views, specs)))
+            continue
         for slot, local in zip(bucket.params, views):
             result[slot.name] = build_dtensor(local, mesh, replicate if slot.replicate else shard, slot)
+    if len(plan.buckets) == 1:  # one bucket holds the selection in its order
+        return result
     return {p.name: result[p.name] for p in selected}
 
 

@@ -10,10 +10,10 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..comm import collectives, process_groups
-from ..comm.dtensor_new import new_dtensor
+from ..comm.dtensor_new import dtensor_specs, new_dtensor
 from ..layout.flat import ParamLayout
 from ..core.storage import FlatStorage
-from .plan import TargetSlot
+from .plan import PLAN_CACHE_SIZE, BucketPlan, TargetSlot
 
 
 def mapping_names(mapping: Any, what: str) -> list[Any]:
@@ -85,6 +85,28 @@ def check_full(storage: FlatStorage, what: str, param: ParamLayout, value: Any) 
         raise ValueError(f"{what}: value for {param.name!r} is on {value.device}, expected one of "
                          f"{sorted(str(d) for d in _allowed_devices(storage))}")
     return value
+
+
+#: per (bucket, mesh, dtype), by identity: the DTensor specs of the bucket's slots (:func:`slot_specs`)
+_SLOT_SPECS: dict[tuple[int, int, torch.dtype], tuple[BucketPlan, Any, tuple[Any, ...] | None]] = {}
+
+
+def slot_specs(bucket: BucketPlan, mesh: Any, dtype: torch.dtype) -> tuple[Any, ...] | None:
+    """The DTensor spec of each of ``bucket``'s slots (``Shard(0)``, ``Replicate()`` for a replicated slot) on
+    ``mesh`` for results of ``dtype``, made once per (cached) bucket plan, mesh object and dtype
+    (:func:`~zero_dtensor.comm.dtensor_new.dtensor_specs`; ``None`` on a torch without its internals)."""
+    key = (id(bucket), id(mesh), dtype)
+    hit = _SLOT_SPECS.get(key)
+    if hit is not None and hit[0] is bucket and hit[1] is mesh:
+        return hit[2]
+    shard, replicate = Shard(0), Replicate()
+    slots = bucket.params
+    specs = dtensor_specs(mesh, [replicate if s.replicate else shard for s in slots],
+                          [s.global_shape for s in slots], [s.global_stride for s in slots], dtype)
+    if len(_SLOT_SPECS) >= 2 * PLAN_CACHE_SIZE:
+        _SLOT_SPECS.clear()
+    _SLOT_SPECS[key] = (bucket, mesh, specs)
+    return specs
 
 
 def build_dtensor(local: torch.Tensor, mesh: Any, placement: Any, slot: TargetSlot) -> DTensor:

@@ -336,12 +336,12 @@ def group_ranks_of(storage: FlatStorage, param: ParamLayout) -> tuple[int, ...]:
     return process_groups.group_ranks(storage.process_groups[param.group])
 
 
-def group_members(storage: FlatStorage) -> list[tuple[int, ...]]:
+def group_members(storage: FlatStorage) -> tuple[tuple[int, ...], ...]:
     """Per flat group, the global ranks of its process group's members, in group-rank order."""
-    return [process_groups.group_ranks(pg) for pg in storage.process_groups]
+    return tuple(process_groups.group_ranks(pg) for pg in storage.process_groups)
 
 
-_NAME = operator.attrgetter("name")
+NAME = operator.attrgetter("name")  #: a parameter layout's name (``map(NAME, params)``: no Python loop)
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
@@ -357,12 +357,12 @@ def plan_for(storage: FlatStorage, selected: Sequence[ParamLayout], kind: str = 
              assignment: Mapping[str, int] | None = None) -> Plan:
     """The cached plan for ``selected`` (in order) and a target: ``"rows"``, or ``"owners"`` with ``assignment``
     (name -> global rank, e.g. from :func:`owners`). No communication."""
-    names = tuple(map(_NAME, selected))
+    names = tuple(map(NAME, selected))
     if kind == OWNERS:
         if assignment is None:
             raise ValueError("an owners plan needs the assignment (name -> global rank)")
         ranks = _group_ranks_of_owners(storage.layout, names, tuple(map(assignment.__getitem__, names)),
-                                       tuple(group_members(storage)))
+                                       group_members(storage))
     elif kind == ROWS:
         ranks = ()
     else:

@@ -384,8 +384,8 @@ def _zero(like: torch.Tensor) -> torch.Tensor:
 def _unpack_framed(framed: torch.Tensor, sources: Sequence[torch.Tensor], parts: Sequence[torch.Tensor],
                    bucket: BucketPlan, device: torch.device) -> None:
     """After every rank's code was 0: this rank's own share straight from its values (on ``device``) into the
-    partitions (:func:`_copy_pieces`), and the peers' pieces from the framed receive buffer (codes skipped), each
-    once (one ``_foreach_copy_``)."""
+    partitions (:func:`_copy_pieces`: one ``cat`` or ``_foreach_copy_``), and the peers' pieces from the framed
+    receive buffer (codes skipped, one ``_foreach_copy_``): each byte once."""
     write = bucket.write
     (own_sent, own_received), (_, received) = write.own_pieces(), write.peer_pieces()
     recv_counts = [n + 1 for n in write.peer_counts()[1]]

@@ -20,25 +20,28 @@ transient`), each at most the bytes that go through it."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 
 import torch
 
 from ..comm import collectives, process_groups
 from ..layout.devices import to_device
+from ..layout.views import ViewCache
 from ..materialize.buffers import BUFFERS
 from ..core.storage import FlatStorage, shares_memory
 from .plan import BucketPlan, Piece, Plan, Transfer, one_run
 
 
 def _unpack(buffer: torch.Tensor, pieces: Sequence[Piece], dests: Sequence[torch.Tensor],
-            device: torch.device | None = None) -> None:
+            device: torch.device | None = None, outs: Sequence[torch.Tensor] | None = None) -> None:
     """``buffer``'s elements (on the communication ``device``, default its own), back to back, into narrow views of
-    ``dests``: one ``torch.split_with_sizes_copy``; one ``_foreach_copy_`` where the destinations lie on another
-    device (CPU offload), the move across being the one copy."""
+    ``dests`` (``outs``: those views, made earlier): one ``torch.split_with_sizes_copy``; one ``_foreach_copy_``
+    where the destinations lie on another device (CPU offload), the move across being the one copy."""
     if not pieces:
         return
-    outs = [dests[s].narrow(0, o, n) for s, o, n in pieces]
+    if outs is None:
+        outs = [dests[s].narrow(0, o, n) for s, o, n in pieces]
     if outs[0].device == (buffer.device if device is None else device):
         torch.split_with_sizes_copy(buffer, [n for _, _, n in pieces], out=outs)
     else:
@@ -46,13 +49,22 @@ def _unpack(buffer: torch.Tensor, pieces: Sequence[Piece], dests: Sequence[torch
 
 
 def _copy_pieces(dests: Sequence[torch.Tensor], dest_pieces: Sequence[Piece], sources: Sequence[torch.Tensor],
-                 source_pieces: Sequence[Piece], device: torch.device | None = None) -> None:
-    """Each source piece straight into the matching destination piece (same order, same lengths): one
-    ``torch.cat(out=)`` where the destination pieces are one run on ``device`` (where the sources are, when given)
-    in the sources' dtype (a write's own share into a partition: no view per destination piece, none per source
-    piece that is a whole value), else one ``_foreach_copy_`` (it converts dtypes and crosses devices)."""
+                 source_pieces: Sequence[Piece], device: torch.device | None = None,
+                 outs: Sequence[torch.Tensor] | None = None, source_run: Piece | None = None) -> None:
+    """Each source piece straight into the matching destination piece (same order, same lengths; ``outs``: views
+    of the destination pieces, made earlier; ``source_run``: the source pieces as the one run they form, where
+    they do). One ``torch.cat(out=)`` where the destination pieces are one run on ``device`` (where the sources
+    are, when given) in the sources' dtype (a write's own share into a partition: no view per destination piece,
+    none per source piece that is a whole value); one ``torch.split_with_sizes_copy`` where the source pieces are
+    one run and ``outs`` lie on its device in its dtype (a ZeRO-3 owner's own share: no view per source piece);
+    else one ``_foreach_copy_`` (it converts dtypes and crosses devices)."""
     if not dest_pieces:
         return
+    if outs is not None and source_run is not None and device is not None:
+        src = sources[source_run[0]].narrow(0, source_run[1], source_run[2])
+        if src.device == device and outs[0].device == device and outs[0].dtype == src.dtype:
+            torch.split_with_sizes_copy(src, [n for _, _, n in source_pieces], out=list(outs))
+            return
     srcs = [_piece_of(sources[s], o, n) for s, o, n in source_pieces]
     run = one_run(dest_pieces) if device is not None else None
     if run is not None:
@@ -60,7 +72,8 @@ def _copy_pieces(dests: Sequence[torch.Tensor], dest_pieces: Sequence[Piece], so
         if out.device == device and all(t.device == device and t.dtype == out.dtype for t in srcs):
             torch.cat(srcs, out=out)
             return
-    torch._foreach_copy_([dests[s].narrow(0, o, n) for s, o, n in dest_pieces], srcs)
+    torch._foreach_copy_(list(outs) if outs is not None else
+                         [dests[s].narrow(0, o, n) for s, o, n in dest_pieces], srcs)
 
 
 def _piece_of(source: torch.Tensor, offset: int, length: int) -> torch.Tensor:
@@ -112,12 +125,13 @@ def read_targets(storage: FlatStorage, plan: Plan, dtype: torch.dtype | None
         else:  # this rank's own share copied straight into place; the others' sent (as they lie where they are
             # one run, else packed into the output, free until they arrive), received alone and copied into place:
             # no receive buffer of the result's size (ZeRO-3 owners: what arrives is grouped by sender)
-            _exchange_peers(parts, [out], read, device, bucket, pg, send_space=out)
+            _exchange_peers(parts, [out], read, device, bucket, pg, send_space=out,
+                            outs=_piece_views(BUFFERS.view_cache(out), out, bucket))
         true = storage.to_true(out)
         if dtype is not None and true.dtype != dtype:
             true = true.to(dtype)
         cache = BUFFERS.view_cache(out) if true is out else None
-        if cache is not None and (cache.holds(("targets", bucket)) or cache.entries < KEPT_VIEW_SETS):
+        if _keeps(cache, ("targets", bucket)):
             views = cache.get(("targets", bucket), lambda b: _slot_views(b, bucket))
         else:
             views = _slot_views(true, bucket)
@@ -138,12 +152,14 @@ def _kept(transfer: Transfer) -> int:
 
 def _exchange_peers(sources: Sequence[torch.Tensor], dests: Sequence[torch.Tensor], transfer: Transfer,
                     device: torch.device, bucket: BucketPlan, pg: object,
-                    send_space: torch.Tensor | None = None) -> None:
-    """``transfer`` with this rank's own share copied straight from ``sources`` into ``dests`` (one
-    ``_foreach_copy_``), the other ranks' pieces sent as they lie where they are one run (a view), else packed
+                    send_space: torch.Tensor | None = None,
+                    outs: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None = None) -> None:
+    """``transfer`` with this rank's own share copied straight from ``sources`` into ``dests`` (one copy:
+    :func:`_copy_pieces`), the other ranks' pieces sent as they lie where they are one run (a view), else packed
     into ``send_space`` (memory nothing reads until the exchange returned: a read's output, written only after it)
     where it holds them, else into a kept send buffer; exchanged into a kept receive buffer of what arrives from the
-    other ranks (one ``all_to_all_single`` with this rank's own split 0) and copied into place."""
+    other ranks (one ``all_to_all_single`` with this rank's own split 0) and copied into place. ``outs``: the views
+    of ``dests`` that the own share and the received pieces go to (:func:`_piece_views`), else made here."""
     (own_sent, own_received), (sent, received) = transfer.own_runs, transfer.peer_pieces()
     send_counts, recv_counts = transfer.peer_counts()
     send = _run_on(sources, transfer.peer_send_run, device)
@@ -154,8 +170,29 @@ def _exchange_peers(sources: Sequence[torch.Tensor], dests: Sequence[torch.Tenso
         send = _pack_into(space, sources, sent, device)
     recv = _scratch("recv", bucket, device, sum(recv_counts))
     collectives.all_to_all_into(recv, send, recv_counts, send_counts, pg)
-    _copy_pieces(dests, own_received, sources, own_sent, device)
-    _unpack(recv, received, dests, device)
+    own_outs, received_outs = outs if outs is not None else (None, None)
+    _copy_pieces(dests, own_received, sources, own_sent, device, own_outs, transfer.own_source_run)
+    _unpack(recv, received, dests, device, received_outs)
+
+
+def _keeps(cache: ViewCache | None, key: object) -> bool:
+    """Whether ``cache`` (a recycled output's) keeps the views under ``key``: it holds them, or fewer than
+    :data:`KEPT_VIEW_SETS` sets of views."""
+    return cache is not None and (cache.holds(key) or cache.entries < KEPT_VIEW_SETS)
+
+
+def _piece_views(cache: ViewCache | None, out: torch.Tensor, bucket: BucketPlan
+                 ) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None:
+    """The views of the read output ``out`` that this rank's own pieces and the received pieces of ``bucket`` go to
+    (:func:`_exchange_peers`), made once per recycled output and plan (``cache``: its view cache): a ZeRO-3
+    owner's pieces are one per parameter and peer, and a view costs microseconds. ``None`` where not kept."""
+    key = ("pieces", bucket)
+    if not _keeps(cache, key):
+        return None
+    assert cache is not None
+    own = bucket.read.own_runs[1]
+    views = cache.get(key, lambda b: [b.narrow(0, o, n) for _, o, n in own + bucket.read.peer_pieces()[1]])
+    return views[:len(own)], views[len(own):]
 
 
 #: a recycled output buffer keeps the target views of at most this many bucket plans (selections)
@@ -334,11 +371,14 @@ def _framed_exchange(sources: Sequence[torch.Tensor], bucket: BucketPlan, device
     framed = _scratch("framed send", bucket, device, sum(send_counts))
     if code:  # a failed rank sends its code in every element (its data is never written anywhere)
         framed.fill_(float(code))
-    else:
-        code_slots = [framed.narrow(0, sum(send_counts[:d + 1]) - 1, 1) for d in range(len(send_counts))]
-        data_slots = _framed_slots(framed, send_counts, _per_peer(write.send_piece_counts, write.rank, sent))
-        torch._foreach_copy_(data_slots + code_slots,
-                             [sources[s].narrow(0, o, n) for s, o, n in sent] + [_zero(framed)] * len(code_slots))
+    else:  # each peer's pieces by one cat into its block (the sources are on ``device`` in the bucket's dtype),
+        # then the 0 codes after the blocks
+        ends = list(itertools.accumulate(send_counts))
+        for end, count, peer in zip(ends, send_counts, _per_peer(write.send_piece_counts, write.rank, sent)):
+            if peer:
+                block = framed.narrow(0, end - count, count - 1)
+                torch.cat([_piece_of(sources[s], o, n) for s, o, n in peer], out=block)
+        torch._foreach_zero_([framed.narrow(0, end - 1, 1) for end in ends])
     recv = _scratch(f"framed recv {index}", bucket, device, sum(recv_counts))  # one per bucket: kept until written
     collectives.all_to_all_into(recv, framed, recv_counts, send_counts, storage.process_groups[bucket.groups[0]])
     at = [sum(recv_counts[:s + 1]) - 1 for s in range(len(recv_counts))]
@@ -356,43 +396,17 @@ def _per_peer(piece_counts: Sequence[int], me: int, pieces: Sequence[Piece]) -> 
     return groups
 
 
-def _framed_slots(framed: torch.Tensor, counts: Sequence[int], per_peer: Sequence[Sequence[Piece]]
-                  ) -> list[torch.Tensor]:
-    """Narrow views of ``framed`` where each peer's pieces go, back to back from the start of its block."""
-    slots, base = [], 0
-    for count, pieces in zip(counts, per_peer):
-        at = base
-        for _, _, n in pieces:
-            slots.append(framed.narrow(0, at, n))
-            at += n
-        base += count
-    return slots
-
-
-_ZEROS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-
-
-def _zero(like: torch.Tensor) -> torch.Tensor:
-    """A kept one-element zero (the code of a rank that did not fail) of ``like``'s dtype and device."""
-    key = (like.dtype, like.device)
-    t = _ZEROS.get(key)
-    if t is None:
-        t = _ZEROS[key] = torch.zeros(1, dtype=like.dtype, device=like.device)
-    return t
-
-
 def _unpack_framed(framed: torch.Tensor, sources: Sequence[torch.Tensor], parts: Sequence[torch.Tensor],
                    bucket: BucketPlan, device: torch.device) -> None:
     """After every rank's code was 0: this rank's own share straight from its values (on ``device``) into the
     partitions (:func:`_copy_pieces`: one ``cat`` or ``_foreach_copy_``), and the peers' pieces from the framed
-    receive buffer (codes skipped, one ``_foreach_copy_``): each byte once."""
+    receive buffer (codes skipped, one ``_foreach_copy_`` of the merged runs,
+    :attr:`~.plan.Transfer.framed_recv_runs`): each byte once."""
     write = bucket.write
-    (own_sent, own_received), (_, received) = write.own_pieces(), write.peer_pieces()
-    recv_counts = [n + 1 for n in write.peer_counts()[1]]
-    slots = _framed_slots(framed, recv_counts, _per_peer(write.recv_piece_counts, write.rank, received))
+    own_sent, own_received = write.own_runs
     _copy_pieces(parts, own_received, sources, own_sent, device)
-    if received:
-        torch._foreach_copy_([parts[s].narrow(0, o, n) for s, o, n in received], slots)
+    in_framed, received = write.framed_recv_runs  # (merged: a ZeRO-3 rank's pieces from one owner are one run)
+    _copy_pieces(parts, received, [framed], in_framed)
 
 
 def _flat_on(value: torch.Tensor | None, none: torch.Tensor, device: torch.device) -> torch.Tensor:

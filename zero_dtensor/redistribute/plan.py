@@ -67,6 +67,30 @@ class Transfer:
         return coalesced(sent, received)
 
     @functools.cached_property
+    def own_source_run(self) -> Piece | None:
+        """The source pieces of :attr:`own_runs` as the one run they form (:func:`one_run`), else ``None``: a
+        ZeRO-3 owner's own share is one run of its partition spread over one piece per parameter. Computed once per
+        (cached) plan."""
+        return one_run(self.own_runs[0])
+
+    @functools.cached_property
+    def framed_recv_runs(self) -> tuple[tuple[Piece, ...], tuple[Piece, ...]]:
+        """``(in the framed receive buffer, destination)``: the pieces received from the other ranks, where they lie
+        in a receive buffer framed with one element after each peer's block (an error code; this rank's own block
+        is that element alone) and where they go, merged as :attr:`own_runs` (a ZeRO-3 write: what one owner
+        sends a rank is one run of its partition). Computed once per (cached) plan."""
+        received = self.peer_pieces()[1]
+        framed, base, at = [], 0, 0
+        for r, (count, pieces) in enumerate(zip(self.recv_counts, self.recv_piece_counts)):
+            count, pieces = (0, 0) if r == self.rank else (count, pieces)
+            offset = base
+            for _, _, n in received[at:at + pieces]:
+                framed.append((0, offset, n))
+                offset += n
+            base, at = base + count + 1, at + pieces
+        return coalesced(framed, received)
+
+    @functools.cached_property
     def runs(self) -> tuple[tuple[Piece, ...], tuple[Piece, ...]]:
         """``(send_pieces, recv_pieces)`` merged as :attr:`own_runs` (for a transfer that does not communicate,
         whose pieces all stay on this rank). Computed once per (cached) plan."""

@@ -156,6 +156,13 @@ def test_plans_move_every_element_exactly(model, kind, rnd) -> None:
             peers_only = torch.cat([recv[:skip], recv[skip + bk.read.recv_counts[r]:]])
             exchange._unpack(peers_only, received, [bypass])
             assert torch.equal(bypass.nan_to_num(7.5), out.nan_to_num(7.5)), r
+            merged = bypass.clone()  # the peers' pieces merged where they continue each other: the same places
+            merged.narrow(0, 0, bk.out_numel).fill_(float("nan"))
+            for (s, so, n), (_, do, m) in zip(own_sent, own_received):
+                merged.narrow(0, do, m).copy_(parts[r][bk.groups[s]].narrow(0, so, n))
+            assert len(bk.read.peer_recv_runs) <= len(received)
+            exchange._unpack(peers_only, bk.read.peer_recv_runs, [merged])
+            assert torch.equal(merged.nan_to_num(7.5), out.nan_to_num(7.5)), r
             if bk.read.peer_send_run is not None:  # sent as it lies: exactly the peers' pieces, in send order
                 slot, start, n = bk.read.peer_send_run
                 peers_sent = _pack([parts[r][g] for g in bk.groups], sent, bk.dtype, torch.device("cpu"))
@@ -205,8 +212,23 @@ def test_plans_move_every_element_exactly(model, kind, rnd) -> None:
             # issue 44: the own share copied straight from the values, the peers' pieces alone, lands the same
             (own_sent, own_received), (_, received) = bk.write.own_pieces(), bk.write.peer_pieces()
             exchange._copy_pieces(before, own_received, sends_values[r], own_sent)
+            # the peers' pieces merged where they continue each other, from a buffer of them alone and from one
+            # framed with a code element after each peer's block (map_full_'s write): the same places
+            merged, framed_dests = [d.clone() for d in before], [d.clone() for d in before]
             skip = sum(bk.write.recv_counts[:r])
-            exchange._unpack(torch.cat([recv[:skip], recv[skip + bk.write.recv_counts[r]:]]), received, before)
+            peers_only = torch.cat([recv[:skip], recv[skip + bk.write.recv_counts[r]:]])
+            exchange._unpack(peers_only, received, before)
+            exchange._unpack(peers_only, bk.write.peer_recv_runs, merged)
+            blocks, at = [], 0
+            for peer, count in enumerate(bk.write.recv_counts):
+                blocks += [] if peer == r else [recv[at:at + count]]
+                blocks.append(torch.full((1,), -99.0, dtype=recv.dtype))
+                at += count
+            in_framed, to = bk.write.framed_recv_runs
+            exchange._copy_pieces(framed_dests, to, [torch.cat(blocks)], in_framed)
+            assert all(torch.equal(a.nan_to_num(7.5), b.nan_to_num(7.5)) for a, b in zip(merged, before)), r
+            assert all(torch.equal(a.nan_to_num(7.5), b.nan_to_num(7.5)) for a, b in zip(framed_dests, before)), r
+            assert len(bk.write.peer_recv_runs) <= len(in_framed) <= len(received)
             if bk.write.peer_send_run is not None:
                 slot, start, n = bk.write.peer_send_run
                 peers_sent = _pack(sends_values[r], bk.write.peer_pieces()[0], bk.dtype,

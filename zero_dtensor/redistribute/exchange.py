@@ -160,7 +160,7 @@ def _exchange_peers(sources: Sequence[torch.Tensor], dests: Sequence[torch.Tenso
     where it holds them, else into a kept send buffer; exchanged into a kept receive buffer of what arrives from the
     other ranks (one ``all_to_all_single`` with this rank's own split 0) and copied into place. ``outs``: the views
     of ``dests`` that the own share and the received pieces go to (:func:`_piece_views`), else made here."""
-    (own_sent, own_received), (sent, received) = transfer.own_runs, transfer.peer_pieces()
+    (own_sent, own_received), sent, received = transfer.own_runs, transfer.peer_pieces()[0], transfer.peer_recv_runs
     send_counts, recv_counts = transfer.peer_counts()
     send = _run_on(sources, transfer.peer_send_run, device)
     if send is None or (send.numel() > 1 and send.stride(0) != 1):  # (a write's value may be expanded: stride 0)
@@ -191,7 +191,7 @@ def _piece_views(cache: ViewCache | None, out: torch.Tensor, bucket: BucketPlan
         return None
     assert cache is not None
     own = bucket.read.own_runs[1]
-    views = cache.get(key, lambda b: [b.narrow(0, o, n) for _, o, n in own + bucket.read.peer_pieces()[1]])
+    views = cache.get(key, lambda b: [b.narrow(0, o, n) for _, o, n in own + bucket.read.peer_recv_runs])
     return views[:len(own)], views[len(own):]
 
 

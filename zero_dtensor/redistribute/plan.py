@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -72,6 +73,16 @@ class Transfer:
         ZeRO-3 owner's own share is one run of its partition spread over one piece per parameter. Computed once per
         (cached) plan."""
         return one_run(self.own_runs[0])
+
+    @functools.cached_property
+    def peer_recv_runs(self) -> tuple[Piece, ...]:
+        """The pieces received from the other ranks (:meth:`peer_pieces`) with those that continue each other in
+        their destination merged: they lie back to back in a receive buffer of the peers' pieces, so each merged
+        piece is one run there too (a ZeRO-3 write: what one owner sends a rank is one run of its partition).
+        Computed once per (cached) plan."""
+        received = self.peer_pieces()[1]
+        at = list(itertools.accumulate((n for _, _, n in received), initial=0))
+        return coalesced([(0, a, n) for a, (_, _, n) in zip(at, received)], received)[1]
 
     @functools.cached_property
     def framed_recv_runs(self) -> tuple[tuple[Piece, ...], tuple[Piece, ...]]:

@@ -56,7 +56,7 @@ def _copy_pieces(dests: Sequence[torch.Tensor], dest_pieces: Sequence[Piece], so
     they do). One ``torch.cat(out=)`` where the destination pieces are one run on ``device`` (where the sources
     are, when given) in the sources' dtype (a write's own share into a partition: no view per destination piece,
     none per source piece that is a whole value); one ``torch.split_with_sizes_copy`` where the source pieces are
-    one run and ``outs`` lie on its device in its dtype (a ZeRO-3 owner's own share: no view per source piece);
+    one run on ``device`` and ``outs`` lie there in its dtype (a ZeRO-3 owner's own share: no view per source piece);
     else one ``_foreach_copy_`` (it converts dtypes and crosses devices)."""
     if not dest_pieces:
         return
@@ -126,7 +126,7 @@ def read_targets(storage: FlatStorage, plan: Plan, dtype: torch.dtype | None
             # one run, else packed into the output, free until they arrive), received alone and copied into place:
             # no receive buffer of the result's size (ZeRO-3 owners: what arrives is grouped by sender)
             _exchange_peers(parts, [out], read, device, bucket, pg, send_space=out,
-                            outs=_piece_views(BUFFERS.view_cache(out), out, bucket))
+                            outs=_piece_views(BUFFERS.view_cache(out), bucket))
         true = storage.to_true(out)
         if dtype is not None and true.dtype != dtype:
             true = true.to(dtype)
@@ -181,9 +181,9 @@ def _keeps(cache: ViewCache | None, key: object) -> bool:
     return cache is not None and (cache.holds(key) or cache.entries < KEPT_VIEW_SETS)
 
 
-def _piece_views(cache: ViewCache | None, out: torch.Tensor, bucket: BucketPlan
+def _piece_views(cache: ViewCache | None, bucket: BucketPlan
                  ) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None:
-    """The views of the read output ``out`` that this rank's own pieces and the received pieces of ``bucket`` go to
+    """The views of a read's output that this rank's own pieces and the received pieces of ``bucket`` go to
     (:func:`_exchange_peers`), made once per recycled output and plan (``cache``: its view cache): a ZeRO-3
     owner's pieces are one per parameter and peer, and a view costs microseconds. ``None`` where not kept."""
     key = ("pieces", bucket)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import functools
-import itertools
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -80,26 +79,29 @@ class Transfer:
         their destination merged: they lie back to back in a receive buffer of the peers' pieces, so each merged
         piece is one run there too (a ZeRO-3 write: what one owner sends a rank is one run of its partition).
         Computed once per (cached) plan."""
-        received = self.peer_pieces()[1]
-        at = list(itertools.accumulate((n for _, _, n in received), initial=0))
-        return coalesced([(0, a, n) for a, (_, _, n) in zip(at, received)], received)[1]
+        return self._received_runs(code_elements=0)[1]
 
     @functools.cached_property
     def framed_recv_runs(self) -> tuple[tuple[Piece, ...], tuple[Piece, ...]]:
         """``(in the framed receive buffer, destination)``: the pieces received from the other ranks, where they lie
         in a receive buffer framed with one element after each peer's block (an error code; this rank's own block
-        is that element alone) and where they go, merged as :attr:`own_runs` (a ZeRO-3 write: what one owner
-        sends a rank is one run of its partition). Computed once per (cached) plan."""
+        is that element alone) and where they go, merged as :attr:`own_runs`. Computed once per (cached) plan."""
+        return self._received_runs(code_elements=1)
+
+    def _received_runs(self, code_elements: int) -> tuple[tuple[Piece, ...], tuple[Piece, ...]]:
+        """``(in the receive buffer, destination)`` of the pieces received from the other ranks, merged as
+        :attr:`own_runs`, in a receive buffer of the peers' blocks in rank order, each followed by
+        ``code_elements`` elements (this rank's block: those alone)."""
         received = self.peer_pieces()[1]
-        framed, base, at = [], 0, 0
+        in_buffer, base, at = [], 0, 0
         for r, (count, pieces) in enumerate(zip(self.recv_counts, self.recv_piece_counts)):
             count, pieces = (0, 0) if r == self.rank else (count, pieces)
             offset = base
             for _, _, n in received[at:at + pieces]:
-                framed.append((0, offset, n))
+                in_buffer.append((0, offset, n))
                 offset += n
-            base, at = base + count + 1, at + pieces
-        return coalesced(framed, received)
+            base, at = base + count + code_elements, at + pieces
+        return coalesced(in_buffer, received)
 
     @functools.cached_property
     def runs(self) -> tuple[tuple[Piece, ...], tuple[Piece, ...]]:

@@ -112,6 +112,7 @@ def read_targets(storage: FlatStorage, plan: Plan, dtype: torch.dtype | None
         read = bucket.read
         out = BUFFERS.recycled_or_new(("redistribute", bucket.out_numel, bucket.dtype, device), bucket.out_numel,
                                       bucket.dtype, device)
+        kept = BUFFERS.view_cache(out)  # the recycled output's views (None: memory the pool does not keep)
         pg = storage.process_groups[bucket.groups[0]]
         direct = read.recv_in_order and sum(read.recv_counts) == bucket.out_numel
         run = _run_on(parts, read.send_run, device)  # what is sent, where it lies as one run (no packing)
@@ -126,11 +127,11 @@ def read_targets(storage: FlatStorage, plan: Plan, dtype: torch.dtype | None
             # one run, else packed into the output, free until they arrive), received alone and copied into place:
             # no receive buffer of the result's size (ZeRO-3 owners: what arrives is grouped by sender)
             _exchange_peers(parts, [out], read, device, bucket, pg, send_space=out,
-                            outs=_piece_views(BUFFERS.view_cache(out), bucket))
+                            outs=_piece_views(kept, bucket))
         true = storage.to_true(out)
         if dtype is not None and true.dtype != dtype:
             true = true.to(dtype)
-        cache = BUFFERS.view_cache(out) if true is out else None
+        cache = kept if true is out else None
         if _keeps(cache, ("targets", bucket)):
             views = cache.get(("targets", bucket), lambda b: _slot_views(b, bucket))
         else:

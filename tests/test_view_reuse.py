@@ -90,3 +90,12 @@ def test_flat_order_buffer_trains_like_deepspeed_alone(ranks, case: EngineCase) 
     while every rank (a last rank's zero padding included) reads its partition in place from the second step."""
     for rank, in_place in enumerate(ranks(case.world).run(view_reuse.check_ordered_buffer_trains_alike, case)):
         assert in_place[1:] == [True, True, True], (rank, in_place)
+
+
+@pytest.mark.parametrize("case", [EngineCase(2, "bf16"), EngineCase(3, "bf16")], ids=lambda c: c.id)
+def test_an_empty_result_keeps_its_dtype(ranks, case: EngineCase) -> None:
+    """A kept empty buffer of one dtype is never taken for another's (both have address 0): the last rank, which
+    holds none of the two one-row parameters, reads its gradients' empty shards in their own dtype, after the fp32
+    masters left an empty buffer in the pool; the values match ``full_tensors()``."""
+    local = ranks(case.world).run(view_reuse.check_empty_results_keep_their_dtype, case)
+    assert all(n == 0 for n in local[-1].values()), local  # the case the test is for: the last rank holds none

@@ -322,3 +322,28 @@ def check_ordered_buffer_trains_alike(case: EngineCase) -> list[bool]:
         for name in mine:
             assert torch.equal(mine[name], reference[name]), (step, name)
     return in_place
+
+
+def check_empty_results_keep_their_dtype(case: EngineCase) -> dict:
+    """A rank whose share of a redistribution is empty (``to_dtensors`` of two one-row parameters: the last rank
+    holds no row) gets results of the family's own dtype, read after a family of another dtype left an empty
+    buffer of its own in the pool: every empty buffer has address 0, and the pool once took one for another (the
+    bf16 gradients came back as float32 on that rank, and the next collective hung). Values against
+    ``full_tensors()``."""
+    engine = build_engine(case)
+    forward_backward(engine)
+    grads, master = zd.sharded_grads(engine), zd.sharded_master_params(engine)
+    _fresh_pool()
+    names = ["tiny.weight", "tiny.bias"]
+    first = grads.to_dtensors(names)
+    del first
+    masters = master.to_dtensors(names)
+    again = grads.to_dtensors(names)
+    full = grads.full_tensors(names)
+    local = {}
+    for n in names:
+        assert again[n].dtype == grads[n].dtype == again[n].to_local().dtype, (n, again[n].to_local().dtype)
+        assert masters[n].to_local().dtype == torch.float32, (n, masters[n].to_local().dtype)
+        assert torch.equal(again[n].full_tensor(), full[n]), n
+        local[n] = again[n].to_local().numel()
+    return local

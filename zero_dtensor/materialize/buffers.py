@@ -101,7 +101,8 @@ class BufferPool:
         if self.recycle and len(kept) < self.slots:
             cache = ViewCache(buf)
             kept.append(cache)
-            self._by_storage[buf.untyped_storage().data_ptr()] = cache
+            if buf.untyped_storage().data_ptr():  # an empty buffer has address 0, as every other empty one
+                self._by_storage[buf.untyped_storage().data_ptr()] = cache
         return buf.view(-1)
 
     def _settled(self, kept: list[ViewCache]) -> ViewCache | None:
@@ -167,12 +168,13 @@ class BufferPool:
 
     def view_cache(self, t: torch.Tensor) -> ViewCache | None:
         """The view cache of the recycled buffer ``t`` is a view of (its per-parameter cuts are made once), or None
-        for memory the pool does not keep (cutting it anew is the only safe choice)."""
-        if not self._by_storage:
+        for memory the pool does not keep and for an empty ``t`` (cutting it anew is the only safe choice: every
+        empty storage has address 0, so one empty buffer would pass for another, of another dtype)."""
+        ptr = t.untyped_storage().data_ptr()
+        if not ptr or not self._by_storage:  # address 0: an empty buffer, not told apart from other empty ones
             return None
-        cache = self._by_storage.get(t.untyped_storage().data_ptr())
-        return cache if cache is not None and cache.buffer.untyped_storage().data_ptr() == \
-            t.untyped_storage().data_ptr() else None
+        cache = self._by_storage.get(ptr)
+        return cache if cache is not None and cache.buffer.untyped_storage().data_ptr() == ptr else None
 
     def idle(self) -> bool:
         """Whether every recycled buffer is free (no result holds it)."""

@@ -92,8 +92,11 @@ class GatheredGrads(dict):
         self._cut = cut
 
     def view_cache(self, t: torch.Tensor) -> ViewCache | None:
-        """The view cache of the buffer in :attr:`buffers` that ``t`` is a view of (None if it is none of them)."""
+        """The view cache of the buffer in :attr:`buffers` that ``t`` is a view of (None if it is none of them, or
+        empty)."""
         ptr = t.untyped_storage().data_ptr()
+        if not ptr:  # empty: address 0, as every other empty buffer (of any dtype): cut anew
+            return None
         for buf in self.buffers.values():
             if buf.untyped_storage().data_ptr() == ptr:
                 cache = self._caches.get(ptr)

@@ -196,8 +196,9 @@ def _piece_views(cache: ViewCache | None, bucket: BucketPlan
     return views[:len(own)], views[len(own):]
 
 
-#: a recycled output buffer keeps the target views of at most this many bucket plans (selections)
-KEPT_VIEW_SETS = 8
+#: a recycled output buffer keeps at most this many sets of views: two per bucket plan (its targets; the landing
+#: places of a read's own and received pieces, :func:`_piece_views`), so those of 8 plans (selections)
+KEPT_VIEW_SETS = 16
 
 
 def _slot_views(buffer: torch.Tensor, bucket: BucketPlan) -> tuple[torch.Tensor, ...]:

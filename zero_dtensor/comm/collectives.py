@@ -178,15 +178,31 @@ def all_reduce_small(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.Re
     (:func:`prefers_all_reduce`): one ``all_reduce``, or one ``all_gather_into_tensor`` (``N`` times its bytes
     received, ``N`` times its size held briefly) and a local reduction over the ranks in rank order (``sum`` /
     ``amax``: the same value on every rank; at 2 ranks bit-identical to the all_reduce's ``a + b``; ``amax``
-    propagates nan, as torch's reductions do). One collective either way."""
+    propagates nan, as torch's reductions do; so does the all_reduce's ``MAX`` of floating values,
+    :func:`_all_reduce_max_keeping_nan`). One collective either way."""
     if prefers_all_reduce(group) or op not in (dist.ReduceOp.SUM, dist.ReduceOp.MAX):
-        dist.all_reduce(tensor, op=op, group=group)
+        if op == dist.ReduceOp.MAX and tensor.is_floating_point():
+            _all_reduce_max_keeping_nan(tensor, group)
+        else:
+            dist.all_reduce(tensor, op=op, group=group)
         return
     by_rank = _stacked_by_rank(tensor, group)
     if op == dist.ReduceOp.SUM:
         torch.sum(by_rank, 0, out=tensor)
     else:
         torch.amax(by_rank, 0, out=tensor)
+
+
+def _all_reduce_max_keeping_nan(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """The element-wise maximum of a small contiguous floating ``tensor`` over ``group``, in place, ``nan`` where
+    any rank holds one: one ``all_reduce(MAX)`` of the values and a flag per value (``isnan``, 0 or 1) side by side
+    (2x the bytes). A backend's ``MAX`` need not propagate a nan: gloo's (``std::max``) drops one that arrives as
+    its second operand, so at 4 ranks a nan on rank 1 or 2 was lost. No host sync."""
+    flat = tensor.view(-1)
+    packed = torch.cat([flat, torch.isnan(flat).to(flat.dtype)])
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    n = flat.numel()
+    flat.copy_(packed[:n]).masked_fill_(packed[n:] > 0, float("nan"))
 
 
 @functools.lru_cache(maxsize=64)

@@ -142,7 +142,11 @@ class TensorReductions:
             params: the parameters to touch: names, a predicate ``name -> bool``, or ``None`` for all.
 
         Returns:
-            Mapping[str, GradStats]: a read-only mapping of ``GradStats`` records.
+            Mapping[str, GradStats]: a read-only mapping of ``GradStats`` records. Sums of squares accumulate in
+            float32 over runs of 64 elements (float64 data: float64), as ``torch.linalg.vector_norm`` of float32
+            data does, and in float64 above them: a parameter whose magnitudes are all below about 1e-19 (squares
+            under float32's range) or above about 1e18 reads an inexact norm (0, inf, or that of some of its
+            elements).
 
         Raises:
             KeyError: an unknown name in ``params``.

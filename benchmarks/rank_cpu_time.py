@@ -27,9 +27,18 @@ import zero_dtensor as zd
 from zero_dtensor.bench.common import engine_config
 from zero_dtensor.bench.sweep import sweep_model
 
+_FULL: dict[str, dict[str, torch.Tensor]] = {}  # set_full_'s values: one full_tensors(), taken at the first call
+
+
+def _set_full(g) -> None:
+    if "values" not in _FULL:
+        _FULL["values"] = dict(g.full_tensors())
+    g.set_full_(_FULL["values"])
+
+
 CALLS = {"stats": lambda g: g.stats(), "clip": lambda g: g.clip_grad_norm_(1e9), "norms": lambda g: g.norms(),
          "global_norm": lambda g: g.global_norm(), "owned": lambda g: g.owned(), "to_dtensors": lambda g: g.to_dtensors(),
-         "full_tensors": lambda g: g.full_tensors(),
+         "full_tensors": lambda g: g.full_tensors(), "set_full_": _set_full,
          "map_full_": lambda g: g.map_full_(lambda name, full: full, [n for n in g.names if n.endswith("weight")])}
 
 

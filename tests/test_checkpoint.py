@@ -324,3 +324,12 @@ def test_state_key_order_may_differ_between_ranks(ranks, tmp_path, case) -> None
     """After DeepSpeed's universal load the inner optimizer's state keys come in a per-process order: a save and a
     load still pair each key with itself on every rank (values bit for bit)."""
     ranks(2).run(ck.save_after_state_order_differs, str(tmp_path), case)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_load_inside_an_accumulation_cycle_is_refused(ranks, tmp_path, stage: int) -> None:
+    """Loading between the micro-steps of a gradient accumulation cycle trained on differently, silently (the held
+    gradients met the loaded state at a shifted boundary): refused on every rank, engine unchanged; at the boundary
+    the same checkpoint loads."""
+    for per_rank in ranks(2).run(ck.mid_accumulation_load, str(tmp_path), EngineCase(stage, gas=2)):
+        assert "1 of 2 micro-steps into a gradient accumulation cycle" in per_rank["message"], per_rank

@@ -71,7 +71,9 @@ class GradHookError(RankFailedError):
 class CheckpointMismatchError(ValueError):
     """A checkpoint or state dict does not fit the engine: missing or extra parameter names, other shapes, other
     optimizer-state keys, or values the engine cannot hold (one step for parameters that share one, different
-    hyperparameters for parameters of one group). The message lists what differs. Nothing was written."""
+    hyperparameters for parameters of one group), or an engine inside a gradient accumulation cycle (``zd.load``:
+    the gradients it holds would meet the loaded state at a shifted boundary). The message lists what differs.
+    Nothing was written."""
 
 
 class IncompleteCheckpointError(RuntimeError):

@@ -851,3 +851,19 @@ def save_after_state_order_differs(root: str, case: EngineCase) -> None:
     got = snapshot(b)
     assert same(expected["master"], got["master"]) and same(expected["state"], got["state"]), \
         f"{case.id}: {diff(expected, got)}"
+
+
+def mid_accumulation_load(root: str, case: EngineCase) -> dict[str, str]:
+    """``zd.load`` into an engine one micro-step into a gradient accumulation cycle (``case.gas`` = 2) is refused
+    on every rank with the engine unchanged (its accumulated gradients would meet the loaded state at a shifted
+    boundary: the next step trained differently, silently); at the boundary, after the cycle's second micro-step,
+    the same checkpoint loads."""
+    engine = build_engine(case)
+    train(engine, range(2))  # one full cycle: the optimizer stepped once
+    path = os.path.join(root, "mid-accumulation")
+    save(engine, path)
+    train(engine, range(2, 3))  # one micro-step into the next cycle
+    message = _refused(engine, path, CheckpointMismatchError)
+    train(engine, range(3, 4))  # the cycle's boundary
+    load(engine, path)
+    return {"message": message}

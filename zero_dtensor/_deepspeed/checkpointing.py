@@ -30,6 +30,7 @@ __all__ = [
     "init_optimizer_state",
     "loss_scaler_state",
     "lr_scheduler_state",
+    "micro_steps_into_accumulation",
     "param_group_of_flat_groups",
     "probe_state_keys",
     "set_engine_counters",
@@ -40,6 +41,14 @@ __all__ = [
 
 #: the engine's step counters that ``engine.save_checkpoint`` saves and ``load_checkpoint`` restores (ENG:5377-5404)
 COUNTERS = ("global_steps", "global_samples", "skipped_steps")
+
+
+def micro_steps_into_accumulation(engine: Any) -> tuple[int, int]:
+    """``(micro-steps since the last optimizer step, gradient accumulation steps)``: the first is 0 at a gradient
+    accumulation boundary (``engine.step()`` counts every micro-step in ``micro_steps`` and steps the optimizer at
+    each multiple of the second; the gradients of the micro-steps between are held until then)."""
+    gas = int(engine.gradient_accumulation_steps())
+    return int(engine.micro_steps) % gas, gas
 
 
 @dataclass(frozen=True)

@@ -293,6 +293,17 @@ class _Passes:
 _DOCUMENTED = (CheckpointMismatchError, CheckpointReadError, IncompleteCheckpointError)
 
 
+def _check_at_boundary(engine: Any, path: str | os.PathLike) -> None:
+    """:class:`CheckpointMismatchError` where ``engine`` is inside a gradient accumulation cycle: the gradients of its
+    micro-steps since the last optimizer step would be added to the loaded state at a shifted boundary."""
+    taken, gas = ds.micro_steps_into_accumulation(engine)
+    if taken:
+        raise CheckpointMismatchError(
+            f"checkpoint {os.fspath(path)!r}: the engine is {taken} of {gas} micro-steps into a gradient accumulation "
+            "cycle; the gradients it holds would be added to the loaded state at a shifted boundary. Load before "
+            "training or after the engine.step() that ends a cycle. Nothing was loaded.")
+
+
 def _documented(error: Exception, path: str | os.PathLike) -> Exception:
     """``error`` as :func:`load` raises it: one of the documented checkpoint classes, naming the checkpoint. Any
     other failure becomes :class:`CheckpointReadError` (caused by it); a documented one whose message does not
@@ -361,7 +372,8 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
 
     Args:
         engine: a DeepSpeed ZeRO engine built with the same model and optimizer (world size, stage and offload may
-            differ).
+            differ), at a gradient accumulation boundary (before training, or after the ``engine.step()`` that
+            ends a cycle).
         path: the checkpoint directory, the same checkpoint on every rank.
 
     Returns:
@@ -370,7 +382,7 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
     Raises:
         IncompleteCheckpointError: no finished checkpoint at ``path``.
         CheckpointMismatchError: names, shapes or optimizer-state keys differ from the engine's (the message lists
-            them).
+            them), or the engine is inside a gradient accumulation cycle.
         CheckpointReadError: a missing, truncated, damaged or foreign file, or a CRC-32 mismatch; names the checkpoint (and,
             on the rank that read it, the file and entry). Only an I/O error after the checks leaves the failing
             rank's state partly overwritten, and the message says so.
@@ -395,6 +407,7 @@ def load(engine: Any, path: str | os.PathLike) -> Any:
     passes = _Passes(engine, target, path)
     error: BaseException | None = None
     try:
+        _check_at_boundary(engine, path)
         metadata = read_metadata(path)
         passes.signature = (normalized(path), identity(metadata))
         problems = check_metadata(target, metadata)

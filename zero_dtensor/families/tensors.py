@@ -8,9 +8,11 @@ differs (when the values are valid, what a write must be followed by) is the fam
 
 Nothing here communicates unless its docstring says so. Each collective call must run on every rank of the
 data-parallel group, in the same order, or the job hangs (as with any ``torch.distributed`` collective); bulk reads
-and writes agree first (see :mod:`zero_dtensor.comm.agreement`), and a call whose arguments or settings differ between
-ranks, or that one rank refuses (an unknown name, a bad ``out=`` entry or ``dtype``), raises on every rank there,
-before anything is sent. The work is done by modules that take the internal state explicitly:
+and the writes that communicate agree first (see :mod:`zero_dtensor.comm.agreement`), and a call whose arguments or
+settings differ between ranks, or that one rank refuses (an unknown name, a bad ``out=`` entry or ``dtype``), raises
+on every rank there, before anything is sent. ``set_full_`` does not communicate: its values must be the same on
+every rank (every rank checks every entry, so a bad entry given to every rank is refused on every rank; one given to
+a single rank is refused there alone). The work is done by modules that take the internal state explicitly:
 :mod:`~zero_dtensor.materialize` (full tensors), :mod:`~zero_dtensor.ops.transforms` (elementwise, clone),
 :mod:`~zero_dtensor.ops.reductions` (norms, dots, stats, clipping), :mod:`~zero_dtensor.redistribute`; the methods are
 grouped by concept: this module (mapping, materialization, writes), :mod:`~zero_dtensor.families.param_view` (one
@@ -310,7 +312,8 @@ class ShardedTensors(TensorMath, TensorReductions, TensorOwners, Mapping[str, Pa
             KeyError: an unknown name.
             ValueError: a wrong shape.
             TypeError: a value that is not a floating-point tensor, or a DTensor. Every entry is checked on every rank
-                before the first write: nothing is half-applied.
+                before the first write: nothing is half-applied (values that differ between ranks are not compared:
+                each rank checks what it was given).
             StaleTensorsError: the values are no longer DeepSpeed's.
 
         Communication:
